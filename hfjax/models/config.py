@@ -1,0 +1,249 @@
+"""`ModelConfig`: the typed, validated view of a Hugging Face decoder `config.json`.
+
+Owns the translation between HF config dicts (transformers 4 and 5 spellings) and the fields the Flax model reads.
+Every HF option that changes the numbers is either honoured here or rejected with an error that names it.
+Imports nothing from the rest of hfjax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# HF architecture name -> (family, head kind). Head kinds: causal_lm, seq_cls, token_cls (our critic).
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    f"{family_cls}For{head_cls}": (family, head)
+    for family, family_cls in (("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("mistral", "Mistral"))
+    for head_cls, head in (
+        ("CausalLM", "causal_lm"),
+        ("SequenceClassification", "seq_cls"),
+        ("TokenClassification", "token_cls"),
+    )
+}
+FAMILY_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+HEAD_CLASS_SUFFIX = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification", "token_cls": "TokenClassification"}
+ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint uses an architecture or option that hfjax does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: base `theta`, `rope_type` and the scaling parameters that type reads."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Qwen2, Qwen3, Mistral)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: None for full attention, else the sliding-window width (keys with q_idx - k_idx < window).
+    sliding_windows: tuple[int | None, ...] = ()
+    num_labels: int = 1
+    pad_token_id: int | None = None
+    hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILY_CLASS_PREFIX:
+            raise UnsupportedModelError(
+                f"model family {self.family!r} is not supported; expected one of {sorted(FAMILY_CLASS_PREFIX)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_labels",
+        ):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.rope.rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope type {self.rope.rope_type!r} is not supported; expected one of {ROPE_TYPES}"
+            )
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"ModelConfig.sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers"
+            )
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of the causal LM (embedding, layers, final norm, LM head unless tied)."""
+        d, q, kv, m = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, 0
+        attn = d * q + 2 * d * kv + q * d
+        attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * self.head_dim * self.qk_norm
+        m = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
+        per_layer = attn + m + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    def architecture(self, head: str) -> str:
+        """The HF architecture string for this family and head kind (`causal_lm`, `seq_cls`, `token_cls`)."""
+        return FAMILY_CLASS_PREFIX[self.family] + "For" + HEAD_CLASS_SUFFIX[head]
+
+    def to_hf_dict(self, head: str, dtype: str) -> dict[str, Any]:
+        """A transformers `config.json` dict for this config, keeping unrelated keys of the original."""
+        out = dict(self.hf_config)
+        for stale in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "id2label", "label2id"):
+            out.pop(stale, None)
+        rope: dict[str, Any] = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
+        if self.rope.rope_type in ("linear", "llama3"):
+            rope["factor"] = self.rope.factor
+        if self.rope.rope_type == "llama3":
+            rope.update(
+                low_freq_factor=self.rope.low_freq_factor,
+                high_freq_factor=self.rope.high_freq_factor,
+                original_max_position_embeddings=self.rope.original_max_position_embeddings,
+            )
+        out.update(
+            architectures=[self.architecture(head)],
+            model_type=self.family,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            hidden_act="silu",
+            rope_parameters=rope,
+            dtype=dtype,
+            pad_token_id=self.pad_token_id,
+        )
+        if self.family == "llama":
+            out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        if head != "causal_lm":
+            out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
+        return out
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    """Reads rope settings from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = dict(cfg.get("rope_scaling") or {})
+    merged = {**legacy, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"config.json: rope type {rope_type!r} is not supported; expected one of {ROPE_TYPES}"
+        )
+    kwargs: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
+    if rope_type in ("linear", "llama3"):
+        if "factor" not in merged:
+            raise ValueError(f"config.json: rope type {rope_type!r} needs 'factor' in rope_parameters/rope_scaling")
+        kwargs["factor"] = float(merged["factor"])
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in merged:
+                raise ValueError(f"config.json: rope type 'llama3' needs {key!r} in rope_parameters/rope_scaling")
+            kwargs[key] = merged[key]
+        kwargs["original_max_position_embeddings"] = int(kwargs["original_max_position_embeddings"])
+    return RopeConfig(**kwargs)
+
+
+def _sliding_windows_from_hf(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows from `layer_types` / `use_sliding_window` / `sliding_window`."""
+    window = cfg.get("sliding_window")
+    if family == "mistral":
+        return (window,) * num_layers if window else (None,) * num_layers
+    if family == "llama" or not cfg.get("use_sliding_window", False) or not window:
+        return (None,) * num_layers
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first_sliding = cfg.get("max_window_layers", num_layers)
+        layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
+    bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        raise UnsupportedModelError(f"config.json: layer_types {bad} are not supported")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> tuple[ModelConfig, str]:
+    """Parses an HF config dict; returns the `ModelConfig` and the head kind of its architecture."""
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: architectures {archs!r} not supported; expected one of {sorted(ARCHITECTURES)}"
+        )
+    family, head = ARCHITECTURES[archs[0]]
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
+    for key in ("attention_dropout", "hidden_dropout"):
+        if float(cfg.get(key, 0.0) or 0.0) != 0.0:
+            raise UnsupportedModelError(f"{source}: {key}={cfg[key]} is not supported; expected 0.0")
+    missing = [
+        k
+        for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if k not in cfg
+    ]
+    if missing:
+        raise ValueError(f"{source}: missing required keys {missing}")
+    num_heads = int(cfg["num_attention_heads"])
+    num_layers = int(cfg["num_hidden_layers"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+    attention_bias = bool(cfg.get("attention_bias", False))
+    model_cfg = ModelConfig(
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and attention_bias),
+        o_bias=family in ("llama", "qwen3") and attention_bias,
+        mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        sliding_windows=_sliding_windows_from_hf(cfg, family, num_layers),
+        num_labels=len(cfg["id2label"])
+        if cfg.get("id2label")
+        else int(cfg.get("num_labels", 1 if head == "token_cls" else 2)),
+        pad_token_id=cfg.get("pad_token_id"),
+        hf_config=dict(cfg),
+    )
+    return model_cfg, head

@@ -1,0 +1,201 @@
+"""Building blocks of the decoder: logical-axis parameters, RMSNorm, rotary embedding, attention, SwiGLU MLP.
+
+Every parameter carries `logical_axes` metadata (names from `LOGICAL_AXES`); a `Layout` maps them to mesh axes.
+Compute runs in `dtype`; parameters are stored in `param_dtype`; norms and softmax run in float32.
+Imports only `hfjax.models.config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hfjax.models.config import ModelConfig, RopeConfig
+
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels")
+MASKED_SCORE = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def logical_param(
+    rngs: nnx.Rngs | None, init: Initializer, shape: tuple[int, ...], axes: tuple[str, ...], param_dtype: jnp.dtype
+) -> nnx.Param:
+    """A parameter annotated with its logical axes (one name per dimension). With `rngs=None` it holds only a
+    `jax.ShapeDtypeStruct` (an abstract model, built without tracing any initialiser)."""
+    assert len(shape) == len(axes) and all(a in LOGICAL_AXES for a in axes), (shape, axes)
+    if rngs is None:
+        return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(param_dtype)), logical_axes=axes)
+    return nnx.Param(init(rngs.params(), shape, param_dtype), logical_axes=axes)
+
+
+def normal_init(std: float) -> Initializer:
+    return jax.nn.initializers.normal(stddev=std)
+
+
+def rms_normalize(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, size: int, axis: str, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        self.weight = logical_param(rngs, jax.nn.initializers.ones, (size,), (axis,), param_dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_normalize(x, self.weight[...], self.eps)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequency per rotary pair in float32, with `linear` or `llama3` scaling (HF's arithmetic)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
+    if rope.rope_type == "linear":
+        return (inv / np.float32(rope.factor)).astype(np.float32)
+    if rope.rope_type == "llama3":
+        old_len = np.float32(rope.original_max_position_embeddings)
+        low, high, factor = (np.float32(v) for v in (rope.low_freq_factor, rope.high_freq_factor, rope.factor))
+        wavelen = np.float32(2 * np.pi) / inv
+        scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of shape [batch, length, head_dim] for integer positions [batch, length]."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates [batch, length, heads, head_dim] by the half-split convention of HF Llama."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def attention_mask(valid: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
+    """Boolean [batch, queries, keys]: causal, keys valid, and within the sliding window when one is set."""
+    allowed = key_index[None, :] <= query_index[:, None]
+    if window is not None:
+        allowed &= query_index[:, None] - key_index[None, :] < window
+    return allowed[None, :, :] & valid[:, None, :].astype(bool)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. q [b, t, heads, d]; k, v [b, s, kv_heads, d]; mask [b, t, s] -> [b, t, heads, d].
+
+    The query heads of one kv head are stacked along the query axis, so each product is one batched matmul per
+    (batch, kv head): 4*b*t*s*heads*d FLOPs, scores in float32.
+    """
+    b, t, heads, d = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, d)
+    scores = jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, kv_heads, group, t, s), MASKED_SCORE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, group * t, s)
+    out = jnp.einsum("bkqs,bskd->bkqd", probs, v).reshape(b, kv_heads, group, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with GQA/MQA, optional q/k/v/o biases and Qwen3's per-head q/k RMSNorm."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        init = normal_init(std)
+        zeros = jax.nn.initializers.zeros
+        self.q_kernel = logical_param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), param_dtype)
+        self.k_kernel = logical_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.v_kernel = logical_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.o_kernel = logical_param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), param_dtype)
+        self.q_bias = logical_param(rngs, zeros, (h, hd), ("heads", "head_dim"), param_dtype) if cfg.qkv_bias else None
+        self.k_bias = (
+            logical_param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), param_dtype) if cfg.qkv_bias else None
+        )
+        self.v_bias = (
+            logical_param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), param_dtype) if cfg.qkv_bias else None
+        )
+        self.o_bias = logical_param(rngs, zeros, (d,), ("embed",), param_dtype) if cfg.o_bias else None
+        self.q_norm = RMSNorm(hd, "head_dim", cfg.rms_norm_eps, param_dtype, rngs) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, "head_dim", cfg.rms_norm_eps, param_dtype, rngs) if cfg.qk_norm else None
+        self.dtype = dtype
+
+    def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+        y = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(self.dtype))
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
+    def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys (both rotated) and values for hidden states x [b, t, embed]."""
+        q = self._project(x, self.q_kernel, self.q_bias)
+        k = self._project(x, self.k_kernel, self.k_bias)
+        v = self._project(x, self.v_kernel, self.v_bias)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def project_out(self, attended: jax.Array) -> jax.Array:
+        y = jnp.einsum("bthd,hde->bte", attended, self.o_kernel[...].astype(self.dtype))
+        return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        q, k, v = self.project_qkv(x, cos, sin)
+        return self.project_out(dot_product_attention(q, k, v, mask))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
+        d, m = cfg.hidden_size, cfg.intermediate_size
+        init, zeros = normal_init(std), jax.nn.initializers.zeros
+        self.gate_kernel = logical_param(rngs, init, (d, m), ("embed", "mlp"), param_dtype)
+        self.up_kernel = logical_param(rngs, init, (d, m), ("embed", "mlp"), param_dtype)
+        self.down_kernel = logical_param(rngs, init, (m, d), ("mlp", "embed"), param_dtype)
+        self.gate_bias = logical_param(rngs, zeros, (m,), ("mlp",), param_dtype) if cfg.mlp_bias else None
+        self.up_bias = logical_param(rngs, zeros, (m,), ("mlp",), param_dtype) if cfg.mlp_bias else None
+        self.down_bias = logical_param(rngs, zeros, (d,), ("embed",), param_dtype) if cfg.mlp_bias else None
+        self.dtype = dtype
+
+    def _dense(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+        y = x @ kernel[...].astype(self.dtype)
+        return y if bias is None else y + bias[...].astype(self.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.silu(self._dense(x, self.gate_kernel, self.gate_bias)) * self._dense(
+            x, self.up_kernel, self.up_bias
+        )
+        return self._dense(hidden, self.down_kernel, self.down_bias)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        window: int | None,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs | None,
+        std: float,
+    ):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, param_dtype, rngs, std)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
+        self.mlp = MLP(cfg, dtype, param_dtype, rngs, std)
+        self.window = window
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

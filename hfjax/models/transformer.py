@@ -1,0 +1,184 @@
+"""The decoder backbone and its three heads: `CausalLM`, `SequenceClassifier` (reward/cost), `Critic` (values).
+
+Inputs are batched and may be left-padded: `attention_mask` [batch, length] is 1 on real tokens; positions default
+to `cumsum(mask) - 1`, as HF `generate` computes them. Outputs are float32.
+Imports only `hfjax.models.config` and `hfjax.models.layers`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hfjax.models.config import ModelConfig
+from hfjax.models.layers import (
+    DecoderLayer,
+    RMSNorm,
+    attention_mask,
+    logical_param,
+    normal_init,
+    rope_inv_freq,
+    rope_tables,
+)
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """Position ids for a left-padded batch: 0 at the first real token, 0 on padding."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def last_token_index(mask: jax.Array) -> jax.Array:
+    """Index of the rightmost real token of each row (HF's pooling position for sequence scores)."""
+    idx = jnp.arange(mask.shape[-1], dtype=jnp.int32)
+    return jnp.argmax(idx[None, :] * mask.astype(jnp.int32), axis=-1)
+
+
+class Decoder(nnx.Module):
+    """Token embedding, decoder layers and the final norm; returns hidden states [batch, length, embed]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
+        self.embed_tokens = logical_param(
+            rngs, normal_init(std), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, w, dtype, param_dtype, rngs, std) for w in cfg.sliding_windows])
+        self.norm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
+        self.rope = cfg.rope
+        self.head_dim = cfg.head_dim
+        self.dtype = dtype
+
+    def __call__(
+        self, input_ids: jax.Array, attention_mask_: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        batch, length = input_ids.shape
+        valid = jnp.ones((batch, length), jnp.int32) if attention_mask_ is None else attention_mask_
+        if positions is None:
+            positions = positions_from_mask(valid)
+        index = jnp.arange(length, dtype=jnp.int32)
+        masks = {w: attention_mask(valid, index, index, w) for w in {layer.window for layer in self.layers}}
+        cos, sin = rope_tables(positions, rope_inv_freq(self.rope, self.head_dim), self.dtype)
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, masks[layer.window])
+        return self.norm(x)
+
+
+class _Backbone(nnx.Module):
+    """Shared constructor of the heads: config, dtypes and the `model` decoder (HF's attribute name)."""
+
+    head_kind: str = ""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype | None = None,
+        rngs: nnx.Rngs | None,
+        init_std: float = 0.02,
+    ):
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.param_dtype = jnp.dtype(param_dtype or dtype)
+        self.model = Decoder(cfg, self.dtype, self.param_dtype, rngs, init_std)
+
+    def _head_param(self, rngs: nnx.Rngs | None, std: float, out: int, axis: str) -> nnx.Param:
+        return logical_param(rngs, normal_init(std), (self.config.hidden_size, out), ("embed", axis), self.param_dtype)
+
+    def _to_float32(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
+        return jnp.einsum("...e,eo->...o", hidden, kernel.astype(self.dtype), preferred_element_type=jnp.float32)
+
+
+class CausalLM(_Backbone):
+    """Decoder + LM head (tied to the embedding when the config says so). Call -> logits [b, t, vocab] float32."""
+
+    head_kind = "causal_lm"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype | None = None,
+        rngs: nnx.Rngs | None,
+        init_std: float = 0.02,
+    ):
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+        self.lm_head = None if cfg.tie_word_embeddings else self._head_param(rngs, init_std, cfg.vocab_size, "vocab")
+
+    def __call__(
+        self, input_ids: jax.Array, attention_mask: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        return self.logits(self.model(input_ids, attention_mask, positions))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """LM-head logits (float32) for hidden states [..., embed]."""
+        if self.lm_head is None:
+            return self._to_float32(hidden, self.model.embed_tokens[...].T)
+        return self._to_float32(hidden, self.lm_head[...])
+
+
+class SequenceClassifier(_Backbone):
+    """Reward/cost model: a bias-free score head read at each row's last real token. Call -> [b, num_labels]."""
+
+    head_kind = "seq_cls"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype | None = None,
+        rngs: nnx.Rngs | None,
+        init_std: float = 0.02,
+    ):
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+        self.score = self._head_param(rngs, init_std, cfg.num_labels, "labels")
+
+    def token_scores(
+        self, input_ids: jax.Array, attention_mask: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        """Scores at every position [b, t, num_labels]."""
+        return self._to_float32(self.model(input_ids, attention_mask, positions), self.score[...])
+
+    def __call__(
+        self, input_ids: jax.Array, attention_mask: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        scores = self.token_scores(input_ids, attention_mask, positions)
+        mask = jnp.ones(input_ids.shape, jnp.int32) if attention_mask is None else attention_mask
+        return jnp.take_along_axis(scores, last_token_index(mask)[:, None, None], axis=1)[:, 0, :]
+
+
+class Critic(_Backbone):
+    """Value model: the causal backbone with a scalar head (with bias) per token. Call -> values [b, t] float32.
+
+    Stored in HF as `*ForTokenClassification` with one label; built from a causal-LM checkpoint, the head starts
+    from `init_std` normal weights and a zero bias.
+    """
+
+    head_kind = "token_cls"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        param_dtype: jnp.dtype | None = None,
+        rngs: nnx.Rngs | None,
+        init_std: float = 0.02,
+    ):
+        super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+        if cfg.num_labels != 1:
+            raise ValueError(f"Critic needs num_labels=1, got {cfg.num_labels}")
+        self.score = self._head_param(rngs, init_std, 1, "labels")
+        self.score_bias = logical_param(rngs, jax.nn.initializers.zeros, (1,), ("labels",), self.param_dtype)
+
+    def __call__(
+        self, input_ids: jax.Array, attention_mask: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
+        hidden = self.model(input_ids, attention_mask, positions)
+        values = self._to_float32(hidden, self.score[...]) + self.score_bias[...].astype(jnp.float32)
+        return values[..., 0]
+
+
+HEAD_CLASSES: dict[str, type[_Backbone]] = {cls.head_kind: cls for cls in (CausalLM, SequenceClassifier, Critic)}

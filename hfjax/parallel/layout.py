@@ -1,0 +1,209 @@
+"""`Layout`: a device mesh (ordered axes with sizes, optional device order) plus logical-axis rules, as a value.
+
+Built from config such as `{"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"}`; turns the `logical_axes`
+metadata of model parameters into `NamedSharding`s. Meshes use `AxisType.Auto` (pjit-style propagation).
+Imports nothing from the rest of hfjax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+KNOWN_LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels")
+_TENSOR_PARALLEL = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)), ("vocab", ("tensor",)))
+RULE_PRESETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "fsdp": (("batch", ("data", "fsdp")), ("embed", ("fsdp",))),
+    "tp": (("batch", ("data",)), *_TENSOR_PARALLEL),
+    "fsdp_tp": (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), *_TENSOR_PARALLEL),
+    "dp_tp_gen": (("batch", ("data", "fsdp")), *_TENSOR_PARALLEL),
+}
+LAYOUT_KEYS = ("mesh", "rules", "devices")
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+class LayoutError(ValueError):
+    """A layout config that cannot describe a valid mesh or sharding."""
+
+
+def _parse_rules(rules: str | Sequence[Any], where: str) -> Rules:
+    if isinstance(rules, str):
+        if rules not in RULE_PRESETS:
+            raise LayoutError(
+                f"{where}.rules: unknown preset {rules!r}; expected one of {sorted(RULE_PRESETS)} "
+                "or a list of [logical_axis, mesh_axes]"
+            )
+        return RULE_PRESETS[rules]
+    parsed = []
+    for i, rule in enumerate(rules):
+        if not isinstance(rule, (list, tuple)) or len(rule) != 2 or not isinstance(rule[0], str):
+            raise LayoutError(f"{where}.rules[{i}]: expected [logical_axis, mesh_axes], got {rule!r}")
+        logical, mesh_axes = rule
+        if mesh_axes is None:
+            mesh_axes = ()
+        elif isinstance(mesh_axes, str):
+            mesh_axes = (mesh_axes,)
+        parsed.append((logical, tuple(mesh_axes)))
+    return tuple(parsed)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Ordered mesh axes with sizes, logical-axis rules and an optional device order (device ids, row-major)."""
+
+    axes: tuple[tuple[str, int], ...]
+    rules: Rules
+    device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.axes]
+        for name, size in self.axes:
+            if name not in MESH_AXES:
+                raise LayoutError(f"layout.mesh: unknown axis {name!r}; expected names from {MESH_AXES}")
+            if not isinstance(size, int) or size < 1:
+                raise LayoutError(f"layout.mesh.{name}: size must be a positive integer, got {size!r}")
+        if len(set(names)) != len(names):
+            raise LayoutError(f"layout.mesh: axis names repeat: {names}")
+        seen = set()
+        for logical, mesh_axes in self.rules:
+            if logical not in KNOWN_LOGICAL_AXES:
+                raise LayoutError(
+                    f"layout.rules: unknown logical axis {logical!r}; expected one of {KNOWN_LOGICAL_AXES}"
+                )
+            if logical in seen:
+                raise LayoutError(f"layout.rules: logical axis {logical!r} has more than one rule")
+            seen.add(logical)
+            for axis in mesh_axes:
+                if axis not in names:
+                    raise LayoutError(
+                        f"layout.rules: {logical!r} maps to mesh axis {axis!r}, which is not in the "
+                        f"mesh axes {tuple(names)}"
+                    )
+        ids = self.device_ids
+        if ids is not None and (len(set(ids)) != len(ids) or len(ids) != self.size):
+            raise LayoutError(
+                f"layout.devices: expected {self.size} distinct device ids (the mesh size), got {list(ids)}"
+            )
+
+    @classmethod
+    def from_config(cls, config: Layout | Mapping[str, Any], where: str = "layout") -> Layout:
+        """Builds a layout from `{"mesh": {axis: size, ...}, "rules": preset | [[logical, mesh_axes], ...],
+        "devices": [ids] (optional)}`. Mesh axes not named get size 1; named ones keep their order."""
+        if isinstance(config, Layout):
+            return config
+        if not isinstance(config, Mapping):
+            raise LayoutError(f"{where}: expected a mapping with keys {LAYOUT_KEYS}, got {type(config).__name__}")
+        unknown = sorted(set(config) - set(LAYOUT_KEYS))
+        if unknown:
+            raise LayoutError(f"{where}: unknown keys {unknown}; expected {LAYOUT_KEYS}")
+        mesh = config.get("mesh")
+        if not isinstance(mesh, Mapping) or not mesh:
+            raise LayoutError(
+                f"{where}.mesh: expected a mapping of mesh axis to size, e.g. {{'fsdp': 8}}, got {mesh!r}"
+            )
+        for name in mesh:
+            if name not in MESH_AXES:
+                raise LayoutError(f"{where}.mesh: unknown axis {name!r}; expected names from {MESH_AXES}")
+        axes = tuple((name, 1) for name in MESH_AXES if name not in mesh) + tuple(
+            (name, size) for name, size in mesh.items()
+        )
+        devices = config.get("devices")
+        return cls(
+            axes=axes,
+            rules=_parse_rules(config.get("rules", "fsdp_tp"), where),
+            device_ids=None if devices is None else tuple(int(d) for d in devices),
+        )
+
+    @property
+    def size(self) -> int:
+        return math.prod(size for _, size in self.axes)
+
+    def axis_size(self, name: str) -> int:
+        return dict(self.axes)[name]
+
+    @functools.cached_property
+    def mesh(self) -> Mesh:
+        """The mesh over `devices` (in that order) or all of `jax.devices()`; sizes must multiply to their count."""
+        all_devices = jax.devices()
+        if self.device_ids is None:
+            devices = all_devices
+        else:
+            by_id = {d.id: d for d in all_devices}
+            missing = [i for i in self.device_ids if i not in by_id]
+            if missing:
+                raise LayoutError(f"layout.devices: ids {missing} are not among this process's devices {sorted(by_id)}")
+            devices = [by_id[i] for i in self.device_ids]
+        if len(devices) != self.size:
+            sizes = " x ".join(f"{n}={s}" for n, s in self.axes if s > 1) or "1"
+            raise LayoutError(
+                f"layout.mesh: sizes {sizes} multiply to {self.size}, but there are {len(devices)} "
+                "devices; the product must equal the device count of the worker group"
+            )
+        names = tuple(name for name, _ in self.axes)
+        array = np.array(devices, dtype=object).reshape([size for _, size in self.axes])
+        return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))
+
+    def spec(
+        self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, name: str = "array"
+    ) -> PartitionSpec:
+        """PartitionSpec for dimensions named by logical axes. A mesh axis already used by an earlier dimension is
+        not reused; size-1 mesh axes are dropped. With `shape`, checks that every dimension divides evenly."""
+        rules = dict(self.rules)
+        used: set[str] = set()
+        entries: list[tuple[str, ...] | None] = []
+        for dim, logical in enumerate(logical_axes):
+            mesh_axes = tuple(a for a in rules.get(logical, ()) if a not in used and self.axis_size(a) > 1)
+            used.update(mesh_axes)
+            if shape is not None and mesh_axes:
+                parts = math.prod(self.axis_size(a) for a in mesh_axes)
+                if shape[dim] % parts:
+                    raise LayoutError(
+                        f"{name}: dimension {dim} ({logical!r}) of shape {tuple(shape)} is not "
+                        f"divisible by mesh axes {mesh_axes} (size {parts})"
+                    )
+            entries.append(mesh_axes if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+        return PartitionSpec(*entries)
+
+    def sharding(
+        self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, name: str = "array"
+    ) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes, shape, name))
+
+    def shardings(self, abstract_tree: Any) -> Any:
+        """Maps a tree of `nnx.Variable`s (abstract or concrete) to `NamedSharding`s from their `logical_axes`
+        metadata (replicated when absent). Raises one error naming every parameter whose sharded dimension does not
+        divide by its mesh axes."""
+        problems: list[str] = []
+
+        def leaf_sharding(path: tuple[Any, ...], leaf: Any) -> NamedSharding | None:
+            axes = getattr(leaf, "get_metadata", dict)().get("logical_axes")
+            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            try:
+                return self.sharding(axes if axes is not None else (None,) * len(leaf.shape), leaf.shape, name)
+            except LayoutError as e:
+                problems.append(str(e))
+                return None
+
+        out = jax.tree_util.tree_map_with_path(leaf_sharding, abstract_tree, is_leaf=_is_variable)
+        if problems:
+            raise LayoutError(
+                f"layout {self.describe()} cannot shard {len(problems)} parameters: " + "; ".join(problems)
+            )
+        return out
+
+    def describe(self) -> str:
+        mesh = ", ".join(f"{n}={s}" for n, s in self.axes if s > 1) or "single device"
+        return f"mesh({mesh})"
+
+
+def _is_variable(x: Any) -> bool:
+    return hasattr(x, "get_metadata") and hasattr(x, "shape")

@@ -1,0 +1,59 @@
+"""Shared pieces of the benchmark scripts: the reference checkpoint of ../shared/bench, timing, table and JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_BENCH = ROOT.parent / "shared" / "bench" / "make_reference_ckpt.py"
+
+
+def reference_checkpoint(out_dir: Path, tiny: bool = False) -> Path:
+    """Builds (once) the benchmark reference checkpoint with the shared script; returns its directory."""
+    if (out_dir / "config.json").is_file():
+        return out_dir
+    if not SHARED_BENCH.is_file():
+        raise SystemExit(f"{SHARED_BENCH} not found: pass --ckpt DIR with a checkpoint built by it")
+    spec = importlib.util.spec_from_file_location("make_reference_ckpt", SHARED_BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(str(out_dir), tiny=tiny)
+    return out_dir
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Median wall time of each `fn()` (which must block until its result is ready), timed in turn round-robin
+    after warm-up calls, so that machine noise falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def report(title: str, columns: list[str], rows: list[list[Any]], out: Path, extra: dict[str, Any]) -> None:
+    """Prints a rich table and writes rows plus `extra` as JSON."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*[f"{v:,.3f}" if isinstance(v, float) else str(v) for v in row])
+    Console(width=160).print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows_json = [dict(zip(columns, r, strict=True)) for r in rows]
+    out.write_text(json.dumps({"title": title, "rows": rows_json, **extra}, indent=2))
+    print(f"wrote {out}")

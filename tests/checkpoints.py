@@ -1,0 +1,87 @@
+"""Builds tiny random Hugging Face checkpoints and tokenizers locally (no downloads) for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers as tf
+
+CONFIG_CLASSES = {
+    "llama": tf.LlamaConfig,
+    "qwen2": tf.Qwen2Config,
+    "qwen3": tf.Qwen3Config,
+    "mistral": tf.MistralConfig,
+}
+PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+BASE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    pad_token_id=0,
+)
+
+
+def hf_config(family: str, **overrides: Any) -> tf.PretrainedConfig:
+    kwargs = {**BASE, **overrides}
+    if family in ("qwen3", "mistral") and "head_dim" not in kwargs:
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    return CONFIG_CLASSES[family](**kwargs)
+
+
+def build_hf_model(family: str, head: str = "CausalLM", seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A random transformers model in float32 eval mode, with eager attention."""
+    torch.manual_seed(seed)
+    config = hf_config(family, **overrides)
+    config._attn_implementation = "eager"
+    cls = getattr(tf, f"{PREFIX[family]}For{head}")
+    model = cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so that a dropped one shows in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_hf_model(tmp_path: Path, family: str, head: str = "CausalLM", seed: int = 0, **overrides: Any):
+    model = build_hf_model(family, head, seed, **overrides)
+    out = tmp_path / f"{family}-{head}-{seed}"
+    model.save_pretrained(out)
+    return model, out
+
+
+def left_padded_batch(vocab: int, lengths: list[int], seed: int = 0, pad_id: int = 0):
+    """Random token ids (never the pad id) left-padded to the longest length; returns ids, mask, positions."""
+    rng = np.random.default_rng(seed)
+    width = max(lengths)
+    ids = np.full((len(lengths), width), pad_id, np.int32)
+    mask = np.zeros((len(lengths), width), np.int32)
+    for row, n in enumerate(lengths):
+        ids[row, width - n :] = rng.integers(1, vocab, n)
+        mask[row, width - n :] = 1
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    return ids, mask, positions
+
+
+def torch_logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.as_tensor(ids, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask),
+            position_ids=torch.as_tensor(positions, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
