@@ -193,7 +193,7 @@ class Layout:
                 problems.append(str(e))
                 return None
 
-        out = jax.tree_util.tree_map_with_path(leaf_sharding, abstract_tree, is_leaf=_is_variable)
+        out = jax.tree_util.tree_map_with_path(leaf_sharding, abstract_tree, is_leaf=is_param_leaf)
         if problems:
             raise LayoutError(
                 f"layout {self.describe()} cannot shard {len(problems)} parameters: " + "; ".join(problems)
@@ -205,5 +205,6 @@ class Layout:
         return f"mesh({mesh})"
 
 
-def _is_variable(x: Any) -> bool:
+def is_param_leaf(x: Any) -> bool:
+    """True for an `nnx.Variable`-like leaf (has metadata and a shape)."""
     return hasattr(x, "get_metadata") and hasattr(x, "shape")

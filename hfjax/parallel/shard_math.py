@@ -1,0 +1,154 @@
+"""Shard arithmetic of a train -> gen transition: block indices, containment, bytes moved, and the device order of
+the generation mesh that puts every device's training shard inside its generation shard (HybridFlow §5).
+
+Works from `NamedSharding`s and shapes only; moves no data. Imports `hfjax.parallel.layout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from hfjax.parallel.layout import Layout
+
+
+def _block_elems(index: tuple[slice, ...], shape: Sequence[int]) -> list[tuple[int, int]]:
+    return [(s.start or 0, shape[i] if s.stop is None else s.stop) for i, s in enumerate(index)]
+
+
+def _size(block: list[tuple[int, int]]) -> int:
+    return math.prod(max(0, hi - lo) for lo, hi in block)
+
+
+def _intersection(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [(max(lo1, lo2), min(hi1, hi2)) for (lo1, hi1), (lo2, hi2) in zip(a, b, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransitionAccount:
+    """Per-device element counts of one train -> gen transition, summed over parameters, in bytes."""
+
+    train_bytes: dict[int, int]  # device id -> bytes of its train shards
+    gen_bytes: dict[int, int]  # device id -> bytes of its gen shards
+    received_bytes: dict[int, int]  # device id -> gen bytes not already held in its train shard
+    uncontained_bytes: dict[int, int]  # device id -> train bytes not inside its gen shard (to_train must fetch)
+
+    @property
+    def contained(self) -> bool:
+        return not any(self.uncontained_bytes.values())
+
+    def max(self, field: str) -> int:
+        return max(getattr(self, field).values())
+
+
+def account(
+    shapes: Sequence[Sequence[int]],
+    itemsizes: Sequence[int],
+    train: Sequence[NamedSharding],
+    gen: Sequence[NamedSharding],
+) -> TransitionAccount:
+    """Counts, from the shardings' index maps, what each device holds and receives when params move train -> gen."""
+    totals = {name: {} for name in ("train", "gen", "received", "uncontained")}
+    for shape, itemsize, ts, gs in zip(shapes, itemsizes, train, gen, strict=True):
+        train_map, gen_map = ts.devices_indices_map(tuple(shape)), gs.devices_indices_map(tuple(shape))
+        for device, train_index in train_map.items():
+            t_block = _block_elems(train_index, shape)
+            g_block = _block_elems(gen_map[device], shape)
+            overlap = _size(_intersection(t_block, g_block))
+            for name, elems in (
+                ("train", _size(t_block)),
+                ("gen", _size(g_block)),
+                ("received", _size(g_block) - overlap),
+                ("uncontained", _size(t_block) - overlap),
+            ):
+                totals[name][device.id] = totals[name].get(device.id, 0) + elems * itemsize
+    return TransitionAccount(totals["train"], totals["gen"], totals["received"], totals["uncontained"])
+
+
+def local_train_slices(shape: Sequence[int], train: NamedSharding, gen: NamedSharding) -> dict[int, tuple[slice, ...]]:
+    """For each device: the slice of its gen shard that is its train shard. Raises if a train shard is not
+    contained in the gen shard of the same device."""
+    train_map, gen_map = train.devices_indices_map(tuple(shape)), gen.devices_indices_map(tuple(shape))
+    out = {}
+    for device, train_index in train_map.items():
+        t_block, g_block = _block_elems(train_index, shape), _block_elems(gen_map[device], shape)
+        if any(tlo < glo or thi > ghi for (tlo, thi), (glo, ghi) in zip(t_block, g_block, strict=True)):
+            raise ValueError(f"train shard {t_block} of device {device.id} is not inside its gen shard {g_block}")
+        out[device.id] = tuple(
+            slice(tlo - glo, thi - glo) for (tlo, thi), (glo, _) in zip(t_block, g_block, strict=True)
+        )
+    return out
+
+
+def _flat(coords: dict[str, int], axes: Sequence[str], sizes: dict[str, int]) -> int:
+    flat = 0
+    for axis in axes:
+        flat = flat * sizes[axis] + coords[axis]
+    return flat
+
+
+def _spec_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def containing_order(
+    train: Layout, gen: Layout, train_specs: Sequence[tuple], gen_specs: Sequence[tuple]
+) -> list[int] | None:
+    """Device ids, row-major over the gen mesh, such that every device's train block lies inside its gen block for
+    every parameter dimension; None when no order can achieve that.
+
+    A dimension cut into `a` train blocks (flat index over its train mesh axes) and `b` gen blocks is contained iff
+    `b` divides `a` and the gen block index is the train index // (a/b). Each device thus has required gen block
+    indices; gen positions are matched to devices with the same requirements, in train-mesh order (so that
+    micro-DP groups are consecutive and gen-TP groups sit at stride a/b: HybridFlow's grouping)."""
+    train_sizes, gen_sizes = dict(train.axes), dict(gen.axes)
+    pairs = set()
+    for t_spec, g_spec in zip(train_specs, gen_specs, strict=True):
+        for t_entry, g_entry in zip(t_spec, g_spec, strict=True):
+            a_axes, b_axes = _spec_axes(t_entry), _spec_axes(g_entry)
+            a, b = math.prod(train_sizes[x] for x in a_axes), math.prod(gen_sizes[x] for x in b_axes)
+            if b > 1:
+                if a % b:
+                    return None
+                pairs.add((a_axes, b_axes, a // b))
+    pairs_list = sorted(pairs)
+    train_devices = train.mesh.devices
+    need: dict[tuple, list[int]] = {}
+    for index in np.ndindex(train_devices.shape):
+        coords = dict(zip((n for n, _ in train.axes), index, strict=True))
+        key = tuple(_flat(coords, a_axes, train_sizes) // ratio for a_axes, _, ratio in pairs_list)
+        need.setdefault(key, []).append(train_devices[index].id)
+    positions: dict[tuple, list[int]] = {}
+    gen_shape = [size for _, size in gen.axes]
+    for flat_pos, index in enumerate(np.ndindex(*gen_shape)):
+        coords = dict(zip((n for n, _ in gen.axes), index, strict=True))
+        key = tuple(_flat(coords, b_axes, gen_sizes) for _, b_axes, _ in pairs_list)
+        positions.setdefault(key, []).append(flat_pos)
+    if need.keys() != positions.keys() or any(len(need[k]) != len(positions[k]) for k in need):
+        return None
+    order = [0] * gen.size
+    for key, devices in need.items():
+        for pos, device in zip(positions[key], devices, strict=True):
+            order[pos] = device
+    return order
+
+
+def candidate_orders(train: Layout) -> list[list[int]]:
+    """Fallback gen device orders: the train mesh flattened with its axes in every permutation."""
+    devices = np.vectorize(lambda d: d.id)(train.mesh.devices)
+    seen, out = set(), []
+    for perm in itertools.permutations(range(devices.ndim)):
+        order = tuple(int(i) for i in np.transpose(devices, perm).reshape(-1))
+        if order not in seen:
+            seen.add(order)
+            out.append(list(order))
+    default = tuple(d.id for d in jax.devices()[: train.size])
+    if default not in seen:
+        out.append(list(default))
+    return out
