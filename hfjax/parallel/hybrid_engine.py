@@ -83,7 +83,7 @@ class HybridEngine:
             self.account = account(self._shapes, self._itemsizes, self.train_shardings, self.gen_shardings)
         self._local_slices = (
             [
-                None if t.is_equivalent_to(g, len(shape)) else local_train_slices(shape, t, g)
+                None if t.is_equivalent_to(g, len(shape)) else _as_bounds(local_train_slices(shape, t, g))
                 for shape, t, g in zip(self._shapes, self.train_shardings, self.gen_shardings, strict=True)
             ]
             if mode == "zero_redundancy" and self.account.contained
@@ -190,7 +190,7 @@ class HybridEngine:
                 if slices is None:
                     out.append(leaf)
                     continue
-                pieces = [shard.data[slices[shard.device.id]] for shard in leaf.addressable_shards]
+                pieces = [_static_slice(shard.data, *slices[shard.device.id]) for shard in leaf.addressable_shards]
                 out.append(jax.make_array_from_single_device_arrays(shape, target, pieces))
                 jax.block_until_ready(pieces)
                 leaf.delete()  # even sharding: every train block is strictly smaller, so pieces are copies
@@ -225,6 +225,15 @@ class HybridEngine:
     def reload(self, tree: Any) -> Any:
         """Brings an offloaded tree back to device memory."""
         return _to_memory(tree, "device") if self.offload_optimizer else tree
+
+
+# Slice bounds are static: a compiled slice per (shape, bounds) that moves no index data to the device.
+_static_slice = jax.jit(jax.lax.slice, static_argnums=(1, 2))
+
+
+def _as_bounds(slices: dict[int, tuple[slice, ...]]) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Static (start, limit) index tuples for `jax.lax.slice`, which moves no index data to the device."""
+    return {d: (tuple(s.start for s in sl), tuple(s.stop for s in sl)) for d, sl in slices.items()}
 
 
 def _has_separate_host_memory(layout: Layout) -> bool:

@@ -1,0 +1,240 @@
+"""HybridEngine on 8 fake CPU devices: bitwise round trips, containment, bytes moved against the formulas,
+buffer release, logits under the gen layout, and the naive mode."""
+
+import gc
+import logging
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from checkpoints import left_padded_batch, relative_error, save_hf_model
+from flax import nnx
+
+from hfjax.models import load_hf
+from hfjax.parallel import HybridEngine, Layout
+from hfjax.parallel.hybrid_engine import _to_memory
+
+WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)
+CONTAINED_PAIRS = {
+    "fsdp8->data8": ({"mesh": {"fsdp": 8}, "rules": "fsdp"}, {"mesh": {"data": 8}, "rules": "dp_tp_gen"}),
+    "fsdp4tp2->data4tp2": (
+        {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"},
+        {"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"},
+    ),
+    "fsdp2tp4->data4tp2": (
+        {"mesh": {"fsdp": 2, "tensor": 4}, "rules": "fsdp_tp"},
+        {"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"},
+    ),
+    "dp2fsdp2tp2->data8": (
+        {"mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "rules": "fsdp_tp"},
+        {"mesh": {"data": 8}, "rules": "dp_tp_gen"},
+    ),
+    "tp8->data2tp4": ({"mesh": {"tensor": 8}, "rules": "tp"}, {"mesh": {"data": 2, "tensor": 4}, "rules": "tp"}),
+}
+UNCONTAINED = (
+    {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"},
+    {"mesh": {"data": 2, "tensor": 4}, "rules": "dp_tp_gen"},
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_hf_model(tmp_path_factory.mktemp("engine"), "llama", **WIDE)[1]
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def _live_bytes_per_device():
+    gc.collect()
+    per_device = {}
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+    return per_device
+
+
+def _blocks(n_shards_train, n_shards_gen, nbytes):
+    return nbytes // n_shards_gen - nbytes // n_shards_train
+
+
+def _parts(layout, spec):
+    axes = [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
+    return math.prod(layout.axis_size(a) for a in axes)
+
+
+@pytest.mark.parametrize("name", sorted(CONTAINED_PAIRS))
+def test_round_trip_is_bitwise_and_contained(checkpoint, name):
+    train, gen = CONTAINED_PAIRS[name]
+    model = load_hf(checkpoint, layout=train)
+    params = nnx.state(model, nnx.Param)
+    before = _host(params)
+    engine = HybridEngine(train, gen, params)
+    assert engine.account.contained
+    train_shardings = [x.sharding for x in jax.tree.leaves(params)]
+
+    # Containment, checked from the index maps: every device's train block lies inside its gen block.
+    for leaf, ts, gs in zip(jax.tree.leaves(params), engine.train_shardings, engine.gen_shardings, strict=True):
+        gen_map = gs.devices_indices_map(leaf.shape)
+        for device, t_index in ts.devices_indices_map(leaf.shape).items():
+            for dim, (t, g) in enumerate(zip(t_index, gen_map[device], strict=True)):
+                t0, t1 = t.start or 0, leaf.shape[dim] if t.stop is None else t.stop
+                g0, g1 = g.start or 0, leaf.shape[dim] if g.stop is None else g.stop
+                assert g0 <= t0 and t1 <= g1, (name, device, dim)
+
+    # Bytes moved per device: the per-parameter formula bytes/gen_parts - bytes/train_parts, exactly.
+    formula = sum(
+        _blocks(_parts(engine.train_layout, ts.spec), _parts(engine.gen_layout, gs.spec), leaf.nbytes)
+        for leaf, ts, gs in zip(jax.tree.leaves(params), engine.train_shardings, engine.gen_shardings, strict=True)
+    )
+    assert set(engine.account.received_bytes.values()) == {formula}
+
+    gen_params = engine.to_gen(params)
+    assert all(x.is_deleted() for x in jax.tree.leaves(params))
+    for leaf, want in zip(jax.tree.leaves(gen_params), engine.gen_shardings, strict=True):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+    with jax.transfer_guard("disallow"):  # to_train copies nothing across devices (nor to/from host)
+        back = engine.to_train(gen_params)
+    assert all(x.is_deleted() for x in jax.tree.leaves(gen_params))
+    for got, want, sharding in zip(jax.tree.leaves(back), before, train_shardings, strict=True):
+        assert got.sharding.is_equivalent_to(sharding, got.ndim)
+        assert np.array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    stats = engine.stats()
+    assert stats["redundant_bytes_per_device"] == 0 and stats["uncontained_bytes_per_device"] == 0
+    assert len(stats["to_gen_s"]) == len(stats["to_train_s"]) == 1
+
+
+def test_table2_formula_when_every_parameter_shards_on_both_axes():
+    """A tree whose every parameter is sharded over fsdp x tensor in training and tensor in generation: bytes
+    moved = M/t_g - M/(f t) and peak = M/t_g per device, the paper's Table 2 with FSDP."""
+    tree = {
+        f"w{i}": nnx.Param(jax.ShapeDtypeStruct((64 * (i + 1), 96), np.float32), logical_axes=("embed", "mlp"))
+        for i in range(4)
+    }
+    total = sum(64 * (i + 1) * 96 * 4 for i in range(4))
+    for (f, t), t_g in (((4, 2), 2), ((2, 4), 2), ((2, 4), 4), ((1, 8), 4), ((8, 1), 1)):
+        engine = HybridEngine(
+            {"mesh": {"fsdp": f, "tensor": t}, "rules": "fsdp_tp"},
+            {"mesh": {"data": 8 // t_g, "tensor": t_g}, "rules": "dp_tp_gen"},
+            tree,
+        )
+        stats = engine.stats()
+        assert stats["received_bytes_per_device"] == total // t_g - total // (f * t), (f, t, t_g)
+        assert stats["peak_param_bytes_per_device"] == total // t_g
+        assert stats["contained"]
+
+
+def test_gen_params_give_the_same_logits(checkpoint):
+    train, gen = CONTAINED_PAIRS["fsdp2tp4->data4tp2"]
+    model = load_hf(checkpoint, layout=train)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids, mask, _ = left_padded_batch(128, [16, 9, 4, 12, 16, 1, 7, 11], seed=3)
+    forward = jax.jit(lambda p, i, m: nnx.merge(graphdef, p, rest)(i, m))
+    expected = np.asarray(forward(params, ids, mask))
+    engine = HybridEngine(train, gen, params)
+    gen_params = engine.to_gen(params)
+    batch = engine.gen_layout.sharding(("batch", "length"), ids.shape)
+    got = np.asarray(forward(gen_params, jax.device_put(ids, batch), jax.device_put(mask, batch)))
+    v = mask.astype(bool)
+    assert relative_error(got[v], expected[v]) <= 1e-5
+
+
+def test_no_training_buffers_alive_during_generation(checkpoint):
+    train, gen = CONTAINED_PAIRS["fsdp4tp2->data4tp2"]
+    baseline = _live_bytes_per_device()
+    params = nnx.state(load_hf(checkpoint, layout=train), nnx.Param)
+    engine = HybridEngine(train, gen, params)
+    gen_params = engine.to_gen(params)
+    del params
+    live = _live_bytes_per_device()
+    gen_bytes = engine.stats()["gen_bytes_per_device"]
+    for device_id, nbytes in live.items():
+        assert nbytes - baseline.get(device_id, 0) <= gen_bytes + 4096, device_id
+    assert max(live[d] - baseline.get(d, 0) for d in live) >= gen_bytes  # the gen copy itself is there
+    del gen_params
+
+
+def test_uncontained_pair_falls_back_and_still_round_trips(checkpoint, caplog):
+    train, gen = UNCONTAINED  # t_g = 4 does not divide t = 2
+    params = nnx.state(load_hf(checkpoint, layout=train), nnx.Param)
+    before = _host(params)
+    with caplog.at_level(logging.WARNING):
+        engine = HybridEngine(train, gen, params)
+    assert "no device order" in caplog.text and not engine.account.contained
+    default = HybridEngine(train, gen, params, mode="naive")
+    assert engine.stats()["received_bytes_per_device"] <= default.stats()["received_bytes_per_device"]
+    back = engine.to_train(engine.to_gen(params))
+    for got, want in zip(jax.tree.leaves(back), before, strict=True):
+        assert np.array_equal(np.asarray(got), want)
+
+
+def test_naive_mode_keeps_training_buffers(checkpoint):
+    train, gen = CONTAINED_PAIRS["fsdp2tp4->data4tp2"]
+    params = nnx.state(load_hf(checkpoint, layout=train), nnx.Param)
+    engine = HybridEngine(train, gen, params, mode="naive")
+    gen_params = engine.to_gen(params)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+    stats = engine.stats()
+    assert stats["redundant_bytes_per_device"] == stats["train_bytes_per_device"] > 0
+    assert stats["peak_param_bytes_per_device"] == stats["gen_bytes_per_device"] + stats["train_bytes_per_device"]
+    assert engine.to_train(gen_params) is params
+    # With t_g < t the default (consecutive gen-TP groups) order does not contain the train shards: more bytes
+    # move than under HybridFlow's order (gen-TP groups at stride t / t_g).
+    assert not stats["contained"]
+    zero = HybridEngine(train, gen, params)
+    assert stats["received_bytes_per_device"] > zero.stats()["received_bytes_per_device"]
+    assert zero.stats()["gen_device_order"] == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_host_offload_round_trip_and_cpu_message(caplog):
+    layout = Layout.from_config({"mesh": {"fsdp": 8}, "rules": "fsdp"})
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), layout.sharding(("embed", None)))
+    host = _to_memory({"mu": x}, "pinned_host")
+    assert host["mu"].sharding.memory_kind == "pinned_host"
+    back = _to_memory(host, "device")
+    assert back["mu"].sharding.memory_kind == "device" and np.array_equal(np.asarray(back["mu"]), np.asarray(x))
+    tree = {"w": nnx.Param(jax.ShapeDtypeStruct((8, 8), np.float32), logical_axes=("embed", "mlp"))}
+    with caplog.at_level(logging.WARNING):
+        engine = HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 8}}, tree, offload_optimizer=True)
+    assert "no host memory separate from device memory" in caplog.text
+    assert engine.offload({"mu": x})["mu"] is x
+
+
+def test_bad_engine_arguments():
+    tree = {"w": nnx.Param(jax.ShapeDtypeStruct((8, 8), np.float32), logical_axes=("embed", "mlp"))}
+    with pytest.raises(ValueError, match="mode='fast'"):
+        HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 8}}, tree, mode="fast")
+    with pytest.raises(ValueError, match="gen_layout has 4 devices"):
+        HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 4}, "devices": [0, 1, 2, 3]}, tree)
+
+
+def test_two_processes_with_gloo(tmp_path):
+    """2 processes x 4 fake CPU devices under jax.distributed: to_gen all-gathers across processes, to_train
+    slices locally; every local shard is checked against the source values in each process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("engine_process.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), "2", str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert proc.returncode == 0, out[-3000:]
+        assert f"OK process {i}" in out
