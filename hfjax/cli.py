@@ -70,11 +70,43 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_layouts(_: argparse.Namespace) -> int:
+def _abstract_params(model: str, dtype: str) -> Any:
+    from pathlib import Path
+
+    from flax import nnx
+
+    from hfjax.models.hf import abstract_model, read_config
+    from hfjax.models.presets import named_config
+
+    if Path(model).is_dir():
+        cfg, head = read_config(model)
+    else:
+        cfg, head = named_config(model), "causal_lm"
+    return nnx.state(abstract_model(cfg, head, dtype), nnx.Param)
+
+
+def cmd_layouts(args: argparse.Namespace) -> int:
     from hfjax.parallel import RULE_PRESETS
 
-    for name, rules in RULE_PRESETS.items():
-        print(f"{name:10s} " + ", ".join(f"{logical}->{'x'.join(axes)}" for logical, axes in rules))
+    if not args.pairs:
+        for name, rules in RULE_PRESETS.items():
+            print(f"{name:10s} " + ", ".join(f"{logical}->{'x'.join(axes)}" for logical, axes in rules))
+        return 0
+    if not args.model:
+        raise SystemExit("hfjax layouts --pairs needs --model (a Hugging Face directory or a named size)")
+    import yaml
+
+    from hfjax.layout_table import print_layout_rows, write_rows
+    from hfjax.parallel.layout_compare import compare_layouts
+
+    with open(args.pairs) as f:
+        pairs = (yaml.safe_load(f) or {}).get("pairs")
+    if not isinstance(pairs, list) or not all(isinstance(p, dict) and {"train", "gen"} <= set(p) for p in pairs):
+        raise SystemExit(f"{args.pairs}: expected 'pairs:' as a list of {{name, train, gen}} layout entries")
+    rows = compare_layouts(_abstract_params(args.model, args.dtype), pairs, repeats=args.repeats)
+    print_layout_rows(rows, f"{args.model} ({args.dtype}) on {args.devices or 'all'} devices")
+    if args.out:
+        write_rows(rows, args.out)
     return 0
 
 
@@ -90,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     inspect.add_argument("--all", action="store_true", help="list every layer, not only layer 0")
     inspect.set_defaults(run=cmd_inspect)
-    layouts = sub.add_parser("layouts", help="list the logical-axis rule presets")
+    layouts = sub.add_parser("layouts", help="list rule presets, or compare (train, gen) layout pairs for a model")
+    layouts.add_argument("--model", help="Hugging Face model directory or a named size (e.g. llama-200m)")
+    layouts.add_argument("--pairs", help="YAML file with 'pairs: [{name, train, gen}, ...]'")
+    layouts.add_argument("--devices", type=int, help="on CPU: number of fake devices to create")
+    layouts.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    layouts.add_argument("--repeats", type=int, default=0, help="also time to_gen/to_train this many times")
+    layouts.add_argument("--out", help="write the rows as JSON here")
     layouts.set_defaults(run=cmd_layouts)
     return parser
 

@@ -13,7 +13,9 @@ in its given order and the training buffers alive during generation (HybridFlow-
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +32,7 @@ from hfjax.parallel.shard_math import (
     containing_order,
     local_train_slices,
 )
+from hfjax.parallel.transfer import reshard
 
 MODES = ("zero_redundancy", "naive")
 log = logging.getLogger(__name__)
@@ -55,10 +58,12 @@ class HybridEngine:
         abstract_params: Any,
         mode: str = "zero_redundancy",
         offload_optimizer: bool = False,
+        chunk_bytes: int = 64 * 2**20,
     ):
         if mode not in MODES:
             raise ValueError(f"HybridEngine(mode={mode!r}): expected one of {MODES}")
         self.mode = mode
+        self.chunk_bytes = chunk_bytes
         self.train_layout = Layout.from_config(train_layout, "train_layout")
         gen = Layout.from_config(gen_layout, "gen_layout")
         if gen.size != self.train_layout.size:
@@ -67,24 +72,23 @@ class HybridEngine:
                 "the HybridEngine reshards within one worker group"
             )
         leaves = jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
-        self._shapes = [tuple(leaf.shape) for leaf in leaves]
-        self._itemsizes = [np.dtype(leaf.dtype).itemsize for leaf in leaves]
-        self._treedef = jax.tree.structure(abstract_params, is_leaf=is_param_leaf)
+        self.shapes = [tuple(leaf.shape) for leaf in leaves]
+        self.itemsizes = [np.dtype(leaf.dtype).itemsize for leaf in leaves]
         self.train_shardings: list[NamedSharding] = jax.tree.leaves(self.train_layout.shardings(abstract_params))
         train_specs = [
             tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
-            for s, shape in zip(self.train_shardings, self._shapes, strict=True)
+            for s, shape in zip(self.train_shardings, self.shapes, strict=True)
         ]
         self.gen_layout, self.account = (
             self._order_gen(gen, abstract_params, train_specs) if mode == "zero_redundancy" else (gen, None)
         )
         self.gen_shardings: list[NamedSharding] = jax.tree.leaves(self.gen_layout.shardings(abstract_params))
         if self.account is None:
-            self.account = account(self._shapes, self._itemsizes, self.train_shardings, self.gen_shardings)
+            self.account = account(self.shapes, self.itemsizes, self.train_shardings, self.gen_shardings)
         self._local_slices = (
             [
                 None if t.is_equivalent_to(g, len(shape)) else _as_bounds(local_train_slices(shape, t, g))
-                for shape, t, g in zip(self._shapes, self.train_shardings, self.gen_shardings, strict=True)
+                for shape, t, g in zip(self.shapes, self.train_shardings, self.gen_shardings, strict=True)
             ]
             if mode == "zero_redundancy" and self.account.contained
             else None
@@ -106,14 +110,14 @@ class HybridEngine:
             tuple(gen.spec(leaf.get_metadata().get("logical_axes", (None,) * len(leaf.shape))))
             for leaf in jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
         ]
-        gen_specs = [s + (None,) * (len(shape) - len(s)) for s, shape in zip(gen_specs, self._shapes, strict=True)]
+        gen_specs = [s + (None,) * (len(shape) - len(s)) for s, shape in zip(gen_specs, self.shapes, strict=True)]
         order = containing_order(self.train_layout, gen, train_specs, gen_specs)
         orders = [order] if order is not None else candidate_orders(self.train_layout)
         best = None
         for candidate in orders:
             layout = dataclasses.replace(gen, device_ids=tuple(candidate))
             acc = account(
-                self._shapes, self._itemsizes, self.train_shardings, jax.tree.leaves(layout.shardings(abstract_params))
+                self.shapes, self.itemsizes, self.train_shardings, jax.tree.leaves(layout.shardings(abstract_params))
             )
             if best is None or acc.max("received_bytes") < best[1].max("received_bytes"):
                 best = (layout, acc)
@@ -129,72 +133,98 @@ class HybridEngine:
 
     def _flatten(self, params: Any, what: str) -> list[jax.Array]:
         leaves = jax.tree.leaves(params)
-        if len(leaves) != len(self._shapes):
-            raise ValueError(f"{what}: expected {len(self._shapes)} parameter arrays, got {len(leaves)}")
+        if len(leaves) != len(self.shapes):
+            raise ValueError(f"{what}: expected {len(self.shapes)} parameter arrays, got {len(leaves)}")
         return leaves
 
     def _unflatten(self, params: Any, leaves: list[jax.Array]) -> Any:
         return jax.tree.unflatten(jax.tree.structure(params), leaves)
 
+    def _chunks(self, moving: list[int]) -> list[list[int]]:
+        """Consecutive groups of leaf indices whose train shards per device add up to about `chunk_bytes`."""
+        chunks: list[list[int]] = [[]]
+        used = 0
+        for i in moving:
+            nbytes = math.prod(self.shapes[i]) * self.itemsizes[i] // block_count(self.train_shardings[i])
+            if chunks[-1] and used + nbytes > self.chunk_bytes:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(i)
+            used += nbytes
+        return [c for c in chunks if c]
+
     def to_gen(self, train_params: Any) -> Any:
-        """Parameters in the generation layout. Zero-redundancy mode deletes each training buffer once its gen
-        copy exists, so at most one parameter is held twice at any moment."""
+        """Parameters in the generation layout, moved a chunk of parameters at a time. Zero-redundancy
+        mode deletes a chunk's training buffers once its gen copies exist, so only one chunk (`chunk_bytes` per
+        device) is ever held twice."""
         start = time.perf_counter()
-        out = []
-        for leaf, target in zip(self._flatten(train_params, "to_gen"), self.gen_shardings, strict=True):
-            if leaf.sharding.is_equivalent_to(target, leaf.ndim):
-                out.append(leaf)
-                continue
-            moved = jax.device_put(leaf, target)
+        out = list(self._flatten(train_params, "to_gen"))
+        moving = [
+            i for i, leaf in enumerate(out) if not leaf.sharding.is_equivalent_to(self.gen_shardings[i], leaf.ndim)
+        ]
+        for chunk in self._chunks(moving):
+            sources = [out[i] for i in chunk]
+            moved = reshard(sources, [self.gen_shardings[i] for i in chunk])
             if self.mode == "zero_redundancy":
-                moved.block_until_ready()
-                leaf.delete()
-            out.append(moved)
+                for source in sources:
+                    source.delete()
+            for i, array in zip(chunk, moved, strict=True):
+                out[i] = array
         jax.block_until_ready(out)
         self.times.to_gen_s.append(time.perf_counter() - start)
         self._kept_train = train_params if self.mode == "naive" else None
         return self._unflatten(train_params, out)
 
     def to_train(self, gen_params: Any) -> Any:
-        """Parameters back in the training layout. Zero-redundancy mode with containment slices each device's
-        own gen shard (no cross-device copy) and frees the gen buffers; naive mode returns the kept training
-        arrays (drop the gen ones)."""
+        """Parameters back in the training layout. Zero-redundancy mode with containment cuts each device's train
+        shard out of its own gen shard (one compiled multi-slice per device and chunk; a transfer guard forbids any
+        cross-device copy) and frees the gen buffers; without containment it device_puts back. Naive mode returns
+        the training arrays it kept (the gen ones are dropped)."""
         start = time.perf_counter()
         leaves = self._flatten(gen_params, "to_train")
         if self.mode == "naive":
             result = self._kept_train
             self._kept_train = None
-        elif self._local_slices is None:  # no containing order exists: fetch back across devices
-            result = self._unflatten(gen_params, self._device_put_back(leaves))
         else:
-            result = self._unflatten(gen_params, self._slice_locally(leaves))
+            out = list(leaves)
+            moving = [
+                i
+                for i, leaf in enumerate(leaves)
+                if not leaf.sharding.is_equivalent_to(self.train_shardings[i], leaf.ndim)
+            ]
+            for chunk in self._chunks(moving):
+                sources = [out[i] for i in chunk]
+                if self._local_slices is None:  # no containing order exists: fetch back across devices
+                    back = reshard(sources, [self.train_shardings[i] for i in chunk])
+                else:
+                    back = self._slice_locally(chunk, sources)
+                jax.block_until_ready(back)
+                for source in sources:
+                    source.delete()  # even sharding: train blocks are strictly smaller copies, never aliases
+                for i, array in zip(chunk, back, strict=True):
+                    out[i] = array
+            result = self._unflatten(gen_params, out)
         self.times.to_train_s.append(time.perf_counter() - start)
         return result
 
-    def _device_put_back(self, leaves: list[jax.Array]) -> list[jax.Array]:
-        out = []
-        for leaf, target in zip(leaves, self.train_shardings, strict=True):
-            back = jax.device_put(leaf, target)
-            if back is not leaf:
-                back.block_until_ready()
-                leaf.delete()
-            out.append(back)
-        return out
-
-    def _slice_locally(self, leaves: list[jax.Array]) -> list[jax.Array]:
-        out = []
+    def _slice_locally(self, chunk: list[int], sources: list[jax.Array]) -> list[jax.Array]:
+        per_device: dict[int, list[jax.Array]] = {}
+        devices: dict[int, jax.Device] = {}
+        for source in sources:
+            for shard in source.addressable_shards:
+                per_device.setdefault(shard.device.id, []).append(shard.data)
+                devices[shard.device.id] = shard.device
+        pieces: dict[int, list[jax.Array]] = {}
         with jax.transfer_guard_device_to_device("disallow"):
-            for leaf, shape, target, slices in zip(
-                leaves, self._shapes, self.train_shardings, self._local_slices, strict=True
-            ):
-                if slices is None:
-                    out.append(leaf)
-                    continue
-                pieces = [_static_slice(shard.data, *slices[shard.device.id]) for shard in leaf.addressable_shards]
-                out.append(jax.make_array_from_single_device_arrays(shape, target, pieces))
-                jax.block_until_ready(pieces)
-                leaf.delete()  # even sharding: every train block is strictly smaller, so pieces are copies
-        return out
+            for device_id, arrays in per_device.items():
+                bounds = tuple(self._local_slices[i][device_id] for i in chunk)
+                pieces[device_id] = _multi_slice(tuple(arrays), bounds)
+        return [
+            jax.make_array_from_single_device_arrays(
+                self.shapes[i], self.train_shardings[i], [pieces[d][k] for d in per_device]
+            )
+            for k, i in enumerate(chunk)
+        ]
 
     def stats(self) -> dict[str, Any]:
         """Per-device bytes (max over devices) of the layouts and transitions, and transition wall times."""
@@ -227,8 +257,16 @@ class HybridEngine:
         return _to_memory(tree, "device") if self.offload_optimizer else tree
 
 
-# Slice bounds are static: a compiled slice per (shape, bounds) that moves no index data to the device.
-_static_slice = jax.jit(jax.lax.slice, static_argnums=(1, 2))
+@functools.partial(jax.jit, static_argnums=1)
+def _multi_slice(arrays: tuple[jax.Array, ...], bounds: tuple) -> list[jax.Array]:
+    """Static slices of arrays on one device: one compiled program, no index data sent to the device."""
+    return [jax.lax.slice(x, start, limit) for x, (start, limit) in zip(arrays, bounds, strict=True)]
+
+
+def block_count(sharding: NamedSharding) -> int:
+    """Number of distinct blocks a sharding cuts an array into."""
+    axes = [a for e in sharding.spec if e for a in ((e,) if isinstance(e, str) else e)]
+    return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
 def _as_bounds(slices: dict[int, tuple[slice, ...]]) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:

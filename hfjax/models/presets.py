@@ -1,0 +1,77 @@
+"""Named model shapes (public configs of well-known checkpoints, and the benchmark sizes) for planning layouts
+and benchmarks without a checkpoint on disk. Weights are never implied: these are shapes only."""
+
+from __future__ import annotations
+
+from hfjax.models.config import ModelConfig, RopeConfig
+
+LLAMA3_ROPE = RopeConfig(
+    theta=500000.0,
+    rope_type="llama3",
+    factor=32.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+
+NAMED_CONFIGS: dict[str, ModelConfig] = {
+    # ~207M parameters: the resharding benchmark's model.
+    "llama-200m": ModelConfig(
+        family="llama",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_layers=12,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        family="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        rope=RopeConfig(theta=1e6),
+        tie_word_embeddings=True,
+        qkv_bias=True,
+    ),
+    "llama-3.2-1b": ModelConfig(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope=LLAMA3_ROPE,
+        tie_word_embeddings=True,
+    ),
+    "llama-3.1-8b": ModelConfig(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=8192),
+    ),
+}
+
+
+def named_config(name: str) -> ModelConfig:
+    """The `ModelConfig` of a named shape; raises naming the known ones."""
+    if name not in NAMED_CONFIGS:
+        raise ValueError(
+            f"unknown model name {name!r}; expected a Hugging Face directory or one of {sorted(NAMED_CONFIGS)}"
+        )
+    return NAMED_CONFIGS[name]

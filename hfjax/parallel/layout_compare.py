@@ -1,0 +1,84 @@
+"""Compares (train layout, gen layout) pairs for one parameter tree: per-device bytes of each layout, bytes moved
+(from the shardings, beside the paper's Table 2 formula), redundancy, peak, and measured transition times.
+This is what `hfjax layouts --pairs` and `scripts/bench_reshard.py` print. Imports `hfjax.parallel` only."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from hfjax.parallel.hybrid_engine import HybridEngine, block_count
+from hfjax.parallel.layout import Layout, is_param_leaf
+
+
+def table2_moved_bytes(total_bytes: int, train: Layout, gen: Layout) -> int:
+    """HybridFlow's per-device bytes moved, M/(f_g t_g) - M/(f t) (pipeline size 1; data replicates)."""
+    train_shards = train.axis_size("fsdp") * train.axis_size("tensor")
+    gen_shards = gen.axis_size("fsdp") * gen.axis_size("tensor")
+    return total_bytes // gen_shards - total_bytes // train_shards
+
+
+def per_parameter_moved_bytes(engine: HybridEngine) -> int:
+    """Sum over parameters of bytes/gen_parts - bytes/train_parts: exact when every shard is contained."""
+    total = 0
+    for shape, itemsize, ts, gs in zip(
+        engine.shapes, engine.itemsizes, engine.train_shardings, engine.gen_shardings, strict=True
+    ):
+        nbytes = math.prod(shape) * itemsize
+        total += nbytes // block_count(gs) - nbytes // block_count(ts)
+    return total
+
+
+def materialize(engine: HybridEngine, abstract_params: Any) -> Any:
+    """Filler parameters (a ramp pattern, cheap to make) placed directly in the train layout."""
+    leaves = jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
+    arrays = []
+    for leaf, sharding in zip(leaves, engine.train_shardings, strict=True):
+        host = (np.arange(math.prod(leaf.shape), dtype=np.float32) % 251 / 251).astype(leaf.dtype).reshape(leaf.shape)
+        arrays.append(jax.make_array_from_callback(leaf.shape, sharding, lambda idx, host=host: host[idx]))
+    return jax.tree.unflatten(jax.tree.structure(abstract_params, is_leaf=is_param_leaf), arrays)
+
+
+def compare_layouts(
+    abstract_params: Any,
+    pairs: Sequence[Mapping[str, Any]],
+    *,
+    modes: Sequence[str] = ("zero_redundancy", "naive"),
+    repeats: int = 0,
+) -> list[dict[str, Any]]:
+    """One row per (pair, mode). `pairs`: [{"name", "train", "gen"}]. With `repeats` > 0, runs to_gen/to_train
+    that many times after one warm-up on filler parameters and reports median times."""
+    total = sum(
+        math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
+    )
+    rows = []
+    for pair in pairs:
+        for mode in modes:
+            engine = HybridEngine(pair["train"], pair["gen"], abstract_params, mode=mode)
+            stats = engine.stats()
+            row = {
+                "pair": pair.get("name", f"{engine.train_layout.describe()} -> {engine.gen_layout.describe()}"),
+                "mode": mode,
+                "param_bytes": total,
+                **{k: v for k, v in stats.items() if k not in ("to_gen_s", "to_train_s")},
+                "table2_moved_bytes": table2_moved_bytes(total, engine.train_layout, engine.gen_layout),
+                "per_parameter_moved_bytes": per_parameter_moved_bytes(engine) if stats["contained"] else None,
+                "table2_peak_bytes": total
+                // (engine.gen_layout.axis_size("fsdp") * engine.gen_layout.axis_size("tensor")),
+            }
+            if repeats:
+                params = materialize(engine, abstract_params)
+                for _ in range(repeats + 1):
+                    params = engine.to_train(engine.to_gen(params))
+                times = engine.stats()
+                row["to_gen_s"] = statistics.median(times["to_gen_s"][1:])
+                row["to_train_s"] = statistics.median(times["to_train_s"][1:])
+                jax.tree.map(lambda x: x.delete(), params)
+            rows.append(row)
+    return rows

@@ -1,0 +1,85 @@
+"""Moving arrays to new shardings on the same devices: `reshard(arrays, shardings)`.
+
+GPU/TPU: one batched `jax.device_put` (collectives over NVLink/ICI, pipelined). CPU, one process: each target
+block is assembled on the host from zero-copy views of the source shards (one memcpy per received byte: CPU
+"devices" share host memory, and XLA's in-process CPU collectives spin on rendezvous, which on a few cores is slow
+and can deadlock with several resharding programs in flight). CPU, several processes: `jax.device_put` one array
+at a time, each finished before the next starts. Imports nothing from the rest of hfjax.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+def _bounds(index: tuple[slice, ...], shape: Sequence[int]) -> list[tuple[int, int]]:
+    return [(s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)]
+
+
+def aligned_empty(shape: Sequence[int], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised host array whose data is `align`-byte aligned: `jax.device_put` of it to a CPU device is
+    then zero-copy (a 16-byte-aligned numpy buffer is copied, at about 1.5 GB/s here)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    """The same bytes as unsigned integers of the same width (numpy copies ml_dtypes types more slowly)."""
+    return array.view(np.dtype(f"uint{8 * array.dtype.itemsize}")) if array.dtype.itemsize in (1, 2, 4, 8) else array
+
+
+def _fill_block(want: list[tuple[int, int]], pieces: list[tuple[tuple, np.ndarray]], dtype: np.dtype) -> np.ndarray:
+    block = aligned_empty([hi - lo for lo, hi in want], dtype)
+    block_bits, filled = _bits(block), 0
+    for have, data in pieces:
+        overlap = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(want, have, strict=True)]
+        if any(lo >= hi for lo, hi in overlap):
+            continue
+        dst = tuple(slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(overlap, want, strict=True))
+        src = tuple(slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(overlap, have, strict=True))
+        block_bits[dst] = data[src]
+        filled += math.prod(hi - lo for lo, hi in overlap)
+    if filled != block.size:
+        raise RuntimeError(f"target block {want} is not covered by the source shards")
+    return block
+
+
+def _assemble_on_host(source: jax.Array, target: NamedSharding) -> jax.Array:
+    """Builds every target shard from the source shards that overlap it (host memcpy, one thread per core; numpy
+    releases the GIL while copying), then places it zero-copy."""
+    shape = source.shape
+    pieces, seen = [], set()  # (bounds, host view) of each distinct source block
+    for shard in source.addressable_shards:
+        key = tuple(_bounds(shard.index, shape))
+        if key not in seen:
+            seen.add(key)
+            pieces.append((key, _bits(np.asarray(shard.data))))
+    targets = list(target.addressable_devices_indices_map(shape).items())
+    blocks = _POOL.map(lambda item: _fill_block(_bounds(item[1], shape), pieces, source.dtype), targets)
+    arrays = [jax.device_put(block, device) for block, (device, _) in zip(blocks, targets, strict=True)]
+    return jax.make_array_from_single_device_arrays(shape, target, arrays)
+
+
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="hfjax-reshard")
+
+
+def reshard(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> list[jax.Array]:
+    """The arrays moved to `shardings` (same devices, new layout), finished when this returns."""
+    if not arrays:
+        return []
+    platform = arrays[0].sharding.mesh.devices.flat[0].platform
+    if platform == "cpu" and jax.process_count() == 1:
+        return [_assemble_on_host(a, s) for a, s in zip(arrays, shardings, strict=True)]
+    if platform == "cpu":
+        return [jax.block_until_ready(jax.device_put(a, s)) for a, s in zip(arrays, shardings, strict=True)]
+    return jax.block_until_ready(jax.device_put(list(arrays), list(shardings)))

@@ -1,0 +1,106 @@
+"""Train <-> gen resharding on 8 fake CPU devices for a ~200M-parameter bfloat16 model (the `llama-200m` shape):
+bytes moved and peak bytes per device against the paper's Table 2, and to_gen time against the memcpy floor
+(bytes received summed over devices / this machine's memcpy bandwidth, measured in the same run). Usage:
+    python scripts/bench_reshard.py [--pairs configs/layout_pairs.yaml] [--repeats 5] [--out runs/bench/reshard.json]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import report
+
+from hfjax.cli import _abstract_params
+from hfjax.parallel.layout_compare import compare_layouts
+
+MIB = 2**20
+
+
+def memcpy_bandwidth(nbytes: int = 256 * MIB, repeats: int = 7) -> float:
+    """Bytes per second of one host memcpy into an already-touched buffer (numpy copyto)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    dst[...] = 0
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-200m")
+    parser.add_argument(
+        "--pairs", type=Path, default=Path(__file__).resolve().parent.parent / "configs" / "layout_pairs.yaml"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/reshard.json"))
+    args = parser.parse_args()
+    pairs = yaml.safe_load(args.pairs.read_text())["pairs"]
+    params = _abstract_params(args.model, "bfloat16")
+    bandwidth = memcpy_bandwidth()
+    rows = compare_layouts(params, pairs, repeats=args.repeats)
+    bandwidth = (bandwidth + memcpy_bandwidth()) / 2  # before and after, to smooth machine noise
+    table = []
+    for r in rows:
+        floor = r["received_bytes_total"] / bandwidth
+        table.append(
+            [
+                r["pair"],
+                r["mode"],
+                "yes" if r["contained"] else "no",
+                r["train_bytes_per_device"] / MIB,
+                r["gen_bytes_per_device"] / MIB,
+                r["received_bytes_per_device"] / MIB,
+                r["table2_moved_bytes"] / MIB,
+                r["redundant_bytes_per_device"] / MIB,
+                r["peak_param_bytes_per_device"] / MIB,
+                r["table2_peak_bytes"] / MIB,
+                r["to_gen_s"] * 1e3,
+                floor * 1e3,
+                r["to_gen_s"] / floor,
+                r["to_train_s"] * 1e3,
+            ]
+        )
+    report(
+        f"{args.model} bf16 (M = {rows[0]['param_bytes'] / MIB:.1f} MiB) on 8 CPU devices, per-device MiB, "
+        f"memcpy {bandwidth / 1e9:.2f} GB/s",
+        [
+            "pair",
+            "mode",
+            "contained",
+            "train",
+            "gen",
+            "moved",
+            "Table 2 moved",
+            "redundant",
+            "peak",
+            "Table 2 peak",
+            "to_gen ms",
+            "floor ms",
+            "to_gen / floor",
+            "to_train ms",
+        ],
+        table,
+        args.out,
+        {"memcpy_bytes_per_s": bandwidth, "rows_raw": rows},
+    )
+
+
+if __name__ == "__main__":
+    main()
