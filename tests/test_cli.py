@@ -49,4 +49,4 @@ def test_inspect_prints_partitions(tmp_path, capsys):
     _, model_dir = save_hf_model(tmp_path, "llama", **WIDE)
     assert main(["inspect", str(model_dir), "--mesh", "fsdp=4,tensor=2", "--dtype", "float32"]) == 0
     text = capsys.readouterr().out
-    assert "('fsdp', 'tensor', None)" in text and "MiB per device on 8 devices" in text
+    assert "('tensor', None, 'fsdp')" in text and "MiB per device on 8 devices" in text

@@ -74,10 +74,10 @@ def test_indivisible_dimension_names_the_parameter(tmp_path):
         load_hf(path, layout=LAYOUTS["tp8"])
     message = str(info.value)
     assert (
-        "model/layers/0/self_attn/k_kernel: dimension 1 ('kv_heads') of shape (64, 2, 16) is not divisible by "
+        "model/layers/0/self_attn/k_kernel: dimension 0 ('kv_heads') of shape (2, 16, 64) is not divisible by "
         "mesh axes ('tensor',) (size 8)"
     ) in message
-    assert "lm_head: dimension 1 ('vocab') of shape (64, 97)" in message  # every offender, not only the first
+    assert "lm_head: dimension 0 ('vocab') of shape (97, 64)" in message  # every offender, not only the first
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

@@ -106,7 +106,7 @@ def test_critic_from_causal_checkpoint_keeps_the_backbone(tmp_path):
     ids, mask, _ = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=5)
     hidden = np.asarray(lm.model(ids, mask))
     head = np.asarray(critic.score[...])
-    expected = hidden @ head[:, 0] + np.asarray(critic.score_bias[...])[0]
+    expected = hidden @ head[0] + np.asarray(critic.score_bias[...])[0]
     assert relative_error(np.asarray(critic(ids, mask))[_valid(mask)], expected[_valid(mask)]) <= 1e-5
     assert np.asarray(critic.score_bias[...]).tolist() == [0.0]
     assert 0.005 < float(head.std()) < 0.05  # initialised like HF (normal, initializer_range 0.02), not zeros

@@ -38,38 +38,25 @@ DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 
 @dataclass(frozen=True)
 class ParamMapping:
-    """One HF tensor <-> one model parameter. `kind`: `kernel` (HF [out, in] <-> ours [*in, *out] with
-    `in_dims` leading input dimensions), `bias` (flattened in HF) or `same`."""
+    """One HF tensor <-> one model parameter. Both store weights `[out, in]`, so converting is a reshape:
+    `bias` tensors (and fused head dimensions) are flat in HF."""
 
     hf_name: str
     path: tuple[str | int, ...]
-    kind: str = "same"
-    in_dims: int = 1
+    kind: str = "same"  # "same", "bias", or "q_kernel" / "o_kernel" (the heads dims fused in HF)
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.kind == "kernel":
-            return math.prod(shape[self.in_dims :]), math.prod(shape[: self.in_dims])
+        if self.kind == "q_kernel":  # ours [heads, head_dim, embed] -> HF [heads*head_dim, embed]
+            return math.prod(shape[:-1]), shape[-1]
+        if self.kind == "o_kernel":  # ours [embed, heads, head_dim] -> HF [embed, heads*head_dim]
+            return shape[0], math.prod(shape[1:])
         return (math.prod(shape),) if self.kind == "bias" else shape
 
     def to_model(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        return _transposed(array).reshape(shape) if self.kind == "kernel" else array.reshape(shape)
+        return array.reshape(shape)
 
     def to_hf(self, array: np.ndarray) -> np.ndarray:
-        if self.kind == "kernel":
-            return array.reshape(math.prod(array.shape[: self.in_dims]), -1).T
         return array.reshape(self.hf_shape(array.shape))
-
-
-def _transposed(array: np.ndarray, block: int = 256) -> np.ndarray:
-    """A contiguous transpose of a 2-D array, copied in cache-sized blocks as same-width integers (numpy's plain
-    strided copy is about 2x slower, more so on ml_dtypes bfloat16)."""
-    source = array.view(np.dtype(f"uint{8 * array.dtype.itemsize}"))
-    rows, cols = source.shape
-    out = np.empty((cols, rows), source.dtype)
-    for i in range(0, rows, block):
-        for j in range(0, cols, block):
-            out[j : j + block, i : i + block] = source[i : i + block, j : j + block].T
-    return out.view(array.dtype)
 
 
 def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
@@ -82,8 +69,7 @@ def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
                 ParamMapping(
                     f"{hf}self_attn.{proj}_proj.weight",
                     (*ours, "self_attn", f"{proj}_kernel"),
-                    "kernel",
-                    2 if proj == "o" else 1,
+                    "o_kernel" if proj == "o" else "q_kernel",
                 )
             )
         biases = ("q", "k", "v") * cfg.qkv_bias + ("o",) * cfg.o_bias
@@ -96,7 +82,7 @@ def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
                 for n in ("q_norm", "k_norm")
             ]
         for proj in ("gate", "up", "down"):
-            plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.weight", (*ours, "mlp", f"{proj}_kernel"), "kernel"))
+            plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.weight", (*ours, "mlp", f"{proj}_kernel")))
             if cfg.mlp_bias:
                 plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.bias", (*ours, "mlp", f"{proj}_bias"), "bias"))
         plan += [
@@ -105,9 +91,9 @@ def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
         ]
     plan.append(ParamMapping("model.norm.weight", ("model", "norm", "weight")))
     if head == "causal_lm" and not cfg.tie_word_embeddings:
-        plan.append(ParamMapping("lm_head.weight", ("lm_head",), "kernel"))
+        plan.append(ParamMapping("lm_head.weight", ("lm_head",)))
     if head in ("seq_cls", "token_cls"):
-        plan.append(ParamMapping("score.weight", ("score",), "kernel"))
+        plan.append(ParamMapping("score.weight", ("score",)))
     if head == "token_cls":
         plan.append(ParamMapping("score.bias", ("score_bias",), "bias"))
     return plan

@@ -1,6 +1,8 @@
 """Building blocks of the decoder: logical-axis parameters, RMSNorm, rotary embedding, attention, SwiGLU MLP.
 
 Every parameter carries `logical_axes` metadata (names from `LOGICAL_AXES`); a `Layout` maps them to mesh axes.
+Weights are stored output-major like HF's `[out, in]` (loading is a reshape, never a transpose; XLA's CPU matmuls
+were also faster this way on our shapes).
 Compute runs in `dtype`; parameters are stored in `param_dtype`; norms and softmax run in float32.
 Imports only `hfjax.models.config`.
 """
@@ -117,10 +119,10 @@ class Attention(nnx.Module):
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = normal_init(std)
         zeros = jax.nn.initializers.zeros
-        self.q_kernel = logical_param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), param_dtype)
-        self.k_kernel = logical_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.v_kernel = logical_param(rngs, init, (d, kv, hd), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.o_kernel = logical_param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), param_dtype)
+        self.q_kernel = logical_param(rngs, init, (h, hd, d), ("heads", "head_dim", "embed"), param_dtype)
+        self.k_kernel = logical_param(rngs, init, (kv, hd, d), ("kv_heads", "head_dim", "embed"), param_dtype)
+        self.v_kernel = logical_param(rngs, init, (kv, hd, d), ("kv_heads", "head_dim", "embed"), param_dtype)
+        self.o_kernel = logical_param(rngs, init, (d, h, hd), ("embed", "heads", "head_dim"), param_dtype)
         self.q_bias = logical_param(rngs, zeros, (h, hd), ("heads", "head_dim"), param_dtype) if cfg.qkv_bias else None
         self.k_bias = (
             logical_param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), param_dtype) if cfg.qkv_bias else None
@@ -134,7 +136,7 @@ class Attention(nnx.Module):
         self.dtype = dtype
 
     def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = jnp.einsum("bte,ehd->bthd", x, kernel[...].astype(self.dtype))
+        y = jnp.einsum("bte,hde->bthd", x, kernel[...].astype(self.dtype))
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -147,7 +149,7 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def project_out(self, attended: jax.Array) -> jax.Array:
-        y = jnp.einsum("bthd,hde->bte", attended, self.o_kernel[...].astype(self.dtype))
+        y = jnp.einsum("bthd,ehd->bte", attended, self.o_kernel[...].astype(self.dtype))
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
@@ -161,16 +163,16 @@ class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
         d, m = cfg.hidden_size, cfg.intermediate_size
         init, zeros = normal_init(std), jax.nn.initializers.zeros
-        self.gate_kernel = logical_param(rngs, init, (d, m), ("embed", "mlp"), param_dtype)
-        self.up_kernel = logical_param(rngs, init, (d, m), ("embed", "mlp"), param_dtype)
-        self.down_kernel = logical_param(rngs, init, (m, d), ("mlp", "embed"), param_dtype)
+        self.gate_kernel = logical_param(rngs, init, (m, d), ("mlp", "embed"), param_dtype)
+        self.up_kernel = logical_param(rngs, init, (m, d), ("mlp", "embed"), param_dtype)
+        self.down_kernel = logical_param(rngs, init, (d, m), ("embed", "mlp"), param_dtype)
         self.gate_bias = logical_param(rngs, zeros, (m,), ("mlp",), param_dtype) if cfg.mlp_bias else None
         self.up_bias = logical_param(rngs, zeros, (m,), ("mlp",), param_dtype) if cfg.mlp_bias else None
         self.down_bias = logical_param(rngs, zeros, (d,), ("embed",), param_dtype) if cfg.mlp_bias else None
         self.dtype = dtype
 
     def _dense(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = x @ kernel[...].astype(self.dtype)
+        y = jnp.einsum("...i,oi->...o", x, kernel[...].astype(self.dtype))
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:

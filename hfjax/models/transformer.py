@@ -83,10 +83,10 @@ class _Backbone(nnx.Module):
         self.model = Decoder(cfg, self.dtype, self.param_dtype, rngs, init_std)
 
     def _head_param(self, rngs: nnx.Rngs | None, std: float, out: int, axis: str) -> nnx.Param:
-        return logical_param(rngs, normal_init(std), (self.config.hidden_size, out), ("embed", axis), self.param_dtype)
+        return logical_param(rngs, normal_init(std), (out, self.config.hidden_size), (axis, "embed"), self.param_dtype)
 
     def _to_float32(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
-        return jnp.einsum("...e,eo->...o", hidden, kernel.astype(self.dtype), preferred_element_type=jnp.float32)
+        return jnp.einsum("...e,oe->...o", hidden, kernel.astype(self.dtype), preferred_element_type=jnp.float32)
 
 
 class CausalLM(_Backbone):
@@ -114,7 +114,7 @@ class CausalLM(_Backbone):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM-head logits (float32) for hidden states [..., embed]."""
         if self.lm_head is None:
-            return self._to_float32(hidden, self.model.embed_tokens[...].T)
+            return self._to_float32(hidden, self.model.embed_tokens[...])
         return self._to_float32(hidden, self.lm_head[...])
 
 
