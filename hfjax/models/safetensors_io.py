@@ -2,7 +2,7 @@
 
 Reading seeks to one tensor and reads it into a fresh numpy buffer, so host memory holds one tensor, not a file.
 Writing takes tensors lazily from a callable, so a model is never gathered on the host whole.
-Corrupt files raise `CheckpointError` naming the file. Imports nothing from the rest of hfjax.
+Corrupt files raise `CheckpointError` naming the file. Imports only `hfjax.parallel.transfer`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+
+from hfjax.parallel.transfer import aligned_empty
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -89,8 +91,8 @@ def read_header(file: str) -> dict[str, TensorEntry]:
 
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:
-    """Reads one tensor into a new host array."""
-    out = np.empty(entry.shape, entry.dtype)
+    """Reads one tensor into a new 64-byte-aligned host array (so that placing it on a CPU device is zero-copy)."""
+    out = aligned_empty(entry.shape, entry.dtype)
     with open(entry.file, "rb") as f:
         f.seek(entry.start)
         got = f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
