@@ -134,3 +134,12 @@ def test_bfloat16_matches_transformers_bfloat16(tmp_path):
     v = _valid(mask)
     # hfjax bf16 is no further from the fp32 truth than transformers' own bf16 run (with a 50% margin).
     assert relative_error(got[v], expected32[v]) <= 1.5 * relative_error(expected16[v], expected32[v])
+
+
+def test_long_left_padded_batch_uses_causal_blocks_exactly(tmp_path):
+    """128 tokens: attention runs in 4 causal query blocks (each skipping later keys); logits still match."""
+    reference, path = save_hf_model(tmp_path, "mistral", num_key_value_heads=2, sliding_window=50)
+    ids, mask, positions = left_padded_batch(reference.config.vocab_size, [128, 100, 37], seed=8)
+    expected = torch_logits(reference, ids, mask, positions)
+    got = np.asarray(load_hf(path)(ids, mask))
+    assert relative_error(got[_valid(mask)], expected[_valid(mask)]) <= 1e-5
