@@ -70,7 +70,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _abstract_params(model: str, dtype: str) -> Any:
+def abstract_params_for(model: str, dtype: str) -> Any:
+    """Abstract parameters (no memory) of a Hugging Face directory or a named size such as `llama-200m`."""
     from pathlib import Path
 
     from flax import nnx
@@ -103,7 +104,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
         pairs = (yaml.safe_load(f) or {}).get("pairs")
     if not isinstance(pairs, list) or not all(isinstance(p, dict) and {"train", "gen"} <= set(p) for p in pairs):
         raise SystemExit(f"{args.pairs}: expected 'pairs:' as a list of {{name, train, gen}} layout entries")
-    rows = compare_layouts(_abstract_params(args.model, args.dtype), pairs, repeats=args.repeats)
+    rows = compare_layouts(abstract_params_for(args.model, args.dtype), pairs, repeats=args.repeats)
     print_layout_rows(rows, f"{args.model} ({args.dtype}) on {args.devices or 'all'} devices")
     if args.out:
         write_rows(rows, args.out)

@@ -23,7 +23,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import report
 
-from hfjax.cli import _abstract_params
+from hfjax.cli import abstract_params_for
 from hfjax.parallel.layout_compare import compare_layouts
 
 MIB = 2**20
@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/reshard.json"))
     args = parser.parse_args()
     pairs = yaml.safe_load(args.pairs.read_text())["pairs"]
-    params = _abstract_params(args.model, "bfloat16")
+    params = abstract_params_for(args.model, "bfloat16")
     bandwidth = memcpy_bandwidth()
     rows = compare_layouts(params, pairs, repeats=args.repeats)
     bandwidth = (bandwidth + memcpy_bandwidth()) / 2  # before and after, to smooth machine noise

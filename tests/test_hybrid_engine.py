@@ -185,6 +185,8 @@ def test_naive_mode_keeps_training_buffers(checkpoint):
     assert stats["redundant_bytes_per_device"] == stats["train_bytes_per_device"] > 0
     assert stats["peak_param_bytes_per_device"] == stats["gen_bytes_per_device"] + stats["train_bytes_per_device"]
     assert engine.to_train(gen_params) is params
+    with pytest.raises(RuntimeError, match="call to_gen first"):
+        engine.to_train(gen_params)
     # With t_g < t the default (consecutive gen-TP groups) order does not contain the train shards: more bytes
     # move than under HybridFlow's order (gen-TP groups at stride t / t_g).
     assert not stats["contained"]

@@ -101,6 +101,7 @@ class HybridEngine:
                 jax.default_backend(),
             )
         self.times = TransitionTimes()
+        self._kept_train: Any = None
 
     def _order_gen(
         self, gen: Layout, abstract_params: Any, train_specs: list[tuple]
@@ -183,6 +184,10 @@ class HybridEngine:
         start = time.perf_counter()
         leaves = self._flatten(gen_params, "to_train")
         if self.mode == "naive":
+            if self._kept_train is None:
+                raise RuntimeError(
+                    "HybridEngine(mode='naive').to_train: no training parameters kept; call to_gen first"
+                )
             result = self._kept_train
             self._kept_train = None
         else:
