@@ -23,7 +23,6 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 HEAD_CLASS_SUFFIX = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification", "token_cls": "TokenClassification"}
 ROPE_TYPES = ("default", "linear", "llama3")
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class UnsupportedModelError(ValueError):

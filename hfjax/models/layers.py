@@ -4,7 +4,7 @@ Every parameter carries `logical_axes` metadata (names from `LOGICAL_AXES`); a `
 Weights are stored output-major like HF's `[out, in]` (loading is a reshape, never a transpose; XLA's CPU matmuls
 were also faster this way on our shapes).
 Compute runs in `dtype`; parameters are stored in `param_dtype`; norms and softmax run in float32.
-Imports only `hfjax.models.config`.
+Imports `hfjax.models.config` and the logical axis names of `hfjax.parallel.layout`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from hfjax.models.config import ModelConfig, RopeConfig
+from hfjax.parallel.layout import LOGICAL_AXES
 
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels")
 MASKED_SCORE = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]

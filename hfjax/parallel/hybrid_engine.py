@@ -30,7 +30,7 @@ from hfjax.parallel.shard_math import (
     account,
     candidate_orders,
     containing_order,
-    local_train_slices,
+    local_train_bounds,
 )
 from hfjax.parallel.transfer import reshard
 
@@ -87,7 +87,7 @@ class HybridEngine:
             self.account = account(self.shapes, self.itemsizes, self.train_shardings, self.gen_shardings)
         self._local_slices = (
             [
-                None if t.is_equivalent_to(g, len(shape)) else _as_bounds(local_train_slices(shape, t, g))
+                None if t.is_equivalent_to(g, len(shape)) else local_train_bounds(shape, t, g)
                 for shape, t, g in zip(self.shapes, self.train_shardings, self.gen_shardings, strict=True)
             ]
             if mode == "zero_redundancy" and self.account.contained
@@ -272,11 +272,6 @@ def block_count(sharding: NamedSharding) -> int:
     """Number of distinct blocks a sharding cuts an array into."""
     axes = [a for e in sharding.spec if e for a in ((e,) if isinstance(e, str) else e)]
     return math.prod(sharding.mesh.shape[a] for a in axes)
-
-
-def _as_bounds(slices: dict[int, tuple[slice, ...]]) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Static (start, limit) index tuples for `jax.lax.slice`, which moves no index data to the device."""
-    return {d: (tuple(s.start for s in sl), tuple(s.stop for s in sl)) for d, sl in slices.items()}
 
 
 def _has_separate_host_memory(layout: Layout) -> bool:

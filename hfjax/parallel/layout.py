@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
-KNOWN_LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels")
 _TENSOR_PARALLEL = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)), ("vocab", ("tensor",)))
 RULE_PRESETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "fsdp": (("batch", ("data", "fsdp")), ("embed", ("fsdp",))),
@@ -75,10 +75,8 @@ class Layout:
             raise LayoutError(f"layout.mesh: axis names repeat: {names}")
         seen = set()
         for logical, mesh_axes in self.rules:
-            if logical not in KNOWN_LOGICAL_AXES:
-                raise LayoutError(
-                    f"layout.rules: unknown logical axis {logical!r}; expected one of {KNOWN_LOGICAL_AXES}"
-                )
+            if logical not in LOGICAL_AXES:
+                raise LayoutError(f"layout.rules: unknown logical axis {logical!r}; expected one of {LOGICAL_AXES}")
             if logical in seen:
                 raise LayoutError(f"layout.rules: logical axis {logical!r} has more than one rule")
             seen.add(logical)

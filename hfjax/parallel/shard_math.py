@@ -1,7 +1,7 @@
 """Shard arithmetic of a train -> gen transition: block indices, containment, bytes moved, and the device order of
 the generation mesh that puts every device's training shard inside its generation shard (HybridFlow §5).
 
-Works from `NamedSharding`s and shapes only; moves no data. Imports `hfjax.parallel.layout`.
+Works from `NamedSharding`s and shapes only; moves no data. Imports `hfjax.parallel.layout` and `.transfer`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from hfjax.parallel.layout import Layout
-
-
-def _block_elems(index: tuple[slice, ...], shape: Sequence[int]) -> list[tuple[int, int]]:
-    return [(s.start or 0, shape[i] if s.stop is None else s.stop) for i, s in enumerate(index)]
+from hfjax.parallel.transfer import block_bounds
 
 
 def _size(block: list[tuple[int, int]]) -> int:
@@ -58,8 +55,8 @@ def account(
     for shape, itemsize, ts, gs in zip(shapes, itemsizes, train, gen, strict=True):
         train_map, gen_map = ts.devices_indices_map(tuple(shape)), gs.devices_indices_map(tuple(shape))
         for device, train_index in train_map.items():
-            t_block = _block_elems(train_index, shape)
-            g_block = _block_elems(gen_map[device], shape)
+            t_block = block_bounds(train_index, shape)
+            g_block = block_bounds(gen_map[device], shape)
             overlap = _size(_intersection(t_block, g_block))
             for name, elems in (
                 ("train", _size(t_block)),
@@ -71,18 +68,19 @@ def account(
     return TransitionAccount(totals["train"], totals["gen"], totals["received"], totals["uncontained"])
 
 
-def local_train_slices(shape: Sequence[int], train: NamedSharding, gen: NamedSharding) -> dict[int, tuple[slice, ...]]:
-    """For each device: the slice of its gen shard that is its train shard. Raises if a train shard is not
-    contained in the gen shard of the same device."""
+def local_train_bounds(
+    shape: Sequence[int], train: NamedSharding, gen: NamedSharding
+) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """For each device: (start, limit) of its train shard within its gen shard, static indices for
+    `jax.lax.slice`. Raises if a train shard is not contained in the gen shard of the same device."""
     train_map, gen_map = train.devices_indices_map(tuple(shape)), gen.devices_indices_map(tuple(shape))
     out = {}
     for device, train_index in train_map.items():
-        t_block, g_block = _block_elems(train_index, shape), _block_elems(gen_map[device], shape)
+        t_block, g_block = block_bounds(train_index, shape), block_bounds(gen_map[device], shape)
         if any(tlo < glo or thi > ghi for (tlo, thi), (glo, ghi) in zip(t_block, g_block, strict=True)):
             raise ValueError(f"train shard {t_block} of device {device.id} is not inside its gen shard {g_block}")
-        out[device.id] = tuple(
-            slice(tlo - glo, thi - glo) for (tlo, thi), (glo, _) in zip(t_block, g_block, strict=True)
-        )
+        pairs = [(tlo - glo, thi - glo) for (tlo, thi), (glo, _) in zip(t_block, g_block, strict=True)]
+        out[device.id] = (tuple(lo for lo, _ in pairs), tuple(hi for _, hi in pairs))
     return out
 
 

@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 
-def _bounds(index: tuple[slice, ...], shape: Sequence[int]) -> list[tuple[int, int]]:
+def block_bounds(index: tuple[slice, ...], shape: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, stop) per dimension of a shard index (`None` bounds made explicit)."""
     return [(s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)]
 
 
@@ -60,12 +61,12 @@ def _assemble_on_host(source: jax.Array, target: NamedSharding) -> jax.Array:
     shape = source.shape
     pieces, seen = [], set()  # (bounds, host view) of each distinct source block
     for shard in source.addressable_shards:
-        key = tuple(_bounds(shard.index, shape))
+        key = tuple(block_bounds(shard.index, shape))
         if key not in seen:
             seen.add(key)
             pieces.append((key, _bits(np.asarray(shard.data))))
     targets = list(target.addressable_devices_indices_map(shape).items())
-    blocks = _POOL.map(lambda item: _fill_block(_bounds(item[1], shape), pieces, source.dtype), targets)
+    blocks = _POOL.map(lambda item: _fill_block(block_bounds(item[1], shape), pieces, source.dtype), targets)
     arrays = [jax.device_put(block, device) for block, (device, _) in zip(blocks, targets, strict=True)]
     return jax.make_array_from_single_device_arrays(shape, target, arrays)
 
