@@ -1,0 +1,137 @@
+"""RL prompt datasets in verl's schema: rows with `data_source`, `prompt` (chat messages), optional `ability`,
+`reward_model` {style, ground_truth} and `extra_info`, read from parquet or JSONL. The chat template is applied with
+the tokenizer, over-long prompts are filtered, truncated or rejected, and `collate` left-pads rows into numpy batches
+with the non-tensor fields the reward functions need. Imports numpy and `hfjax.data` modules only."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hfjax.data.records import (
+    DataError,
+    RowRef,
+    parse_mapping,
+    parse_messages,
+    parse_str,
+    read_rows,
+    require,
+)
+from hfjax.data.tokenize import (
+    Batch,
+    batch_width,
+    check_options,
+    clip,
+    encode,
+    keep_within,
+    object_array,
+    pad_token_id,
+    padded_tensors,
+    render_prompt,
+)
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """One prompt row, checked and tokenized. `uid` is the row's position in the files (stable across runs)."""
+
+    ref: RowRef
+    uid: str
+    messages: list[dict[str, str]]
+    data_source: str
+    ability: str | None
+    ground_truth: Any
+    extra_info: dict[str, Any]
+    text: str
+    input_ids: np.ndarray
+
+    @property
+    def index(self) -> Any:
+        """`extra_info.index` when the row has one, else the uid."""
+        index = self.extra_info.get("index")
+        return self.uid if index is None else index
+
+
+def parse_prompt_row(ref: RowRef, row: dict[str, Any]) -> dict[str, Any]:
+    """The checked fields of one prompt row (see the module docstring for the schema)."""
+    reward_model = parse_mapping(row.get("reward_model"), ref, "reward_model")
+    ability = row.get("ability")
+    return {
+        "messages": parse_messages(require(row, ref, "prompt"), ref, "prompt"),
+        "data_source": parse_str(require(row, ref, "data_source"), ref, "data_source"),
+        "ability": None if ability is None else parse_str(ability, ref, "ability"),
+        "ground_truth": reward_model.get("ground_truth"),
+        "extra_info": parse_mapping(row.get("extra_info"), ref, "extra_info"),
+    }
+
+
+class PromptDataset:
+    """Prompts from parquet/JSONL files, tokenized with the tokenizer's chat template (`add_generation_prompt=True`).
+
+    `truncation`: `error` fails on a prompt longer than `max_prompt_length` (naming its file and row), `filter`
+    drops such prompts (logs the count, kept in `num_filtered`), `left` keeps their last tokens, `right` their first.
+    `pad_to`: `max_length` pads every batch to `max_prompt_length` (fixed shapes), `longest` to the batch's longest.
+    """
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        *,
+        max_prompt_length: int,
+        truncation: str = "error",
+        pad_to: str = "max_length",
+    ):
+        check_options(max_prompt_length, truncation, pad_to)
+        self.max_prompt_length, self.truncation, self.pad_to = max_prompt_length, truncation, pad_to
+        self.pad_id = pad_token_id(tokenizer)
+        rows = read_rows(files)
+        fields = [parse_prompt_row(ref, row) for ref, row in rows]
+        refs = [ref for ref, _ in rows]
+        texts = [render_prompt(tokenizer, f["messages"], ref) for f, ref in zip(fields, refs, strict=True)]
+        ids = encode(tokenizer, texts)
+        kept = keep_within([len(x) for x in ids], refs, max_prompt_length, truncation, "prompt")
+        self.num_filtered = len(rows) - len(kept)
+        self.examples = [
+            PromptExample(
+                ref=refs[i],
+                uid=str(i),
+                text=texts[i],
+                input_ids=clip(ids[i], max_prompt_length, truncation),
+                **fields[i],
+            )
+            for i in kept
+        ]
+        if not self.examples:
+            raise DataError(f"no prompts left in {files} (read {len(rows)} rows, filtered {self.num_filtered})")
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> PromptExample:
+        return self.examples[i]
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """Left-padded `input_ids`, `attention_mask`, `position_ids` (int32) and object arrays `raw_prompt`
+        (messages), `prompt_text`, `data_source`, `ability`, `ground_truth`, `extra_info`, `index`, `uid`."""
+        rows = [self.examples[int(i)] for i in indices]
+        seqs = [r.input_ids for r in rows]
+        width = batch_width([len(s) for s in seqs], self.max_prompt_length, self.pad_to)
+        non_tensors = {
+            "raw_prompt": [r.messages for r in rows],
+            "prompt_text": [r.text for r in rows],
+            "data_source": [r.data_source for r in rows],
+            "ability": [r.ability for r in rows],
+            "ground_truth": [r.ground_truth for r in rows],
+            "extra_info": [r.extra_info for r in rows],
+            "index": [r.index for r in rows],
+            "uid": [r.uid for r in rows],
+        }
+        return Batch(
+            tensors=padded_tensors(seqs, width, self.pad_id, "left"),
+            non_tensors={k: object_array(v) for k, v in non_tensors.items()},
+        )

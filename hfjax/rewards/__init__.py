@@ -1,0 +1,19 @@
+"""Rule rewards computed from response text: GSM8K answers, exact match, user functions from `file.py:name`, and
+verl-style dispatch by data source. Imports only the standard library (nothing else from hfjax)."""
+
+from hfjax.rewards.dispatch import SCORERS, compute_score, make_reward_function, register_scorer
+from hfjax.rewards.errors import RewardError
+from hfjax.rewards.rules import exact_match_score, extract_answer, gsm8k_score
+from hfjax.rewards.user_function import load_reward_function
+
+__all__ = [
+    "SCORERS",
+    "RewardError",
+    "compute_score",
+    "exact_match_score",
+    "extract_answer",
+    "gsm8k_score",
+    "load_reward_function",
+    "make_reward_function",
+    "register_scorer",
+]

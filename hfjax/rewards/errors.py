@@ -1,0 +1,5 @@
+"""The error type of the rule-reward package. Imports nothing."""
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be found, loaded or called, or that returned something other than a score."""
