@@ -1,0 +1,54 @@
+"""RL math as pure functions of arrays: masked statistics, advantage estimators, KL penalties and controllers, policy
+and value losses, loss aggregation. Imports nothing from hfjax outside this package."""
+
+from hfjax.algos.advantages import (
+    ESTIMATOR_INPUTS,
+    advantage_estimators,
+    compute_advantage,
+    group_ids,
+    register_advantage_estimator,
+)
+from hfjax.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty, make_kl_controller
+from hfjax.algos.losses import (
+    AGG_MODES,
+    agg_loss,
+    entropy_from_logits,
+    gspo_policy_loss,
+    logprobs_from_logits,
+    mask_counts,
+    pg_policy_loss,
+    policy_loss,
+    policy_losses,
+    ppo_policy_loss,
+    register_policy_loss,
+    value_loss,
+)
+from hfjax.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "AGG_MODES",
+    "ESTIMATOR_INPUTS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "advantage_estimators",
+    "agg_loss",
+    "compute_advantage",
+    "entropy_from_logits",
+    "group_ids",
+    "gspo_policy_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "mask_counts",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "pg_policy_loss",
+    "policy_loss",
+    "policy_losses",
+    "ppo_policy_loss",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "value_loss",
+]

@@ -1,0 +1,265 @@
+"""Token-loss aggregation, policy losses (dual-clip PPO, GSPO, plain policy gradient) with their registry, the clipped
+value loss, and token log-probs / entropy from logits.
+
+Pure `jax.numpy`, differentiable, for jitted training steps. Aggregation takes optional GLOBAL normalisers (token
+count, sequence count of the whole mini-batch): a worker that splits a mini-batch into micro-batches passes the
+mini-batch's counts to every micro-batch, and the sum of the micro-batch losses (and of their gradients) then equals
+the mini-batch loss (and gradient). Imports `hfjax.algos.masked` and `.registry`; must not import workers, trainer or
+models.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.algos.masked import masked_mean, masked_sum
+from hfjax.algos.registry import Registry
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SEQ_MEAN_EPS = 1e-8  # added to a sequence's token count in seq-mean-token-mean
+LOG_RATIO_CLAMP = 20.0  # PPO clamps log(pi / pi_old) to [-20, 20] before exp
+GSPO_LOG_RATIO_MAX = 10.0  # GSPO clamps its token-level log ratio from above
+
+PolicyLossOutput = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # pg_loss, pg_clipfrac, ppo_kl, clipfrac_lower
+PolicyLoss = Callable[..., PolicyLossOutput]
+_POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+def _safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+    """numerator / denominator, and 0 where the denominator is 0 (gradients stay finite)."""
+    denominator = jnp.asarray(denominator, numerator.dtype)
+    return jnp.where(denominator != 0, numerator / jnp.where(denominator != 0, denominator, 1), 0)
+
+
+def mask_counts(loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(valid tokens, sequences with at least one valid token): the normalisers `agg_loss` uses for this batch."""
+    mask = jnp.asarray(loss_mask)
+    mask = mask if jnp.issubdtype(mask.dtype, jnp.floating) else mask.astype(jnp.float32)
+    return jnp.sum(mask), jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(mask.dtype)
+
+
+def agg_loss(
+    loss_mat: jax.Array,
+    loss_mask: jax.Array,
+    mode: str = "token-mean",
+    *,
+    global_tokens: jax.Array | float | None = None,
+    global_seqs: jax.Array | float | None = None,
+    norm_length: int | None = None,
+) -> jax.Array:
+    """Aggregates a (bs, T) token-loss matrix to a scalar.
+
+    token-mean: sum of valid token losses / tokens. seq-mean-token-sum: sum over sequences of their token sums /
+    sequences. seq-mean-token-mean: sum over sequences of their token means / sequences. seq-mean-token-sum-norm
+    (Dr.GRPO): seq-mean-token-sum / `norm_length` (default T; verl's loss_scale_factor; pass a constant when
+    micro-batches are padded to different lengths). "tokens" and "sequences" (only those with a valid token count)
+    are `global_tokens` / `global_seqs` when given (the whole mini-batch's `mask_counts`), else this batch's. A zero
+    count gives loss 0.
+    """
+    loss_mat = jnp.asarray(loss_mat)
+    mask = jnp.asarray(loss_mask).astype(loss_mat.dtype)
+    tokens, seqs = mask_counts(mask)
+    if mode == "token-mean":
+        return _safe_divide(masked_sum(loss_mat, mask), tokens if global_tokens is None else global_tokens)
+    seqs = seqs if global_seqs is None else global_seqs
+    seq_sums = masked_sum(loss_mat, mask, axis=-1)
+    if mode == "seq-mean-token-sum":
+        return _safe_divide(jnp.sum(seq_sums), seqs)
+    if mode == "seq-mean-token-mean":
+        return _safe_divide(jnp.sum(seq_sums / (jnp.sum(mask, axis=-1) + SEQ_MEAN_EPS)), seqs)
+    if mode == "seq-mean-token-sum-norm":
+        return _safe_divide(jnp.sum(seq_sums), seqs) / (mask.shape[-1] if norm_length is None else norm_length)
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {list(AGG_MODES)}")
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator registering `fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, global_tokens,
+    global_seqs, norm_length, **own_params) -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)` under `name`."""
+    return _POLICY_LOSSES.register(name)
+
+
+def policy_losses() -> list[str]:
+    """Names of the registered policy losses."""
+    return _POLICY_LOSSES.names()
+
+
+def policy_loss(
+    name: str,
+    old_log_prob: jax.Array,
+    log_prob: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    **params,
+) -> PolicyLossOutput:
+    """Calls the policy loss registered as `name`; `params` (e.g. loss_agg_mode, clip_ratio_low, global_tokens) must be
+    keyword parameters of that loss, and those not given keep the loss's defaults."""
+    fn = _POLICY_LOSSES.get(name)
+    accepted = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"policy loss {name!r} does not take {unknown}; it takes {accepted}")
+    return fn(old_log_prob, log_prob, advantages, response_mask, **params)
+
+
+@register_policy_loss("ppo")
+def ppo_policy_loss(
+    old_log_prob: jax.Array,
+    log_prob: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: jax.Array | float | None = None,
+    global_seqs: jax.Array | float | None = None,
+    norm_length: int | None = None,
+) -> PolicyLossOutput:
+    """Dual-clip PPO (arXiv 1912.09729; verl's "vanilla" loss), ratio r = exp(clamp(logp - old_logp, -20, 20)).
+
+    Token loss max(-A r, -A clip(r, 1 - low, 1 + high)), and for A < 0 also at most -A * clip_ratio_c.
+    pg_clipfrac: share of valid tokens where the clipped term wins; pg_clipfrac_lower: share where the dual clip
+    bounds the loss; ppo_kl: masked mean of old_logp - logp.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c (dual-clip PPO's lower bound on the ratio) must be > 1.0, got {clip_ratio_c}")
+    log_ratio = jnp.clip(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clip_loss = jnp.maximum(unclipped, clipped)
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    token_losses = jnp.where(negative, jnp.minimum(dual_bound, clip_loss), clip_loss)
+    pg_loss = agg_loss(
+        token_losses,
+        response_mask,
+        loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_length=norm_length,
+    )
+    pg_clipfrac = masked_mean((clipped > unclipped).astype(ratio.dtype), response_mask)
+    pg_clipfrac_lower = masked_mean(((clip_loss > dual_bound) & negative).astype(ratio.dtype), response_mask)
+    return pg_loss, pg_clipfrac, masked_mean(-log_ratio, response_mask), pg_clipfrac_lower
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    old_log_prob: jax.Array,
+    log_prob: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_tokens: jax.Array | float | None = None,
+    global_seqs: jax.Array | float | None = None,
+    norm_length: int | None = None,
+) -> PolicyLossOutput:
+    """GSPO (arXiv 2507.18071): PPO clipping on the sequence-level ratio s = exp(mean over valid tokens of log r).
+
+    The token ratio is sg[s] * pi / sg[pi] (value s, gradient of log pi), its log clamped at 10. verl always
+    aggregates GSPO with seq-mean-token-mean, this function's default; pg_clipfrac_lower is 0.
+    """
+    mask = jnp.asarray(response_mask).astype(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_sum(log_ratio, mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1)
+    token_log_ratio = log_prob - jax.lax.stop_gradient(log_prob) + jax.lax.stop_gradient(seq_log_ratio)[:, None]
+    ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_loss = agg_loss(
+        jnp.maximum(unclipped, clipped),
+        mask,
+        loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_length=norm_length,
+    )
+    pg_clipfrac = masked_mean((clipped > unclipped).astype(ratio.dtype), mask)
+    return pg_loss, pg_clipfrac, masked_mean(-log_ratio, mask), jnp.zeros((), ratio.dtype)
+
+
+@register_policy_loss("pg")
+def pg_policy_loss(
+    old_log_prob: jax.Array,
+    log_prob: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    *,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: jax.Array | float | None = None,
+    global_seqs: jax.Array | float | None = None,
+    norm_length: int | None = None,
+) -> PolicyLossOutput:
+    """Plain policy gradient, token loss -A * logp (no ratio, no clipping; clip fractions are 0).
+
+    ppo_kl is still reported (masked mean of old_logp - logp) to watch how far the policy moved.
+    """
+    pg_loss = agg_loss(
+        -advantages * log_prob,
+        response_mask,
+        loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_length=norm_length,
+    )
+    zero = jnp.zeros((), pg_loss.dtype)
+    return pg_loss, zero, masked_mean(old_log_prob - log_prob, response_mask), zero
+
+
+def value_loss(
+    vpreds: jax.Array,
+    returns: jax.Array,
+    values: jax.Array,
+    response_mask: jax.Array,
+    *,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: jax.Array | float | None = None,
+    global_seqs: jax.Array | float | None = None,
+    norm_length: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)) -> (vf_loss, vf_clipfrac).
+
+    vf_clipfrac: share of valid tokens where the clipped term is larger.
+    """
+    vpreds_clipped = jnp.clip(vpreds, values - cliprange_value, values + cliprange_value)
+    unclipped = jnp.square(vpreds - returns)
+    clipped = jnp.square(vpreds_clipped - returns)
+    vf_loss = 0.5 * agg_loss(
+        jnp.maximum(unclipped, clipped),
+        response_mask,
+        loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_length=norm_length,
+    )
+    return vf_loss, masked_mean((clipped > unclipped).astype(vf_loss.dtype), response_mask)
+
+
+def _at_least_f32(logits: jax.Array) -> jax.Array:
+    logits = jnp.asarray(logits)
+    return logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+
+
+@jax.jit
+def entropy_from_logits(logits: jax.Array) -> jax.Array:
+    """Entropy of softmax(logits) over the last axis, logsumexp(z) - sum(softmax(z) * z), in at least float32."""
+    logits = _at_least_f32(logits)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+
+
+@jax.jit
+def logprobs_from_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """log softmax(logits)[label] over the last axis, in at least float32; labels has logits' shape minus the last."""
+    logits = _at_least_f32(logits)
+    picked = jnp.take_along_axis(logits, jnp.asarray(labels)[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)

@@ -1,0 +1,66 @@
+"""Masked reductions over response tokens: sum, mean, unbiased variance and whitening, with verl's conventions.
+
+Pure `jax.numpy` functions: they run inside jitted training steps and on numpy arrays on the controller. A mask may be
+bool, integer or float; positions where it is 0 never reach a result, even when they hold NaN or inf. Imports only
+jax; must not import any other hfjax package.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+MEAN_EPS = 1e-8  # added to the element count of a masked mean (verl's convention)
+WHITEN_EPS = 1e-8  # added to the variance before the reciprocal square root when whitening
+
+
+def _float_mask(values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    values = jnp.asarray(values)
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        values = values.astype(jnp.float32)
+    return values, jnp.asarray(mask).astype(values.dtype)
+
+
+@partial(jax.jit, static_argnames="axis")
+def masked_sum(values: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
+    """Sum of `values * mask` over `axis` (all axes when None); masked-out NaN/inf do not leak into the sum."""
+    values, mask = _float_mask(values, mask)
+    return jnp.sum(jnp.where(mask != 0, values, 0) * mask, axis=axis)
+
+
+@partial(jax.jit, static_argnames="axis")
+def masked_mean(values: jax.Array, mask: jax.Array, axis: int | None = None) -> jax.Array:
+    """`masked_sum / (mask.sum() + 1e-8)`: an all-masked input gives 0, not NaN."""
+    values, mask = _float_mask(values, mask)
+    return masked_sum(values, mask, axis) / (jnp.sum(mask, axis=axis) + MEAN_EPS)
+
+
+@partial(jax.jit, static_argnames="unbiased")
+def masked_var(values: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
+    """Variance of the valid elements (all axes), Bessel-corrected by `n / (n - 1)` when `unbiased`.
+
+    With fewer than two valid elements the unbiased variance is undefined and the result is NaN (numpy's
+    `var(ddof=1)` convention; verl raises instead, which a jitted function cannot do).
+    """
+    values, mask = _float_mask(values, mask)
+    mean = masked_mean(values, mask)
+    variance = masked_mean(jnp.square(values - mean), mask)
+    if not unbiased:
+        return variance
+    count = jnp.sum(mask)
+    safe_dof = jnp.where(count > 1, count - 1, 1)
+    return jnp.where(count > 1, variance * count / safe_dof, jnp.nan)
+
+
+@partial(jax.jit, static_argnames="shift_mean")
+def masked_whiten(values: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax.Array:
+    """`(values - mean) * rsqrt(var + 1e-8)` with the masked mean and unbiased masked variance of all valid elements.
+
+    Every position is transformed (masked ones too, as in verl); with `shift_mean=False` the mean is added back.
+    """
+    values, mask = _float_mask(values, mask)
+    mean = masked_mean(values, mask)
+    whitened = (values - mean) * jax.lax.rsqrt(masked_var(values, mask) + WHITEN_EPS)
+    return whitened if shift_mean else whitened + mean
