@@ -1,5 +1,5 @@
 """The `hfjax` command. `hfjax inspect` shows how a checkpoint's parameters shard under a layout (no weights are
-loaded); `hfjax layouts` lists the rule presets. Later issues add `train`, `generate` and friends here."""
+loaded); `hfjax layouts` lists the rule presets or compares layout pairs; `hfjax generate` samples responses."""
 
 from __future__ import annotations
 
@@ -111,6 +111,65 @@ def cmd_layouts(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from flax import nnx
+
+    from hfjax.models import load_hf, load_tokenizer
+    from hfjax.parallel import Layout
+    from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+    from hfjax.rollout.prompt_file import read_prompts, write_results
+
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        n=args.n,
+        seed=args.seed,
+        stop_token_ids=None if args.stop is None else tuple(int(t) for t in args.stop.split(",") if t),
+    )
+    tokenizer = load_tokenizer(args.model)
+    rows, prompts = read_prompts(args.prompts, tokenizer)
+    layout = Layout.from_config(_layout_config(args)) if args.mesh else None
+    model = load_hf(args.model, dtype=args.dtype, layout=layout)
+    if model.head_kind != "causal_lm":
+        raise SystemExit(f"--model: {args.model} is a {model.head_kind} checkpoint; generation needs a causal LM")
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    longest = max((len(p) for p in prompts), default=1)
+    engine = JaxEngine(
+        model,
+        layout,
+        max_concurrent_decodes=args.slots,
+        max_prefill_length=args.max_prefill_length or max(longest, 1),
+        max_new_tokens=args.max_new_tokens,
+    )
+    generator = OfflineGenerator(engine, params, eos_token_ids=_eos_ids(args.model, model, tokenizer))
+    outputs = generator.generate(prompts, sampling)
+    write_results(args.out, rows, outputs, tokenizer)
+    rejected = sum(o.finish_reason == "rejected" for o in outputs)
+    stats = generator.last_stats
+    print(
+        f"wrote {len(outputs)} samples to {args.out} ({rejected} rejected); {stats['response_tokens']} tokens in "
+        f"{stats['seconds']:.1f} s; compiles {dict(engine.compiles)}"
+    )
+    return 0
+
+
+def _eos_ids(model_dir: str, model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Stop ids: generation_config.json's eos, else config.json's, else the tokenizer's."""
+    from pathlib import Path
+
+    file = Path(model_dir) / "generation_config.json"
+    if file.is_file():
+        eos = json.loads(file.read_text()).get("eos_token_id")
+        if eos is not None:
+            return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    if model.config.eos_token_ids:
+        return model.config.eos_token_ids
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    return () if eos_id is None else (int(eos_id),)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hfjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +190,24 @@ def build_parser() -> argparse.ArgumentParser:
     layouts.add_argument("--repeats", type=int, default=0, help="also time to_gen/to_train this many times")
     layouts.add_argument("--out", help="write the rows as JSON here")
     layouts.set_defaults(run=cmd_layouts)
+    generate = sub.add_parser("generate", help="sample responses for a JSONL file of prompts")
+    generate.add_argument("--model", required=True, help="Hugging Face causal-LM directory (with its tokenizer)")
+    generate.add_argument("--prompts", required=True, help='JSONL: {"prompt"|"messages"|"text"|"input_ids": ...}')
+    generate.add_argument("--out", required=True, help="JSONL output, one line per sample")
+    generate.add_argument("--max-new-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--n", type=int, default=1, help="samples per prompt")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--stop", help="comma-separated stop token ids (default: the model's eos)")
+    generate.add_argument("--slots", type=int, default=64, help="concurrent sequences (KV cache slots)")
+    generate.add_argument("--max-prefill-length", type=int, help="longest prompt (default: the longest given)")
+    generate.add_argument("--dtype", default="float32")
+    generate.add_argument("--mesh", help="generation mesh, e.g. data=4,tensor=2 (default: one device)")
+    generate.add_argument("--rules", default="dp_tp_gen", help="rule preset name or a JSON list of [logical, mesh]")
+    generate.add_argument("--devices", type=int, help="on CPU: number of fake devices to create")
+    generate.set_defaults(run=cmd_generate)
     return parser
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 import yaml
 from checkpoints import save_hf_model
 
@@ -50,3 +51,33 @@ def test_inspect_prints_partitions(tmp_path, capsys):
     assert main(["inspect", str(model_dir), "--mesh", "fsdp=4,tensor=2", "--dtype", "float32"]) == 0
     text = capsys.readouterr().out
     assert "('tensor', None, 'fsdp')" in text and "MiB per device on 8 devices" in text
+
+
+def test_generate_command(tmp_path):
+    from hfjax.models.local_tokenizer import build_bpe_tokenizer
+
+    tokenizer = build_bpe_tokenizer(["the cat sat on the mat", "a dog ran far away"] * 20, vocab_size=300)
+    hf, model_dir = save_hf_model(tmp_path, "llama", vocab_size=len(tokenizer), eos_token_id=2)
+    tokenizer.save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [
+        {"prompt": "the cat"},
+        {"messages": [{"role": "user", "content": "a dog"}]},
+        {"input_ids": [5, 9, 40, 41]},
+        {"input_ids": list(range(3, 60))},
+    ]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out)]
+    argv += ["--temperature", "0", "--max-new-tokens", "6", "--max-prefill-length", "32", "--slots", "2"]
+    assert main(argv) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in results] == [0, 1, 2, 3]
+    messages = [{"role": "user", "content": "the cat"}]
+    chat = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+    for prompt_ids, result in ((chat, results[0]), ([5, 9, 40, 41], results[2])):
+        ids = torch.tensor([prompt_ids])
+        expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+        assert result["response_ids"] == expected[0, len(prompt_ids) :].tolist()
+        assert result["response"] == tokenizer.decode(result["response_ids"], skip_special_tokens=True)
+    assert results[3]["finish_reason"] == "rejected" and "exceeds max_prefill_length 32" in results[3]["error"]

@@ -100,6 +100,14 @@ class ModelConfig:
             )
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """End-of-sequence ids from the HF config (`eos_token_id`, an int or a list); empty when absent."""
+        eos = self.hf_config.get("eos_token_id")
+        if eos is None:
+            return ()
+        return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    @property
     def num_params(self) -> int:
         """Parameter count of the causal LM (embedding, layers, final norm, LM head unless tied)."""
         d, q, kv, m = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, 0

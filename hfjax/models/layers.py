@@ -22,6 +22,7 @@ from hfjax.parallel.layout import LOGICAL_AXES
 MASKED_SCORE = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def logical_param(
@@ -174,10 +175,6 @@ class Attention(nnx.Module):
         y = jnp.einsum("bthd,ehd->bte", attended, self.o_kernel[...].astype(self.dtype))
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        q, k, v = self.project_qkv(x, cos, sin)
-        return self.project_out(dot_product_attention(q, k, v, mask))
-
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
@@ -221,5 +218,12 @@ class DecoderLayer(nnx.Module):
         self.window = window
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return self.block(x, cos, sin, lambda q, k, v: dot_product_attention(q, k, v, mask))
+
+    def block(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: Attend) -> jax.Array:
+        """The residual block with the attention step given as `attend(q, k, v) -> attended` (a full forward
+        attends over k, v; generation writes them to its KV cache first and attends over the cache)."""
+        attn = self.self_attn
+        q, k, v = attn.project_qkv(self.input_layernorm(x), cos, sin)
+        x = x + attn.project_out(attend(q, k, v))
         return x + self.mlp(self.post_attention_layernorm(x))

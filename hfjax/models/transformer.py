@@ -56,11 +56,19 @@ class Decoder(nnx.Module):
             positions = positions_from_mask(valid)
         index = jnp.arange(length, dtype=jnp.int32)
         masks = {w: attention_mask(valid, index, index, w) for w in {layer.window for layer in self.layers}}
-        cos, sin = rope_tables(positions, rope_inv_freq(self.rope, self.head_dim), self.dtype)
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+        cos, sin = self.rotary(positions)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, masks[layer.window])
         return self.norm(x)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """Token embeddings [..., embed] in the compute dtype."""
+        return jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(self.dtype)
+
+    def rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rotary cos and sin tables [batch, length, head_dim] for integer positions [batch, length]."""
+        return rope_tables(positions, rope_inv_freq(self.rope, self.head_dim), self.dtype)
 
 
 class _Backbone(nnx.Module):

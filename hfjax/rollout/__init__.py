@@ -1,0 +1,18 @@
+"""Generation: JetStream's engine interface (`Engine`, `JaxEngine`), sampling, and continuous batching."""
+
+from hfjax.rollout.engine import DecodeState, Engine, JaxEngine, PrefillResult, ResultTokens, prefill_buckets
+from hfjax.rollout.generator import OfflineGenerator, SampleOutput
+from hfjax.rollout.sampling import SamplingError, SamplingParams
+
+__all__ = [
+    "DecodeState",
+    "Engine",
+    "JaxEngine",
+    "OfflineGenerator",
+    "PrefillResult",
+    "ResultTokens",
+    "SampleOutput",
+    "SamplingError",
+    "SamplingParams",
+    "prefill_buckets",
+]

@@ -1,0 +1,89 @@
+"""Causal-LM forwards with a KV cache: the prefill of a batch of prompts and one decode step over all slots.
+
+A slot's cache is left-aligned with no padding inside it: the prompt's token i sits at cache index i and has rope
+position i, and decoding writes the next token at index `lengths[slot]`. Both forwards run the model's own residual
+blocks (`DecoderLayer.block`) with the attention step replaced, so their numerics are the model's.
+Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache
+(slots x cache length x kv heads x head_dim x 2 per layer).
+Imports `hfjax.models` only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hfjax.models.layers import attention_mask, dot_product_attention
+from hfjax.models.transformer import CausalLM
+
+
+class Prefix(NamedTuple):
+    """The result of prefilling B prompts (right-padded to a bucket length P): per-layer keys and values
+    [B, P, kv_heads, head_dim], the prompt lengths [B] and the logits at each prompt's last token [B, vocab]."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    lengths: jax.Array
+    last_logits: jax.Array
+
+
+def prefill_forward(model: CausalLM, tokens: jax.Array, lengths: jax.Array) -> Prefix:
+    """Runs prompts tokens [B, P] (right-padded; `lengths` [B] real tokens each) and keeps their keys and values.
+    Real tokens never attend to the padding after them (causal), so padding does not change their results."""
+    batch, length = tokens.shape
+    decoder = model.model
+    index = jnp.arange(length, dtype=jnp.int32)
+    valid = (index[None, :] < lengths[:, None]).astype(jnp.int32)
+    cos, sin = decoder.rotary(jnp.broadcast_to(index, (batch, length)))
+    x = decoder.embed(tokens)
+    keys, values = [], []
+    for layer in decoder.layers:
+        mask = attention_mask(valid, index, index, layer.window)
+
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array = mask) -> jax.Array:
+            keys.append(k)
+            values.append(v)
+            return dot_product_attention(q, k, v, mask)
+
+        x = layer.block(x, cos, sin, attend)
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return Prefix(tuple(keys), tuple(values), lengths, model.logits(decoder.norm(last)))
+
+
+def decode_forward(
+    model: CausalLM,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    cache_keys: tuple[jax.Array, ...],
+    cache_values: tuple[jax.Array, ...],
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """One token per slot: tokens [S] at positions `lengths` [S]; caches [S, T, kv_heads, head_dim] per layer.
+    Writes each slot's key and value at its position (dropped past the cache end) and attends over the cache.
+    Returns (logits [S, vocab] float32, new cache keys, new cache values)."""
+    slots, capacity = cache_keys[0].shape[:2]
+    decoder = model.model
+    positions = lengths[:, None]
+    cos, sin = decoder.rotary(positions)
+    x = decoder.embed(tokens[:, None])
+    key_index = jnp.arange(capacity, dtype=jnp.int32)
+    rows = jnp.arange(slots)
+    new_keys, new_values = [], []
+    for layer, ck, cv in zip(decoder.layers, cache_keys, cache_values, strict=True):
+        allowed = key_index[None, :] <= lengths[:, None]
+        if layer.window is not None:
+            allowed &= lengths[:, None] - key_index[None, :] < layer.window
+
+        def attend(
+            q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv, mask=allowed
+        ) -> jax.Array:
+            ck = ck.at[rows, lengths].set(k[:, 0].astype(ck.dtype), mode="drop")
+            cv = cv.at[rows, lengths].set(v[:, 0].astype(cv.dtype), mode="drop")
+            new_keys.append(ck)
+            new_values.append(cv)
+            return dot_product_attention(q, ck, cv, mask[:, None, :])
+
+        x = layer.block(x, cos, sin, attend)
+    logits = model.logits(decoder.norm(x[:, 0]))
+    return logits, tuple(new_keys), tuple(new_values)

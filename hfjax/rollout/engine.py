@@ -1,0 +1,343 @@
+"""`Engine`, the generation interface shaped after JetStream's, and `JaxEngine`, its implementation for hfjax causal
+LMs over a generation `Layout`.
+
+The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots over the layout's batch axes
+and kv heads over its tensor axis. `prefill` runs a batch of right-padded prompts (lengths bucketed to powers of two,
+so compiles stay few); `insert` copies prefilled prompts into slots and samples each sample's first token;
+`generate` advances every slot by one token. The jitted steps donate the decode state, and `compiles` counts traces.
+Parameters are passed on every call (JetStream's convention), so new weights of the same shapes and shardings never
+recompile.
+Imports `hfjax.models`, `hfjax.parallel` and this package's sampling and cached forwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hfjax.models.transformer import CausalLM
+from hfjax.parallel.layout import Layout
+from hfjax.rollout.cached_forward import Prefix, decode_forward, prefill_forward
+from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
+
+MIN_PREFILL_BUCKET = 16
+ALL_FILTERS = SamplerKind(top_k=True, top_p=True)
+
+
+class PrefillResult(NamedTuple):
+    """A prefilled batch (JetStream's "prefix"): the cache rows plus, per prompt, its base random key and sampling
+    values, so that `insert` can sample any number of samples from it."""
+
+    cache: Prefix
+    keys: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+class DecodeState(NamedTuple):
+    """All slots: per-layer caches [slots, capacity, kv_heads, head_dim], the tokens in each slot's cache
+    (`lengths`), the next input token, each sample's key and token count (`steps`), and its sampling values."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    lengths: jax.Array
+    tokens: jax.Array
+    rng: jax.Array
+    steps: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+class ResultTokens(NamedTuple):
+    """Tokens and their logprobs, one per slot (or per inserted sample)."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+
+
+class Engine(Protocol):
+    """JetStream's engine interface (prefill / insert / generate over slots)."""
+
+    def prefill(
+        self, params: Any, padded_tokens: Any, true_length: Any, sampling: SamplingParams
+    ) -> tuple[PrefillResult, jax.Array]: ...
+
+    def insert(self, prefix: PrefillResult, decode_state: DecodeState, slot: Any) -> DecodeState: ...
+
+    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]: ...
+
+    def init_decode_state(self) -> DecodeState: ...
+
+    def get_prefix_destination_sharding(self) -> Any: ...
+
+    @property
+    def max_concurrent_decodes(self) -> int: ...
+
+    @property
+    def max_prefill_length(self) -> int: ...
+
+    @property
+    def mesh(self) -> Mesh: ...
+
+
+def prefill_buckets(max_prefill_length: int) -> tuple[int, ...]:
+    """Powers of two from 16 up to the limit, and the limit itself."""
+    out, size = [], MIN_PREFILL_BUCKET
+    while size < max_prefill_length:
+        out.append(size)
+        size *= 2
+    return (*out, max_prefill_length)
+
+
+def _batch_sharded(layout: Layout, shape: tuple[int, ...], logical: tuple[str | None, ...]) -> NamedSharding:
+    """Sharding by `layout` of each dimension that divides evenly; a dimension that does not is replicated."""
+    entries = []
+    used: set[str] = set()
+    for size, axis in zip(shape, logical, strict=True):
+        mesh_axes = tuple(a for a in dict(layout.rules).get(axis, ()) if a not in used and layout.axis_size(a) > 1)
+        parts = int(np.prod([layout.axis_size(a) for a in mesh_axes])) if mesh_axes else 1
+        if not mesh_axes or size % parts:
+            entries.append(None)
+            continue
+        used.update(mesh_axes)
+        entries.append(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
+    return NamedSharding(layout.mesh, PartitionSpec(*entries))
+
+
+class JaxEngine:
+    """Generation for an hfjax `CausalLM` (concrete or abstract: only its structure is used) over `layout`."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        layout: Layout | None = None,
+        *,
+        max_concurrent_decodes: int = 64,
+        max_prefill_length: int = 512,
+        max_new_tokens: int = 512,
+    ):
+        for name, value in (
+            ("max_concurrent_decodes", max_concurrent_decodes),
+            ("max_prefill_length", max_prefill_length),
+            ("max_new_tokens", max_new_tokens),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise SamplingError(f"engine.{name}: expected an integer >= 1, got {value!r}")
+        cfg = model.config
+        self.config = cfg
+        self.layout = layout or Layout.from_config({"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]})
+        self._slots = max_concurrent_decodes
+        self._max_prefill = max_prefill_length
+        self.capacity = max_prefill_length + max_new_tokens
+        self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
+        self.compiles: collections.Counter[str] = collections.Counter()
+        cache_shape = (self._slots, self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        self._cache_dtype = jnp.dtype(model.dtype)
+        cache = _batch_sharded(self.layout, cache_shape, ("batch", "length", "kv_heads", "head_dim"))
+        per_slot = _batch_sharded(self.layout, (self._slots,), ("batch",))
+        rng = _batch_sharded(self.layout, (self._slots, 2), ("batch", None))
+        layers = cfg.num_layers
+        self.state_sharding = DecodeState(
+            (cache,) * layers, (cache,) * layers, per_slot, per_slot, rng, per_slot, per_slot, per_slot, per_slot
+        )
+        self._cache_shape = cache_shape
+        self._prefill = self._jit("prefill", self._prefill_fn)
+        self._insert = self._jit("insert", self._insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
+        self._generate = self._jit(
+            "generate", self._generate_fn, donate_argnums=1, out_shardings=(self.state_sharding, None)
+        )
+        self._prefill_insert = self._jit(
+            "prefill_insert", self._prefill_insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None)
+        )
+
+    def _jit(self, name: str, fn: Any, **jit_kwargs: Any) -> Any:
+        """`jax.jit` of fn (with a static `kind`) that counts its traces in `compiles[name]`."""
+
+        @functools.wraps(fn)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.compiles[name] += 1
+            return fn(*args, **kwargs)
+
+        return jax.jit(counted, static_argnames="kind", **jit_kwargs)
+
+    # ----------------------------------------------------------------------------------------------- interface
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.layout.mesh
+
+    def get_prefix_destination_sharding(self) -> NamedSharding:
+        """Prefixes live on the generation mesh, replicated (a prefill batch need not divide the batch axes)."""
+        return NamedSharding(self.layout.mesh, PartitionSpec())
+
+    def init_decode_state(self) -> DecodeState:
+        """Empty slots: zero caches and lengths (an empty slot computes harmlessly until something is inserted)."""
+        cache = functools.partial(jnp.zeros, self._cache_shape, self._cache_dtype)
+        layers = self.config.num_layers
+        state = DecodeState(
+            tuple(cache() for _ in range(layers)),
+            tuple(cache() for _ in range(layers)),
+            jnp.zeros(self._slots, jnp.int32),
+            jnp.zeros(self._slots, jnp.int32),
+            jnp.zeros((self._slots, 2), jnp.uint32),
+            jnp.zeros(self._slots, jnp.int32),
+            jnp.zeros(self._slots, jnp.float32),
+            jnp.zeros(self._slots, jnp.int32),
+            jnp.ones(self._slots, jnp.float32),
+        )
+        return jax.device_put(state, self.state_sharding)
+
+    def bucket(self, length: int) -> int:
+        """The padded prefill length for a prompt of `length` tokens."""
+        if length < 1:
+            raise SamplingError("prompt: empty prompt; expected at least one token")
+        if length > self._max_prefill:
+            raise SamplingError(
+                f"prompt: {length} tokens, longer than the engine's max_prefill_length {self._max_prefill}"
+            )
+        return next(b for b in prefill_buckets(self._max_prefill) if b >= length)
+
+    def prefill(
+        self,
+        params: Any,
+        padded_tokens: Any,
+        true_length: Any,
+        sampling: SamplingParams,
+        request_ids: Any = None,
+    ) -> tuple[PrefillResult, jax.Array]:
+        """Prefills one prompt ([P]) or a batch ([B, P], right-padded); returns the prefix and each prompt's first
+        token (the token `insert` gives its sample 0)."""
+        tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
+        lengths = np.atleast_1d(np.asarray(true_length, np.int32))
+        for n in lengths:
+            self.bucket(int(n))
+        rows = len(lengths)
+        requests = np.arange(rows, dtype=np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
+        prefix, first = self._prefill(
+            params, tokens, lengths, *self._sampling_arrays(sampling, requests), kind=SamplerKind.of(sampling)
+        )
+        return prefix, first.tokens if np.ndim(padded_tokens) == 2 else first.tokens[0]
+
+    def insert(
+        self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None
+    ) -> DecodeState:
+        """Copies prefix rows (default: row i to slot[i]) into slots, sample `sample_ids` of each (default 0)."""
+        state, _ = self.insert_samples(prefix, decode_state, slot, rows, sample_ids)
+        return state
+
+    def insert_samples(
+        self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None
+    ) -> tuple[DecodeState, ResultTokens]:
+        """`insert` that also returns each inserted sample's first token and its logprob."""
+        slots = np.atleast_1d(np.asarray(slot, np.int32))
+        rows = np.arange(len(slots), dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
+        samples = np.zeros(len(slots), np.int32) if sample_ids is None else np.asarray(sample_ids, np.int32)
+        return self._insert(prefix, decode_state, slots, rows, samples, kind=ALL_FILTERS)
+
+    def generate(
+        self, params: Any, decode_state: DecodeState, kind: SamplerKind = ALL_FILTERS
+    ) -> tuple[DecodeState, ResultTokens]:
+        """One token for every slot (`kind` leaves filters that no slot uses out of the compiled step)."""
+        return self._generate(params, decode_state, kind=kind)
+
+    def prefill_insert(
+        self,
+        params: Any,
+        decode_state: DecodeState,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        sampling: SamplingParams,
+        request_ids: np.ndarray,
+        slots: np.ndarray,
+        rows: np.ndarray,
+        sample_ids: np.ndarray,
+    ) -> tuple[DecodeState, ResultTokens]:
+        """`prefill` then `insert` in one compiled call (what `OfflineGenerator` uses)."""
+        arrays = self._sampling_arrays(sampling, request_ids)
+        return self._prefill_insert(
+            params, decode_state, tokens, lengths, *arrays, slots, rows, sample_ids, kind=SamplerKind.of(sampling)
+        )
+
+    # ----------------------------------------------------------------------------------------------- traced
+    def _model(self, params: Any) -> CausalLM:
+        return nnx.merge(self.graphdef, params, self._rest)
+
+    @staticmethod
+    def _sampling_arrays(sampling: SamplingParams, requests: np.ndarray) -> tuple[np.ndarray, ...]:
+        rows = len(requests)
+        return (
+            np.full(rows, sampling.seed, np.int32),
+            requests.astype(np.int32),
+            np.full(rows, sampling.temperature, np.float32),
+            np.full(rows, sampling.top_k, np.int32),
+            np.full(rows, sampling.top_p, np.float32),
+        )
+
+    def _prefill_fn(self, params, tokens, lengths, seeds, requests, temperature, top_k, top_p, *, kind):
+        cache = prefill_forward(self._model(params), tokens, lengths)
+        keys = sample_key(seeds, requests, jnp.zeros_like(requests))
+        prefix = PrefillResult(cache, keys, temperature, top_k, top_p)
+        zeros = jnp.zeros_like(lengths)
+        first = sample_tokens(cache.last_logits, keys, zeros, temperature, top_k, top_p, kind)
+        return prefix, ResultTokens(*first)
+
+    def _insert_fn(self, prefix: PrefillResult, state: DecodeState, slots, rows, samples, *, kind):
+        base = prefix.keys[rows]
+        rng = jax.vmap(lambda k, i: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), i)))(
+            base, samples
+        )
+        zeros = jnp.zeros_like(slots)
+        temperature, top_k, top_p = prefix.temperature[rows], prefix.top_k[rows], prefix.top_p[rows]
+        first = sample_tokens(prefix.cache.last_logits[rows], rng, zeros, temperature, top_k, top_p, kind)
+        width = prefix.cache.keys[0].shape[1]
+
+        def put(cache: jax.Array, rows_value: jax.Array) -> jax.Array:
+            return cache.at[slots, :width].set(rows_value[rows].astype(cache.dtype), mode="drop")
+
+        def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
+            return current.at[slots].set(value, mode="drop")
+
+        state = DecodeState(
+            tuple(put(c, p) for c, p in zip(state.keys, prefix.cache.keys, strict=True)),
+            tuple(put(c, p) for c, p in zip(state.values, prefix.cache.values, strict=True)),
+            set_slots(state.lengths, prefix.cache.lengths[rows]),
+            set_slots(state.tokens, first[0]),
+            set_slots(state.rng, rng),
+            set_slots(state.steps, jnp.ones_like(slots)),
+            set_slots(state.temperature, temperature),
+            set_slots(state.top_k, top_k),
+            set_slots(state.top_p, top_p),
+        )
+        return state, ResultTokens(*first)
+
+    def _generate_fn(self, params, state: DecodeState, *, kind):
+        model = self._model(params)
+        logits, keys, values = decode_forward(model, state.tokens, state.lengths, state.keys, state.values)
+        tokens, logprobs = sample_tokens(
+            logits, state.rng, state.steps, state.temperature, state.top_k, state.top_p, kind
+        )
+        state = state._replace(
+            keys=keys, values=values, lengths=state.lengths + 1, tokens=tokens, steps=state.steps + 1
+        )
+        return state, ResultTokens(tokens, logprobs)
+
+    def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
+                           samples, *, kind):  # fmt: skip
+        prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
+        return self._insert_fn(prefix, state, slots, rows, samples, kind=kind)

@@ -1,0 +1,183 @@
+"""`OfflineGenerator`: continuous batching of many prompts over an engine's slots.
+
+A finished sample frees its slot at once; freed slots are refilled in groups of at least `refill_batch` (or whatever
+is left), each group one compiled prefill+insert whose row count is bucketed to a power of two, so compiles stay
+few. Outputs come back in request order, `n` samples per prompt, each with its tokens, logprobs and finish reason.
+Imports this package's engine and sampling only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from hfjax.rollout.engine import JaxEngine
+from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
+
+FINISH_STOP, FINISH_LENGTH, FINISH_REJECTED = "stop", "length", "rejected"
+
+
+@dataclasses.dataclass
+class SampleOutput:
+    """One sample of one prompt: response tokens and their logprobs, and why it ended (`stop`, `length`, or
+    `rejected` with `error` saying why the prompt could not run)."""
+
+    request: int
+    sample: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Running:
+    request: int
+    sample: int
+    tokens: list[int]
+    logprobs: list[float]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class OfflineGenerator:
+    """Generates responses for lists of token-id prompts with `engine`, using `params` (swap with `update_params`).
+    `eos_token_ids` (default: the model config's) are the stop ids used when `SamplingParams.stop_token_ids` is None."""
+
+    def __init__(
+        self,
+        engine: JaxEngine,
+        params: Any,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        refill_batch: int | None = None,
+        progress: bool = True,
+    ):
+        self.engine = engine
+        self.params = params
+        self.eos_token_ids = tuple(engine.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.refill_batch = refill_batch or max(1, engine.max_concurrent_decodes // 8)
+        self.progress = progress
+        self._state = None
+        self.last_stats: dict[str, float] = {}
+
+    def update_params(self, params: Any) -> None:
+        """New weights for the next `generate`; same shapes and shardings never recompile."""
+        self.params = params
+
+    def _check(self, prompt: np.ndarray) -> str | None:
+        if len(prompt) == 0:
+            return "empty prompt; expected at least one token"
+        if len(prompt) > self.engine.max_prefill_length:
+            return f"prompt of {len(prompt)} tokens exceeds max_prefill_length {self.engine.max_prefill_length}"
+        return None
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[SampleOutput]:
+        """Samples `sampling.n` responses per prompt; returns them request-major (prompt 0's samples first).
+        A prompt that cannot run (empty, too long) gives `rejected` samples with the reason instead of failing the
+        batch."""
+        capacity = self.engine.capacity - self.engine.max_prefill_length
+        if sampling.max_new_tokens > capacity:
+            raise SamplingError(
+                f"sampling.max_new_tokens: {sampling.max_new_tokens} exceeds the engine's max_new_tokens {capacity}"
+            )
+        stops = sampling.stops(self.eos_token_ids)
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        results: dict[tuple[int, int], SampleOutput] = {}
+        queue: deque[tuple[int, int]] = deque()
+        for r, prompt in enumerate(prompts):
+            error = self._check(prompt)
+            for i in range(sampling.n):
+                if error is None:
+                    queue.append((r, i))
+                else:
+                    empty_tokens, empty_logprobs = np.zeros(0, np.int32), np.zeros(0, np.float32)
+                    results[r, i] = SampleOutput(r, i, empty_tokens, empty_logprobs, FINISH_REJECTED, error)
+        slots = self.engine.max_concurrent_decodes
+        free = list(range(slots))
+        running: dict[int, _Running] = {}
+        state = self._state if self._state is not None else self.engine.init_decode_state()
+        self._state = None  # donated below; a failure midway must not leave a deleted state behind
+        kind = SamplerKind.of(sampling)
+        steps, started = 0, time.perf_counter()
+        bar = tqdm(total=len(queue), desc="generate", unit="sample", disable=not self.progress, leave=False)
+
+        def finish(slot: int, reason: str) -> None:
+            run = running.pop(slot)
+            results[run.request, run.sample] = SampleOutput(
+                run.request, run.sample, np.array(run.tokens, np.int32), np.array(run.logprobs, np.float32), reason
+            )
+            free.append(slot)
+            bar.update(1)
+
+        def record(slot: int, token: int, logprob: float) -> None:
+            run = running[slot]
+            run.tokens.append(token)
+            run.logprobs.append(logprob)
+            if token in stops:
+                finish(slot, FINISH_STOP)
+            elif len(run.tokens) >= sampling.max_new_tokens:
+                finish(slot, FINISH_LENGTH)
+
+        while queue or running:
+            if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
+                batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                targets = [free.pop(0) for _ in batch]
+                state, first = self._fill(state, prompts, batch, targets, sampling)
+                for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
+                    running[slot] = _Running(r, i, [], [])
+                    record(slot, int(token), float(logprob))
+            if running:
+                state, out = self.engine.generate(self.params, state, kind)
+                tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+                steps += 1
+                for slot in list(running):
+                    record(slot, int(tokens[slot]), float(logprobs[slot]))
+        bar.close()
+        self._state = state
+        ordered = [results[key] for key in sorted(results)]
+        self.last_stats = {
+            "decode_steps": steps,
+            "seconds": time.perf_counter() - started,
+            "response_tokens": sum(len(o.tokens) for o in ordered),
+        }
+        return ordered
+
+    def _fill(
+        self,
+        state: Any,
+        prompts: list[np.ndarray],
+        batch: list[tuple[int, int]],
+        targets: list[int],
+        sampling: SamplingParams,
+    ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+        """Prefills the distinct prompts of `batch` and inserts every sample into its target slot."""
+        requests = list(dict.fromkeys(r for r, _ in batch))
+        rows_of = {r: row for row, r in enumerate(requests)}
+        width = _pow2_at_least(len(batch))
+        length = self.engine.bucket(max(len(prompts[r]) for r in requests))
+        tokens = np.zeros((width, length), np.int32)
+        lengths = np.ones(width, np.int32)
+        request_ids = np.zeros(width, np.int32)
+        for row, r in enumerate(requests):
+            tokens[row, : len(prompts[r])] = prompts[r]
+            lengths[row] = len(prompts[r])
+            request_ids[row] = r
+        slot_ids = np.full(width, self.engine.max_concurrent_decodes, np.int32)  # out of range: dropped
+        rows = np.zeros(width, np.int32)
+        sample_ids = np.zeros(width, np.int32)
+        for j, ((r, i), slot) in enumerate(zip(batch, targets, strict=True)):
+            slot_ids[j], rows[j], sample_ids[j] = slot, rows_of[r], i
+        state, first = self.engine.prefill_insert(
+            self.params, state, tokens, lengths, sampling, request_ids, slot_ids, rows, sample_ids
+        )
+        return state, jax.device_get((first.tokens, first.logprobs))

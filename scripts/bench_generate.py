@@ -1,0 +1,146 @@
+"""Generation throughput of hfjax (`OfflineGenerator` over `JaxEngine`) vs transformers `generate` (PyTorch CPU) on
+the reference checkpoint, same process, and the decode step time against its memory floor.
+
+Workload (../shared/bench/README.md): 64 prompts (lengths 16..48, seed 0), 128 new tokens, temperature 1.0 (sampled,
+no top-k/top-p) and greedy; no stop tokens, so every sample has exactly 128 tokens. Floor of a decode step: the bytes it
+must read (every weight but the embedding table, plus the KV cache up to the current length) / the memory bandwidth
+measured here (a large numpy copy). Usage:
+    python scripts/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import interleaved_medians, reference_checkpoint, report
+
+
+def memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s moved (read + write) by a large numpy copy, best of `repeats`."""
+    import numpy as np
+
+    src = np.ones(n_bytes // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n_bytes / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", type=Path, help="reference checkpoint (built under a temp dir when omitted)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/generate.json"))
+    args = parser.parse_args()
+    ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
+
+    import jax
+    import numpy as np
+    import torch
+    import transformers as tf
+    from flax import nnx
+
+    from hfjax.models import load_hf
+    from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+
+    rng = np.random.default_rng(0)
+    model = load_hf(ckpt)
+    cfg = model.config
+    lengths = rng.integers(16, 49, args.prompts)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths]
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    engine = JaxEngine(
+        model, max_concurrent_decodes=args.prompts, max_prefill_length=64, max_new_tokens=args.new_tokens
+    )
+    generator = OfflineGenerator(engine, params, progress=False)
+    sampled = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=(), seed=0)
+    greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, stop_token_ids=())
+    started = time.perf_counter()
+    generator.generate(prompts, sampled)
+    first_call_s = time.perf_counter() - started
+
+    reference = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    width = int(lengths.max())
+    ids = np.zeros((args.prompts, width), np.int64)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    ids_t, mask_t = torch.as_tensor(ids), torch.as_tensor(mask)
+
+    def hf_generate(do_sample: bool) -> None:
+        reference.generate(
+            input_ids=ids_t,
+            attention_mask=mask_t,
+            do_sample=do_sample,
+            temperature=1.0 if do_sample else None,
+            top_k=0 if do_sample else None,
+            top_p=1.0 if do_sample else None,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            pad_token_id=0,
+        )
+
+    with torch.inference_mode():
+        medians = interleaved_medians(
+            {
+                "hfjax sampled": lambda: generator.generate(prompts, sampled),
+                "torch sampled": lambda: hf_generate(True),
+                "hfjax greedy": lambda: generator.generate(prompts, greedy),
+                "torch greedy": lambda: hf_generate(False),
+            },
+            args.repeats,
+            warmup=1,
+        )
+    tokens = args.prompts * args.new_tokens
+
+    # Decode-step floor: weights read (no embedding table) + mean KV cache read, over measured bandwidth.
+    bandwidth = memory_bandwidth()
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.hidden_size * 4
+    mean_cache_len = float(np.mean(lengths)) + args.new_tokens / 2
+    kv_bytes = 2 * cfg.num_layers * args.prompts * mean_cache_len * cfg.num_kv_heads * cfg.head_dim * 4
+    floor_step_s = (param_bytes + kv_bytes) / bandwidth
+    generator.generate(prompts, sampled)
+    decode_steps = generator.last_stats["decode_steps"]
+    step_s = medians["hfjax sampled"] / decode_steps  # upper bound: includes prefill and host work
+
+    rows = []
+    for mode in ("sampled", "greedy"):
+        ours, theirs = medians[f"hfjax {mode}"], medians[f"torch {mode}"]
+        rows.append([f"transformers generate ({mode})", theirs, tokens / theirs, 1.0])
+        rows.append([f"hfjax OfflineGenerator ({mode})", ours, tokens / ours, theirs / ours])
+    report(
+        f"generate {args.prompts} prompts x {args.new_tokens} new tokens, {cfg.num_params / 1e6:.1f}M params, fp32, "
+        f"{jax.default_backend()}, torch threads {torch.get_num_threads()}",
+        ["system", "median s", "output tokens/s", "speed-up vs transformers"],
+        rows,
+        args.out,
+        {
+            "first_call_s_with_compiles": first_call_s,
+            "compiles": dict(engine.compiles),
+            "decode_steps": decode_steps,
+            "step_ms_upper_bound": step_s * 1e3,
+            "floor_step_ms": floor_step_s * 1e3,
+            "memory_bandwidth_GBps": bandwidth / 1e9,
+            "bytes_per_step": param_bytes + kv_bytes,
+        },
+    )
+    print(
+        f"decode step: {step_s * 1e3:.2f} ms (whole run / steps, an upper bound) vs floor {floor_step_s * 1e3:.2f} ms "
+        f"({(param_bytes + kv_bytes) / 1e6:.1f} MB per step at {bandwidth / 1e9:.1f} GB/s): "
+        f"{step_s / floor_step_s:.1f}x; "
+        f"first call with compiles {first_call_s:.1f} s; compiles {dict(engine.compiles)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
