@@ -1,0 +1,46 @@
+"""Auto-mapping (HybridFlow §6): choose the placement of every model role, its devices and its layouts from a cost
+model of the cluster, the algorithm's dataflow and the workload. Imports `hfjax.models` and `hfjax.parallel` only."""
+
+from hfjax.mapping.cluster import BUILTIN, ClusterSpec, DeviceProfile, calibrate_cpu, local_cpu
+from hfjax.mapping.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost, Sizes
+from hfjax.mapping.dataflow import DATAFLOWS, PAPER_MODELS, Dataflow, ModelShape, Workload, dataflow, role_shapes
+from hfjax.mapping.report import (
+    mapping_config,
+    mapping_from_config,
+    print_breakdown,
+    print_candidates,
+    write_mapping,
+)
+from hfjax.mapping.search import Candidate, MappingSearch, SearchResult, automap, set_partitions
+
+__all__ = [
+    "BUILTIN",
+    "DATAFLOWS",
+    "PAPER_MODELS",
+    "Candidate",
+    "ClusterSpec",
+    "CostModel",
+    "CostOptions",
+    "Dataflow",
+    "DeviceMapping",
+    "DeviceProfile",
+    "InfeasibleError",
+    "MappingSearch",
+    "ModelShape",
+    "Prediction",
+    "RoleCost",
+    "SearchResult",
+    "Sizes",
+    "Workload",
+    "automap",
+    "calibrate_cpu",
+    "dataflow",
+    "local_cpu",
+    "mapping_config",
+    "mapping_from_config",
+    "print_breakdown",
+    "print_candidates",
+    "role_shapes",
+    "set_partitions",
+    "write_mapping",
+]

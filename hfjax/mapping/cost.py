@@ -1,0 +1,356 @@
+"""Cost model of one RL iteration (HybridFlow §6's simulators): seconds per role and stage, and memory per device.
+
+A role's layout is `Sizes(data, fsdp, tensor)` on its group's devices (mesh axes in that order, tensor innermost,
+devices numbered host-major, so a group of `span` consecutive devices talks over NVLink/ICI when it fits a host).
+With P the matmul parameters, L layers, width d, S = prompt + response tokens, F achievable FLOP/s per device:
+- training, per token (6 + 2r) P + (3 + r) attention FLOPs (r = 1 with full recomputation), split over the
+  group's devices; per micro-batch FSDP all-gathers the tensor-shard of the parameters twice and reduce-scatters
+  gradients once (overlapped with compute), data-parallel ranks all-reduce gradients once per optimizer step,
+  and tensor parallelism all-reduces activations (m S d) 4 + 2r times per layer (on the critical path);
+- inference: 2P + attention per token, one FSDP gather and 2 tensor all-reduces per layer per micro-batch (the
+  actor's old log-probs under its training layout, as the HybridEngine leaves it after generation);
+- generation: prefill compute-bound; each decode step reads the actor's generation shard of the parameters
+  plus the KV cache of its batch (memory-bound unless compute is slower), 2 tensor all-reduces per layer;
+  the KV cache left over by resident state bounds the concurrent batch (more waves when it does not fit);
+- train -> gen transition: the HybridEngine's Table 2 bytes per device (`table2_moved_bytes`), gen -> train free.
+A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for all-reduce) over the link's
+bandwidth, plus a fixed latency per call. Memory per device: bf16 parameters, fp32 Adam state (master, m, v) and
+fp32 gradients of trained roles, activations (Korthikanti et al. 2022: 10 + 24/t bytes per token and width per
+layer with flash attention; full recomputation keeps each layer's input), fp32 logits, the actor's KV cache.
+Imports `hfjax.parallel` and `hfjax.mapping.{cluster,dataflow}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hfjax.mapping.cluster import GIB, ClusterSpec
+from hfjax.mapping.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
+from hfjax.parallel.layout import Layout
+from hfjax.parallel.layout_compare import table2_moved_bytes
+
+TRAIN_RULES = "fsdp_tp"
+GEN_RULES = "dp_tp_gen"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Sizes:
+    """Mesh sizes of one layout: data x fsdp x tensor devices."""
+
+    data: int
+    fsdp: int
+    tensor: int
+
+    @property
+    def size(self) -> int:
+        return self.data * self.fsdp * self.tensor
+
+    def config(self, rules: str) -> dict[str, Any]:
+        """The layout config `Layout.from_config` accepts (all three axes, tensor innermost)."""
+        return {"mesh": {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}, "rules": rules}
+
+    def describe(self) -> str:
+        return f"d{self.data}.f{self.fsdp}.t{self.tensor}"
+
+
+@functools.lru_cache(maxsize=8192)
+def layout_of(sizes: Sizes, rules: str) -> Layout:
+    return Layout.from_config(sizes.config(rules))
+
+
+def gen_sizes(devices: int, tensor: int) -> Sizes:
+    """The generation layout: `tensor`-way model parallel replicas over `devices` (no FSDP)."""
+    return Sizes(devices // tensor, 1, tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostOptions:
+    """Precision and memory assumptions."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    remat: bool = True
+    usable_memory_fraction: float = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleCost:
+    """One role under one layout: seconds per stage, per-device bytes, and the terms behind them."""
+
+    role: str
+    sizes: Sizes
+    seconds: dict[str, float]
+    static_bytes: float  # resident all iteration: parameters (+ optimizer state when trained)
+    transient_bytes: float  # peak extra while it trains or infers: gradients, activations, logits
+    memory: dict[str, float]
+    detail: dict[str, float]
+    gen: Sizes | None = None
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMapping:
+    """Placement (groups of colocated roles with their device counts) and per-role layouts."""
+
+    groups: tuple[tuple[tuple[str, ...], int], ...]
+    layouts: Mapping[str, Sizes]
+    gen_layout: Sizes | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds per stage and per iteration, with each role's cost and each group's peak bytes."""
+
+    stage_seconds: dict[str, float]
+    roles: dict[str, RoleCost]
+    group_peak_bytes: tuple[float, ...]
+
+    @property
+    def iteration_seconds(self) -> float:
+        return sum(self.stage_seconds.values())
+
+
+def stage_seconds(groups: Sequence[Sequence[RoleCost]]) -> dict[str, float]:
+    """Per stage: the max over concurrently running groups of the sum of their roles' seconds."""
+    return {s: max(sum(c.seconds[s] for c in costs) for costs in groups) for s in STAGES}
+
+
+class InfeasibleError(ValueError):
+    """A mapping that does not fit in device memory, or whose layouts do not match its groups."""
+
+
+class CostModel:
+    """Seconds and bytes of each role of `flow` on `cluster` for `workload`."""
+
+    def __init__(self, cluster: ClusterSpec, flow: Dataflow, workload: Workload, options: CostOptions | None = None):
+        self.cluster, self.flow, self.workload = cluster, flow, workload
+        self.options = options or CostOptions()
+        self.usable_bytes = cluster.device_memory_bytes * self.options.usable_memory_fraction
+
+    def collective(self, kind: str, nbytes: float, group: int, span: int, calls: int = 1) -> float:
+        """Seconds of `calls` ring collectives moving `nbytes` in all (the gathered size) over `group` devices
+        spanning `span` consecutive devices; `kind` is `gather` (all-gather/reduce-scatter) or `reduce`."""
+        if group == 1:
+            return 0.0
+        profile = self.cluster.profile
+        factor = (group - 1) / group * (2 if kind == "reduce" else 1)
+        return calls * profile.collective_latency_s + factor * nbytes / profile.bandwidth(self.cluster.link(span))
+
+    def sequences(self, stage: str, role: str = "") -> int:
+        """Sequences `role` processes in `stage` per iteration: ReMax's baseline rollouts are generated and
+        scored, never trained on."""
+        w = self.workload
+        baseline = stage == "generation" or (stage == "inference" and role in SCORING_ROLES)
+        return w.global_batch_prompts * (w.n_samples + (self.flow.baseline_rollouts if baseline else 0))
+
+    def _passes(self, seqs: int, sizes: Sizes) -> tuple[int, int]:
+        """(micro-batches, sequences per micro-batch) one data-parallel rank runs for `seqs` sequences."""
+        local = math.ceil(seqs / (sizes.data * sizes.fsdp))
+        micro = math.ceil(local / self.workload.micro_batch_seqs)
+        return micro, math.ceil(local / micro)
+
+    def activation_bytes(self, shape: ModelShape, sizes: Sizes, seqs: int, training: bool) -> float:
+        cfg, opt = shape.config, self.options
+        _, m = self._passes(seqs, sizes)
+        tokens = m * self.workload.seq_len
+        layer = tokens * cfg.hidden_size * (10 + 24 / sizes.tensor)
+        logits = tokens * cfg.vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
+        if not training:
+            return layer + logits
+        stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers
+        return stash + layer + 2 * logits
+
+    def train(self, shape: ModelShape, sizes: Sizes) -> dict[str, float]:
+        w, opt, cfg = self.workload, self.options, shape.config
+        r = int(opt.remat)
+        seqs_step = math.ceil(self.sequences("training") / w.mini_batches)
+        micro, m = self._passes(seqs_step, sizes)
+        steps = w.ppo_epochs * w.mini_batches
+        S = w.seq_len
+        flops = m * S * ((6 + 2 * r) * shape.matmul_params + (3 + r) * shape.attention_flops(S / 2))
+        shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
+        f, t = sizes.fsdp, sizes.tensor
+        L = cfg.num_layers
+        compute = micro * flops / sizes.tensor / self.cluster.profile.flops
+        fsdp = micro * (
+            self.collective("gather", shard * f * opt.param_bytes, f, f * t, 2 * L)
+            + self.collective("gather", shard * f * opt.grad_bytes, f, f * t, L)
+        )
+        dp = self.collective("reduce", shard * opt.grad_bytes, sizes.data, sizes.size)
+        tp = micro * self.collective(
+            "reduce", (4 + 2 * r) * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, (4 + 2 * r) * L
+        )
+        return {
+            "compute": steps * compute,
+            "fsdp_dp": steps * (fsdp + dp),
+            "tp": steps * tp,
+            "seconds": steps * (max(compute, fsdp + dp) + tp),
+        }
+
+    def infer(self, role: str, shape: ModelShape, sizes: Sizes) -> dict[str, float]:
+        w, cfg, opt = self.workload, shape.config, self.options
+        micro, m = self._passes(self.sequences("inference", role), sizes)
+        S, L, f, t = w.seq_len, cfg.num_layers, sizes.fsdp, sizes.tensor
+        flops = m * S * (2 * shape.matmul_params + shape.attention_flops(S / 2))
+        shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
+        compute = micro * flops / t / self.cluster.profile.flops
+        fsdp = micro * self.collective("gather", shard * f * opt.param_bytes, f, f * t, L)
+        tp = micro * self.collective("reduce", 2 * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, 2 * L)
+        return {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "seconds": max(compute, fsdp) + tp}
+
+    def gen_extra_bytes(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
+        """Parameter bytes per device the generation shard adds over the training shard."""
+        elems = shape.shard_elements(layout_of(gen, GEN_RULES)) - shape.shard_elements(layout_of(train, TRAIN_RULES))
+        return elems * self.options.param_bytes
+
+    def generate(self, shape: ModelShape, train: Sizes, gen: Sizes, kv_budget: float | None) -> dict[str, float] | str:
+        """Generation seconds (prefill, decode, train -> gen transition) with `kv_budget` bytes per device free
+        for the KV cache (None: unlimited, one wave; a lower bound of any budget), or the reason it cannot run."""
+        w, cfg, opt, profile = self.workload, shape.config, self.options, self.cluster.profile
+        t, L, d = gen.tensor, cfg.num_layers, cfg.hidden_size
+        kv_token = shape.kv_elements_per_token() * opt.param_bytes / t
+        kv_seq = kv_token * w.seq_len
+        batch = math.ceil(self.sequences("generation") / gen.data)
+        if kv_budget is None:
+            kv_budget = batch * kv_seq
+        if kv_budget < kv_seq:
+            return (
+                f"actor generation {gen.describe()}: the KV cache of one sequence ({kv_seq / GIB:.2f} GiB per device) "
+                f"exceeds the {max(kv_budget, 0) / GIB:.2f} GiB left by resident state"
+            )
+        waves = math.ceil(batch / int(kv_budget // kv_seq))
+        b = math.ceil(batch / waves)
+        param_read = shape.shard_elements(layout_of(gen, GEN_RULES)) * opt.param_bytes
+        P, mm = w.prompt_len, shape.matmul_params
+        prefill = b * P * (2 * mm + shape.attention_flops(P / 2)) / t / profile.flops
+        prefill += self.collective("reduce", 2 * L * b * P * d * opt.param_bytes, t, t, 2 * L)
+        ctx = P + w.response_len / 2
+        step_read = (param_read + b * kv_token * ctx) / profile.bandwidth("memory")
+        step_compute = b * (2 * mm + shape.attention_flops(ctx)) / t / profile.flops
+        step = max(step_read, step_compute) + self.collective("reduce", 2 * L * b * d * opt.param_bytes, t, t, 2 * L)
+        moved = table2_moved_bytes(
+            shape.params * opt.param_bytes, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)
+        )
+        reshard = moved / profile.bandwidth(self.cluster.link(train.fsdp * train.tensor))
+        return {
+            "prefill": waves * prefill,
+            "decode": waves * w.response_len * step,
+            "reshard": reshard,
+            "waves": waves,
+            "kv_bytes": b * kv_seq,
+            "seconds": waves * (prefill + w.response_len * step) + reshard,
+        }
+
+    def role_cost(self, role: str, shape: ModelShape, sizes: Sizes) -> RoleCost:
+        """Inference and training seconds and memory of `role` under `sizes` (generation is added by
+        `with_generation`, once the group's free memory is known). Raises `LayoutError` if it does not divide."""
+        opt = self.options
+        shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
+        trained = role in self.flow.training
+        seconds = dict.fromkeys(STAGES, 0.0)
+        detail: dict[str, float] = {}
+        memory = {"params": shard * opt.param_bytes}
+        transient = 0.0
+        if role in self.flow.inference:
+            inf = self.infer(role, shape, sizes)
+            seconds["inference"] = inf["seconds"]
+            detail.update({f"infer_{k}": v for k, v in inf.items() if k != "seconds"})
+            memory["infer_activations"] = self.activation_bytes(shape, sizes, self.sequences("inference", role), False)
+            transient = memory["infer_activations"]
+        if trained:
+            tr = self.train(shape, sizes)
+            seconds["training"] = tr["seconds"]
+            detail.update({f"train_{k}": v for k, v in tr.items() if k != "seconds"})
+            seqs_step = math.ceil(self.sequences("training") / self.workload.mini_batches)
+            memory["optimizer"] = shard * opt.optimizer_bytes
+            memory["grads"] = shard * opt.grad_bytes
+            memory["train_activations"] = self.activation_bytes(shape, sizes, seqs_step, True)
+            transient = max(transient, memory["grads"] + memory["train_activations"])
+        static = memory["params"] + memory.get("optimizer", 0.0)
+        return RoleCost(role, sizes, seconds, static, transient, memory, detail)
+
+    def with_generation(self, cost: RoleCost, shape: ModelShape, gen: Sizes, kv_budget: float) -> RoleCost | str:
+        """The actor's cost with its generation under `gen` added, or the reason it cannot generate."""
+        out = self.generate(shape, cost.sizes, gen, kv_budget)
+        if isinstance(out, str):
+            return out
+        seconds = {**cost.seconds, "generation": out["seconds"]}
+        detail = {**cost.detail, **{f"gen_{k}": v for k, v in out.items() if k != "seconds"}}
+        memory = {**cost.memory, "gen_extra_params": self.gen_extra_bytes(shape, cost.sizes, gen)}
+        memory["kv_cache"] = out["kv_bytes"]
+        return dataclasses.replace(cost, seconds=seconds, detail=detail, memory=memory, gen=gen)
+
+    def memory_reason(self, costs: Sequence[RoleCost], devices: int) -> str | None:
+        """Why roles colocated on `devices` do not fit (resident state plus the largest transient), or None."""
+        static = sum(c.static_bytes for c in costs)
+        transient = max((c.transient_bytes for c in costs), default=0.0)
+        if static + transient <= self.usable_bytes:
+            return None
+        parts = ", ".join(
+            f"{c.role} {c.sizes.describe()}: " + " + ".join(f"{k} {v / GIB:.1f}" for k, v in c.memory.items())
+            for c in costs
+        )
+        return (
+            f"{'+'.join(c.role for c in costs)} on {devices} devices needs {(static + transient) / GIB:.1f} GiB per "
+            f"device (resident {static / GIB:.1f} + largest transient {transient / GIB:.1f}; {parts}) > "
+            f"{self.usable_bytes / GIB:.1f} GiB usable"
+        )
+
+    def finish_group(
+        self, costs: Sequence[RoleCost], shapes: Mapping[str, ModelShape], devices: int, gen: Sizes | None
+    ) -> tuple[list[RoleCost], float] | str:
+        """Checks the memory of colocated roles and adds the actor's generation with the KV budget they leave.
+        Returns the costs and the peak bytes per device, or the reason they do not fit."""
+        reason = self.memory_reason(costs, devices)
+        if reason:
+            return reason
+        static = sum(c.static_bytes for c in costs)
+        peak = static + max((c.transient_bytes for c in costs), default=0.0)
+        out = list(costs)
+        for i, cost in enumerate(costs):
+            if cost.role in self.flow.generation:
+                if gen is None:
+                    return f"{cost.role}: no generation layout given"
+                extra = self.gen_extra_bytes(shapes[cost.role], cost.sizes, gen)
+                with_gen = self.with_generation(cost, shapes[cost.role], gen, self.usable_bytes - static - extra)
+                if isinstance(with_gen, str):
+                    return with_gen
+                out[i] = with_gen
+                peak = max(peak, static + extra + with_gen.memory["kv_cache"])
+        return out, peak
+
+    def predict(self, shapes: Mapping[str, ModelShape], mapping: DeviceMapping) -> Prediction:
+        """Predicted iteration of a whole mapping: stage cost = max over groups of the sum of their roles'
+        seconds in that stage; iteration = sum over stages. Raises `InfeasibleError` with the reason."""
+        missing = sorted(set(shapes) - {r for roles, _ in mapping.groups for r in roles})
+        if missing:
+            raise InfeasibleError(f"mapping places no devices for roles {missing}")
+        roles: dict[str, RoleCost] = {}
+        peaks, placed = [], []
+        for group, devices in mapping.groups:
+            costs = []
+            for role in group:
+                sizes = mapping.layouts[role]
+                if sizes.size != devices:
+                    raise InfeasibleError(
+                        f"{role}: layout {sizes.describe()} has {sizes.size} devices, group {devices}"
+                    )
+                costs.append(self.role_cost(role, shapes[role], sizes))
+            gen = mapping.gen_layout
+            if gen is not None and any(r in self.flow.generation for r in group) and gen.size != devices:
+                raise InfeasibleError(f"gen_layout {gen.describe()} has {gen.size} devices, its group {devices}")
+            done = self.finish_group(costs, shapes, devices, gen)
+            if isinstance(done, str):
+                raise InfeasibleError(done)
+            roles.update({c.role: c for c in done[0]})
+            placed.append(done[0])
+            peaks.append(done[1])
+        return Prediction(stage_seconds(placed), roles, tuple(peaks))
