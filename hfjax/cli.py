@@ -170,6 +170,46 @@ def _eos_ids(model_dir: str, model: Any, tokenizer: Any) -> tuple[int, ...]:
     return () if eos_id is None else (int(eos_id),)
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from hfjax.config import load_rl_config
+    from hfjax.trainer.launch import run_rl
+
+    history = run_rl(load_rl_config(args.config, args.overrides))
+    last = history[-1] if history else {}
+    keys = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step")
+    print("final step: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hfjax.trainer.launch import export_run
+
+    step = export_run(args.run_dir, args.step, args.out)
+    print(f"exported step {step} of {args.run_dir} to {args.out}")
+    return 0
+
+
+def cmd_automap(args: argparse.Namespace) -> int:
+    import yaml
+
+    from hfjax.mapping import ClusterSpec, Workload, automap, dataflow, print_candidates, write_mapping
+
+    with open(args.config) as f:
+        run = yaml.safe_load(f) or {}
+    algorithm = (run.get("algorithm") or {}).get("name", "ppo")
+    flow = dataflow(algorithm)
+    default_model = run.get("model_path")
+    models = {role: (run.get("models") or {}).get(role, default_model) for role in flow.required}
+    workload = Workload(**(run.get("workload") or {}))
+    cluster = ClusterSpec.from_yaml(args.cluster)
+    candidates = automap(cluster, algorithm, models, workload, top=args.top)
+    print_candidates(candidates, f"{algorithm} on {cluster.hosts}x{cluster.devices_per_host} devices", args.top)
+    if candidates and args.out:
+        write_mapping(candidates[0], args.out, algorithm)
+        print(f"wrote the best mapping to {args.out}")
+    return 0 if candidates else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hfjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +248,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--rules", default="dp_tp_gen", help="rule preset name or a JSON list of [logical, mesh]")
     generate.add_argument("--devices", type=int, help="on CPU: number of fake devices to create")
     generate.set_defaults(run=cmd_generate)
+    train = sub.add_parser("train", help="run an RL config (PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF)")
+    train.add_argument("config", help="YAML config (see configs/)")
+    train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optim.lr=1e-5")
+    train.add_argument("--devices", type=int, help="on CPU: number of fake devices of this process")
+    train.set_defaults(run=cmd_train)
+    export = sub.add_parser("export", help="write a run's actor checkpoint as a Hugging Face model")
+    export.add_argument("run_dir")
+    export.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    export.add_argument("--out", required=True)
+    export.set_defaults(run=cmd_export)
+    automap = sub.add_parser("automap", help="choose placement and layouts for an RL run from a cost model")
+    automap.add_argument("--cluster", required=True, help="cluster YAML (hosts, devices, memory, profile)")
+    automap.add_argument("--config", required=True, help="run YAML: algorithm.name, models, workload")
+    automap.add_argument("--out", help="write the best mapping here")
+    automap.add_argument("--top", type=int, default=10)
+    automap.set_defaults(run=cmd_automap)
     return parser
 
 

@@ -1,11 +1,18 @@
 """Test set-up: 8 fake CPU devices, set before JAX is imported anywhere."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Tests build the same small programs many times (each worker, engine and trainer compiles its own): a persistent
+# compilation cache for the session turns repeats into cache hits, here and in Ray worker processes (which inherit
+# this environment).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="hfjax-test-xla-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax
 

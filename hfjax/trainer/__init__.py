@@ -1,0 +1,25 @@
+"""Dataflow programs: the supervised trainers (`sft`, `rm`, sharing `supervised`) and the RL trainer (`rl`).
+Imports `hfjax.training`, `data`, `models`, `parallel`, `algos`, `typed_config` (the RL trainer also the workers
+and controller). Names load lazily, so importing one trainer module does not import the others."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RMConfig": "rm",
+    "rm_main": "rm",
+    "run_rm": "rm",
+    "SFTConfig": "sft",
+    "run_sft": "sft",
+    "sft_main": "sft",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hfjax.trainer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hfjax.trainer.{_EXPORTS[name]}"), name)

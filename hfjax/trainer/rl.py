@@ -1,0 +1,165 @@
+"""`RLTrainer`: the single controller's loop for an RL run — data, roles, the algorithm program, validation,
+metrics (verl's names, to console, JSONL and TensorBoard) and checkpoint/resume.
+
+Checkpoints: each role saves its own state under `run_dir/checkpoints/<role>` first; the trainer's state (step,
+data position, KL controller, Lagrange multiplier) is saved last and marks the step as complete, so a crash
+midway leaves the previous complete step as the one `resume: auto` continues from.
+Imports `hfjax.config`, `hfjax.data`, `hfjax.models`, `hfjax.training`, `hfjax.workers`, `hfjax.algos`,
+`hfjax.protocol` and this package.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from hfjax.algos import make_kl_controller
+from hfjax.config import RLConfig
+from hfjax.data import BatchLoader, PromptDataset
+from hfjax.models import load_tokenizer
+from hfjax.protocol import DataProto
+from hfjax.trainer.placement import spawn_roles
+from hfjax.trainer.programs import PROGRAMS
+from hfjax.trainer.rl_metrics import data_metrics
+from hfjax.trainer.step import Step
+from hfjax.training.checkpoint import CheckpointManager
+from hfjax.training.metrics import MetricsLogger
+from hfjax.typed_config import dump_yaml
+from hfjax.workers.rule_reward import RuleReward
+
+log = logging.getLogger(__name__)
+TRAINED_ROLES = ("actor", "critic", "cost_critic")
+
+
+def _as_proto(batch: Any) -> DataProto:
+    return DataProto.from_dict(batch.tensors, batch.non_tensors)
+
+
+class RLTrainer:
+    """Builds everything from an `RLConfig` (roles start here) and runs `fit()`."""
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, self.run_dir / "config.yaml")
+        data = cfg.data
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path)
+        options = {"max_prompt_length": data.max_prompt_length, "truncation": data.truncation}
+        self.train_data = PromptDataset(data.train_files, self.tokenizer, **options)
+        self.loader = BatchLoader(self.train_data, data.train_batch_size, seed=data.seed, shuffle=data.shuffle)
+        self.val_data = PromptDataset(data.val_files, self.tokenizer, **options) if data.val_files else None
+        self.rule_reward = RuleReward(self.tokenizer, cfg.reward.function) if cfg.reward.use_rule else None
+        algo = cfg.algorithm
+        self.kl_ctrl = make_kl_controller(
+            algo.kl_ctrl, kl_coef=algo.kl_coef, target_kl=algo.target_kl, horizon=algo.horizon
+        )
+        self.lagrange = algo.lambda_init
+        self.program = PROGRAMS[algo.name]
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.state_checkpoints = CheckpointManager(self.checkpoint_dir / "trainer", max_to_keep=cfg.trainer.max_to_keep)
+        self.roles, self.pools = spawn_roles(cfg)
+        self.role_info = {name: handle.init_model() for name, handle in self.roles.items()}
+        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------------ rewards
+    def sequence_scores(self, data: DataProto) -> np.ndarray:
+        """One score per response: the rule reward plus the reward model's score, as configured."""
+        scores = np.zeros(len(data), np.float32)
+        if self.rule_reward is not None:
+            scores += self.rule_reward(data).batch["scores"]
+        if "reward_model" in self.roles:
+            scores += self.roles["reward_model"].compute_rm_score(data).batch["rm_scores"]
+        return scores
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def _batches(self):
+        while True:
+            yield from (_as_proto(b) for b in self.loader)
+
+    def fit(self) -> list[dict[str, float]]:
+        """Runs the remaining steps up to `trainer.total_steps`; returns the logged metrics of each step."""
+        trainer = self.cfg.trainer
+        if trainer.resume == "auto":
+            self.resume()
+        history = []
+        if trainer.val_before_train and self.val_data is not None and self.step == 0:
+            self.logger.log(0, self.validate())
+        batches = self._batches()
+        bar = tqdm(range(self.step, trainer.total_steps), desc="rl", unit="step", disable=not trainer.progress)
+        for step in bar:
+            started = time.perf_counter()
+            state = Step(self.cfg, self.roles, next(batches), step, self)
+            self.program(state)
+            self.step = step + 1
+            metrics = {**state.metrics, **data_metrics(state.batch, self.cfg.uses_critic)}
+            metrics["timing_s/step"] = time.perf_counter() - started
+            tokens = float(state.batch.batch["attention_mask"].sum())
+            metrics["perf/total_num_tokens"] = tokens
+            metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
+            if self.val_data is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
+                metrics.update(self.validate())
+            if (trainer.save_freq and self.step % trainer.save_freq == 0) or self.step == trainer.total_steps:
+                self.save()
+            self.logger.log(self.step, metrics)
+            history.append(metrics)
+            bar.set_postfix({"score": f"{metrics.get('critic/score/mean', 0):.3f}"})
+        return history
+
+    def validate(self) -> dict[str, float]:
+        """Greedy responses on the validation set; the mean rule score per data source (`val/test_score/<src>`)."""
+        loader = BatchLoader(self.val_data, self.cfg.data.val_batch_size, shuffle=False, drop_last=False)
+        sources, scores = [], []
+        for batch in loader:
+            prompts = _as_proto(batch)
+            out = self.roles["actor"].generate_sequences(
+                DataProto(prompts.batch, prompts.non_tensor_batch, {"do_sample": False})
+            )
+            rows = DataProto(out.batch, prompts.non_tensor_batch, {})
+            scores.append(self.sequence_scores(rows))
+            sources.extend(prompts.non_tensor_batch["data_source"])
+        scores_all, sources_all = np.concatenate(scores), np.array(sources)
+        return {f"val/test_score/{s}": float(scores_all[sources_all == s].mean()) for s in sorted(set(sources))}
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        for name in TRAINED_ROLES:
+            if name in self.roles:
+                self.roles[name].save_checkpoint(str(self.checkpoint_dir / name), self.step)
+        for name in TRAINED_ROLES:
+            if name in self.roles:
+                self.roles[name].wait_for_checkpoint()
+        state = {
+            "loader": self.loader.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "lagrange": self.lagrange,
+        }
+        self.state_checkpoints.save(self.step, {}, state)
+        self.state_checkpoints.wait()
+
+    def resume(self) -> None:
+        """Continues from the latest complete checkpoint (falling back past a damaged one), if there is one."""
+        if self.state_checkpoints.latest_step() is None:
+            return
+        step, _, state = self.state_checkpoints.restore(None, {})
+        for name in TRAINED_ROLES:
+            if name in self.roles:
+                self.roles[name].load_checkpoint(str(self.checkpoint_dir / name), step)
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.lagrange = float(state["lagrange"])
+        self.step = step
+        log.info("resumed from step %d", step)
+
+    def close(self) -> None:
+        self.logger.close()
+        for handle in {id(h.group): h.group for h in self.roles.values()}.values():
+            handle.shutdown()
+        for pool in self.pools:
+            pool.release()

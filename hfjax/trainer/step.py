@@ -1,0 +1,182 @@
+"""`Step`: one RL iteration's state on the controller — the batch flowing between roles and the operations the
+algorithm programs are written in (each one role call or one controller computation, timed as `timing_s/<name>`).
+
+Imports `hfjax.algos`, `hfjax.protocol`, `hfjax.workers.sequences` and `hfjax.config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from hfjax.algos import compute_advantage, kl_penalty, masked_mean
+from hfjax.config import RLConfig
+from hfjax.protocol import DataProto
+from hfjax.workers.sequences import scores_to_token_level
+
+PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
+
+
+def _mean_metrics(meta: dict[str, Any]) -> dict[str, float]:
+    """Worker metrics (a value, or a list of values from several ranks) as floats."""
+    return {k: float(np.mean(v)) for k, v in meta.get("metrics", {}).items()}
+
+
+class Step:
+    """One iteration: `batch` starts as the prompts; `metrics` collects everything logged for the step."""
+
+    def __init__(self, cfg: RLConfig, roles: dict[str, Any], batch: DataProto, step: int, trainer: Any):
+        self.cfg, self.roles, self.step, self.trainer = cfg, roles, step, trainer
+        self.prompts = batch
+        self.batch = batch
+        self.metrics: dict[str, float] = {}
+        self.reward_baselines: np.ndarray | None = None
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        key = f"timing_s/{name}"
+        self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
+
+    # --------------------------------------------------------------------------------------------- generation
+    def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
+        request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
+        out = self.roles["actor"].generate_sequences(request)
+        gen_metrics = _mean_metrics(out.meta_info)
+        self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + gen_metrics["reshard_seconds"]
+        return out
+
+    def generate(self) -> None:
+        """n sampled responses per prompt; the batch becomes the rollout batch (prompts repeated, interleaved)."""
+        n = self.cfg.rollout.n
+        with self.timed("gen"):
+            out = self._generate(self.prompts, {"n": n, "seed": self.cfg.rollout.seed + self.step})
+        rows = self.prompts.repeat(n, interleave=True)
+        rows.pop(batch_keys=PROMPT_TENSORS)
+        self.batch = DataProto(out.batch, rows.non_tensor_batch, {})
+
+    def greedy_baseline(self) -> None:
+        """ReMax: the reward of one greedy response per prompt, repeated for the prompt's n samples."""
+        with self.timed("gen_max"):
+            out = self._generate(self.prompts, {"do_sample": False})
+            rows = self.prompts.select(non_tensor_batch_keys=list(self.prompts.non_tensor_batch))
+            greedy = DataProto(out.batch, rows.non_tensor_batch, {})
+            scores = self.trainer.sequence_scores(greedy)
+        self.reward_baselines = np.repeat(scores, self.cfg.rollout.n)
+
+    # --------------------------------------------------------------------------------------------- rewards
+    def score(self) -> None:
+        """`token_level_scores` (rule and/or reward model) on the last response token."""
+        with self.timed("reward"):
+            scores = self.trainer.sequence_scores(self.batch)
+        mask = self.batch.batch["response_mask"]
+        self.batch.batch["scores"] = scores
+        self.batch.batch["token_level_scores"] = scores_to_token_level(scores, mask)
+
+    def cost(self) -> None:
+        """Safe-RLHF: the cost model's score as `token_level_costs`."""
+        with self.timed("cost"):
+            costs = self.roles["cost_model"].compute_rm_score(self.batch).batch["cost_scores"]
+        self.batch.batch["costs"] = costs
+        self.batch.batch["token_level_costs"] = scores_to_token_level(costs, self.batch.batch["response_mask"])
+
+    # --------------------------------------------------------------------------------------------- model passes
+    def old_log_prob(self) -> None:
+        with self.timed("old_log_prob"):
+            out = self.roles["actor"].compute_log_prob(self.batch)
+        mask = self.batch.batch["response_mask"]
+        self.metrics["actor/entropy_rollout"] = float(masked_mean(out.batch.pop("entropys"), mask))
+        self.batch = self.batch.union(out)
+
+    def ref_log_prob(self) -> None:
+        if not self.cfg.uses_ref:
+            return
+        with self.timed("ref"):
+            self.batch = self.batch.union(self.roles["actor"].compute_ref_log_prob(self.batch))
+
+    def values(self, role: str, key: str) -> None:
+        with self.timed(f"values_{role}" if role != "critic" else "values"):
+            values = self.roles[role].compute_values(self.batch).batch["values"]
+        self.batch.batch[key] = values
+
+    # --------------------------------------------------------------------------------------------- advantages
+    def _rewards(self, scores_key: str) -> np.ndarray:
+        """Token-level rewards: the scores, minus the KL penalty to the reference when it is in the reward."""
+        scores = self.batch.batch[scores_key]
+        if not self.cfg.algorithm.use_kl_in_reward:
+            return scores
+        algo, mask = self.cfg.algorithm, self.batch.batch["response_mask"]
+        kl = (
+            np.asarray(kl_penalty(self.batch.batch["old_log_probs"], self.batch.batch["ref_log_prob"], algo.kl_penalty))
+            * mask
+        )
+        beta = self.trainer.kl_ctrl.value
+        current = float(masked_mean(kl, mask))
+        self.trainer.kl_ctrl.update(current, len(mask))
+        self.metrics.update({"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta})
+        return scores - beta * kl
+
+    def _gae_or_rule(self, estimator: str, rewards: np.ndarray, values: np.ndarray | None) -> tuple[Any, Any]:
+        algo, data = self.cfg.algorithm, self.batch
+        advantages, returns = compute_advantage(
+            estimator,
+            token_level_rewards=rewards,
+            response_mask=data.batch["response_mask"],
+            values=values,
+            index=data.non_tensor_batch["uid"],
+            reward_baselines=self.reward_baselines,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std,
+        )
+        return np.asarray(advantages, np.float32), np.asarray(returns, np.float32)
+
+    def advantages(self, estimator: str) -> None:
+        with self.timed("adv"):
+            rewards = self._rewards("token_level_scores")
+            self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
+            values = self.batch.batch.get("values")
+            adv, ret = self._gae_or_rule(estimator, rewards, values)
+        self.batch.batch["advantages"], self.batch.batch["returns"] = adv, ret
+
+    def safe_advantages(self) -> None:
+        """Reward and cost GAE; the actor follows (A_r - lambda * A_c) / (1 + lambda)."""
+        with self.timed("adv"):
+            rewards = self._rewards("token_level_scores")
+            self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
+            adv_r, ret_r = self._gae_or_rule("gae", rewards, self.batch.batch["values"])
+            costs = self.batch.batch["token_level_costs"]
+            adv_c, ret_c = self._gae_or_rule("gae", costs, self.batch.batch["cost_values"])
+            lam = self.trainer.lagrange
+        self.batch.batch["advantages"] = ((adv_r - lam * adv_c) / (1.0 + lam)).astype(np.float32)
+        self.batch.batch["returns"], self.batch.batch["cost_returns"] = ret_r, ret_c
+
+    def update_lagrange(self) -> None:
+        """Projected gradient ascent on lambda: grows while the mean cost exceeds `cost_limit`."""
+        algo = self.cfg.algorithm
+        mean_cost = float(np.mean(self.batch.batch["costs"]))
+        self.trainer.lagrange = max(0.0, self.trainer.lagrange + algo.lambda_lr * (mean_cost - algo.cost_limit))
+        self.metrics.update({"safe/lambda": self.trainer.lagrange, "safe/cost/mean": mean_cost})
+
+    # --------------------------------------------------------------------------------------------- updates
+    def update_critic(self, role: str, values_key: str, returns_key: str) -> None:
+        data = self.batch.select(batch_keys=[*PROMPT_TENSORS, "responses", "response_mask"])
+        data.batch["values"], data.batch["returns"] = self.batch.batch[values_key], self.batch.batch[returns_key]
+        with self.timed("update_critic" if role == "critic" else f"update_{role}"):
+            out = self.roles[role].update_critic(data)
+        prefix = "critic/" if role == "critic" else f"{role}/"
+        self.metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in _mean_metrics(out.meta_info).items()})
+
+    def update_actor(self) -> None:
+        if self.step < self.cfg.trainer.critic_warmup:
+            return
+        keys = [*PROMPT_TENSORS, "responses", "response_mask", "old_log_probs", "advantages"]
+        keys += ["ref_log_prob"] if self.cfg.actor.use_kl_loss else []
+        with self.timed("update_actor"):
+            out = self.roles["actor"].update_actor(self.batch.select(batch_keys=keys))
+        self.metrics.update(_mean_metrics(out.meta_info))

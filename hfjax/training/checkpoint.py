@@ -1,0 +1,177 @@
+"""`CheckpointManager`: numbered, atomic orbax checkpoints of named pytrees plus a JSON `extra` record, restored
+into any shardings, falling back past an unreadable latest step.
+
+A step is written into a temporary directory and renamed into place once complete (orbax's commit), with the JSON
+record inside it, so a crash midway leaves the previous steps untouched; leftover temporary directories are ignored
+and cleaned up. Each pytree is stored as a flat mapping from its leaves' key paths (`model.layers.0.mlp...`) to
+arrays, so any pytree (nnx `State`, optax states) round-trips and is rebuilt with the restore target's structure.
+Only the newest `max_to_keep` steps are kept; an unreadable step found by `restore(None, ...)` is renamed
+`<step>.unreadable` (kept for inspection) so that the step number can be saved again.
+Imports orbax, jax and the standard library only; must not import workers or trainers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+RECORD = "record"  # the JSON item: {"extra": ..., "keys": {item: [leaf key, ...]}}
+
+
+class CheckpointError(RuntimeError):
+    """No readable checkpoint, or one that does not match what is restored into it."""
+
+
+def flatten(tree: Any) -> dict[str, Any]:
+    """`{key path: leaf}` with paths like `model.layers.0.mlp.up_kernel.value`; raises if two paths collide."""
+    flat: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = jax.tree_util.keystr(path, simple=True, separator=".")
+        if key in flat:
+            raise CheckpointError(f"two leaves share the checkpoint key {key!r}; rename one of them")
+        flat[key] = leaf
+    return flat
+
+
+def _unflatten_like(target: Any, flat: Mapping[str, Any]) -> Any:
+    paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    return jax.tree_util.tree_unflatten(
+        treedef, [flat[jax.tree_util.keystr(p, simple=True, separator=".")] for p, _ in paths]
+    )
+
+
+class CheckpointManager:
+    """Steps of `{name: pytree}` plus `extra` (JSON-able) under `directory`; async saves (call `wait()` before
+    reading them from another process or exiting)."""
+
+    def __init__(self, directory: str | Path, max_to_keep: int = 3, *, async_save: bool = True):
+        if not isinstance(max_to_keep, int) or max_to_keep < 1:
+            raise ValueError(f"max_to_keep: expected a positive int, got {max_to_keep!r}")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=async_save
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, items: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> None:
+        """Starts saving `items` (name -> pytree of arrays) and `extra` as step `step`; returns once the arrays are
+        copied off the devices (they may then be donated or deleted)."""
+        if RECORD in items:
+            raise ValueError(f"CheckpointManager.save: item name {RECORD!r} is reserved for the JSON record")
+        if step in self.all_steps():
+            raise CheckpointError(f"{self.directory}: step {step} is already saved")
+        record = {"extra": dict(extra or {}), "keys": {}}
+        args: dict[str, Any] = {}
+        for name, tree in items.items():
+            flat = flatten(tree)
+            record["keys"][name] = list(flat)
+            args[name] = ocp.args.StandardSave(flat)
+        try:
+            json.dumps(record)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"CheckpointManager.save: extra must be JSON-serialisable ({e})") from e
+        args[RECORD] = ocp.args.JsonSave(record)
+        self._manager.save(step, args=ocp.args.Composite(**args))
+
+    def wait(self) -> None:
+        """Blocks until in-flight saves are committed."""
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int | None, targets: Mapping[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        """`(step, items, extra)`: each target (a pytree of `jax.ShapeDtypeStruct` with `sharding`) filled from
+        the checkpoint, placed on the target's shardings (any layout). `step=None` takes the newest readable step:
+        an unreadable one is logged, set aside and the previous one tried. A target whose leaves differ from the
+        saved tree raises `CheckpointError` naming them."""
+        self.wait()
+        steps = self.all_steps()
+        if step is not None and step not in steps:
+            raise CheckpointError(f"{self.directory}: no step {step}; saved steps are {steps}")
+        if not steps:
+            raise CheckpointError(f"{self.directory}: no checkpoint to restore")
+        candidates = [step] if step is not None else steps[::-1]
+        for candidate in candidates:
+            try:
+                items, extra = self._restore_step(candidate, targets)
+                return candidate, items, extra
+            except _Mismatch as e:
+                raise CheckpointError(f"{self.directory / str(candidate)}: {e}") from e
+            except Exception as e:  # orbax, tensorstore and json raise many types for damaged files
+                if step is not None:
+                    raise CheckpointError(f"{self.directory / str(candidate)}: unreadable ({e})") from e
+                log.warning(
+                    "checkpoint step %d in %s is unreadable (%s: %.200s); falling back to the previous step",
+                    candidate,
+                    self.directory,
+                    type(e).__name__,
+                    str(e),
+                )
+                self._set_aside(candidate)
+        raise CheckpointError(f"{self.directory}: none of the steps {steps} is readable")
+
+    def _restore_step(self, step: int, targets: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        record = self._manager.restore(step, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))[RECORD]
+        flat_targets = {name: flatten(tree) for name, tree in targets.items()}
+        for name, flat in flat_targets.items():
+            saved = record["keys"].get(name)
+            if saved is None:
+                raise _Mismatch(f"no item {name!r}; the checkpoint has {sorted(record['keys'])}")
+            missing, unexpected = sorted(set(saved) - set(flat)), sorted(set(flat) - set(saved))
+            if missing or unexpected:
+                raise _Mismatch(
+                    f"item {name!r} does not match the restore target: saved but not in the target {missing[:5]}"
+                    f"{'...' if len(missing) > 5 else ''}, in the target but not saved {unexpected[:5]}"
+                    f"{'...' if len(unexpected) > 5 else ''}"
+                )
+        args = {name: ocp.args.StandardRestore(flat) for name, flat in flat_targets.items()}
+        restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        items = {name: _unflatten_like(targets[name], restored[name]) for name in targets}
+        return items, record["extra"]
+
+    def discard_after(self, step: int) -> list[int]:
+        """Deletes the committed steps newer than `step` (left by a save that did not complete everywhere, e.g. a
+        role saved but the run's record did not); returns them."""
+        self.wait()
+        newer = [s for s in self.all_steps() if s > step]
+        for s in newer:
+            self._manager.delete(s)
+        return newer
+
+    def _set_aside(self, step: int) -> None:
+        if jax.process_index() == 0:
+            source = self.directory / str(step)
+            target = self.directory / f"{step}.unreadable"
+            suffix = 1
+            while target.exists():
+                target, suffix = self.directory / f"{step}.unreadable{suffix}", suffix + 1
+            source.rename(target)
+        self._manager.reload()
+
+    def close(self) -> None:
+        """Waits for in-flight saves and releases orbax's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Mismatch(ValueError):
+    """The restore target's tree differs from the saved one (a caller error, not damage)."""

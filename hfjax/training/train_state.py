@@ -1,0 +1,235 @@
+"""`TrainState`: a model's parameters and optimizer state sharded by a `Layout`, and the jitted programs that train
+it with gradient accumulation over micro-batches.
+
+One optimizer step (`update`) runs a jitted loss-and-gradient program per micro-batch, sums the gradients with a
+jitted add (the accumulator is donated), then one jitted apply: global-norm clipping, and the optax update, or no
+update at all when the norm is not finite (the step is counted in `skipped_steps`).
+
+Compilation: the programs are module-level and keyed by the model's graph, the loss function, the shardings, the
+optimizer and the input shapes, so they compile once per distinct micro-batch shape and are shared by every
+`TrainState` with the same keys (callers pad micro-batches to fixed shapes). `compile_counts()` reports them.
+Memory: parameters and optimizer state are donated to the apply program (one copy, not two), so arrays taken from
+`params` or from the model passed in are invalid after an `update` (read `params` again), unless `donate=False`.
+Imports `hfjax.parallel` and `hfjax.training.optim`; must not import workers or trainers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from hfjax.parallel import Layout, LayoutError
+from hfjax.training.optim import current_learning_rate
+
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def batch_sharding(layout: Layout, shape: Sequence[int]) -> NamedSharding:
+    """Rows (dimension 0) split over the layout's `batch` mesh axes; replicated when they do not divide evenly."""
+    if not shape:
+        return layout.sharding(())
+    try:
+        return layout.sharding(("batch",) + (None,) * (len(shape) - 1), shape)
+    except LayoutError:
+        return layout.sharding((None,) * len(shape))
+
+
+def place_batch(layout: Layout, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Host arrays put on the layout's devices with `batch_sharding`."""
+    return {k: jax.device_put(np.asarray(v), batch_sharding(layout, np.shape(v))) for k, v in batch.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    """A pytree of hashable leaves (shardings) as a static, hashable jit argument."""
+
+    treedef: Any
+    leaves: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, tree: Any) -> _Frozen:
+        leaves, treedef = jax.tree.flatten(tree)
+        return cls(treedef, tuple(leaves))
+
+    def tree(self) -> Any:
+        return jax.tree.unflatten(self.treedef, self.leaves)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss_fn", "static", "shardings"))
+def _loss_and_grad(
+    params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, loss_fn: LossFn, static: Any, shardings: Any
+) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+    def loss(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return loss_fn(nnx.merge(graphdef, p, rest), batch, **dict(static))
+
+    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, aux, jax.lax.with_sharding_constraint(grads, shardings.tree())
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _accumulate(total: Any, grads: Any) -> Any:
+    return jax.tree.map(jnp.add, total, grads)
+
+
+def _apply_gradients(
+    params: Any, opt_state: Any, grads: Any, *, optimizer: Any, grad_clip: float, shardings: Any
+) -> tuple[Any, Any, jax.Array, jax.Array]:
+    norm = optax.tree.norm(grads)
+    scale = jnp.float32(1.0) if grad_clip == 0 else grad_clip / jnp.maximum(norm, grad_clip)
+
+    def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+        p, state, g = operands
+        updates, state = optimizer.update(jax.tree.map(lambda x: x * scale.astype(x.dtype), g), state, p)
+        return optax.apply_updates(p, updates), state
+
+    def skip(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
+        return operands[0], operands[1]
+
+    new = jax.lax.cond(jnp.isfinite(norm), apply, skip, (params, opt_state, grads))
+    new_params, new_state = jax.lax.with_sharding_constraint(new, shardings.tree())
+    lr = current_learning_rate(new_state)
+    return new_params, new_state, norm, jnp.float32(jnp.nan) if lr is None else lr
+
+
+_APPLY_STATIC = ("optimizer", "grad_clip", "shardings")
+_apply_donating = jax.jit(_apply_gradients, static_argnames=_APPLY_STATIC, donate_argnums=(0, 1))
+_apply_keeping = jax.jit(_apply_gradients, static_argnames=_APPLY_STATIC)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "fn"))
+def _forward(params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, fn: Callable[..., Any]) -> Any:
+    return fn(nnx.merge(graphdef, params, rest), batch)
+
+
+def compile_counts() -> dict[str, int]:
+    """Programs compiled so far in this process, over all `TrainState`s: `grad` (per model, loss function and
+    micro-batch shape), `accumulate`, `apply` (per optimizer) and `eval` (per function and batch shape)."""
+    return {
+        "grad": _loss_and_grad._cache_size(),
+        "accumulate": _accumulate._cache_size(),
+        "apply": _apply_donating._cache_size() + _apply_keeping._cache_size(),
+        "eval": _forward._cache_size(),
+    }
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+class TrainState:
+    """Parameters (`params`, an `nnx.State` of `nnx.Param`), optimizer state (`opt_state`, sharded like the
+    parameters; scalars replicated), `step` (optimizer steps taken, skipped ones included) and `skipped_steps`.
+
+    `params` may be replaced (e.g. by the HybridEngine) with arrays of the same shapes and shardings.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        layout: Layout,
+        optimizer: optax.GradientTransformation,
+        grad_clip: float,
+        *,
+        donate: bool = True,
+    ):
+        if grad_clip < 0:
+            raise ValueError(f"grad_clip: expected >= 0 (0 disables clipping), got {grad_clip!r}")
+        self.layout, self.optimizer, self.grad_clip = layout, optimizer, float(grad_clip)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.params = jax.device_put(params, layout.shardings(params))
+        self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
+        replicated = NamedSharding(layout.mesh, PartitionSpec())
+        self.opt_shardings = optax.tree_utils.tree_map_params(
+            optimizer,
+            lambda _, sharding: sharding,
+            jax.eval_shape(optimizer.init, self.params),
+            self.param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        self.step = 0
+        self.skipped_steps = 0
+        self._grad_shardings = _Frozen.of(self.param_shardings)
+        self._state_shardings = _Frozen.of((self.param_shardings, self.opt_shardings))
+        self._apply = _apply_donating if donate else _apply_keeping
+
+    def model(self) -> nnx.Module:
+        """The module with the current parameters (e.g. for `save_hf`)."""
+        return nnx.merge(self.graphdef, self.params, self.rest)
+
+    def update(self, loss_fn: LossFn, micro_batches: list[dict[str, np.ndarray]], **static: Any) -> dict[str, float]:
+        """One optimizer step over `micro_batches` (host arrays, rows first).
+
+        `loss_fn(model, batch, **static) -> (loss, aux)`: each micro-batch's loss must already be normalised by the
+        whole step's counts (tokens, sequences), so the summed gradients are the step's gradient. `loss_fn` and the
+        `static` values must be hashable and stable (a module-level function or a bound method, not a new lambda
+        per call): they key the compiled program. Returns `loss` (sum over micro-batches), `grad_norm` (before
+        clipping), `lr` (of this update), `skipped` (1 when the norm was not finite) and each aux metric averaged
+        over micro-batches.
+        """
+        if not micro_batches:
+            raise ValueError("TrainState.update: expected at least one micro-batch, got none")
+        keys = {"graphdef": self.graphdef, "loss_fn": loss_fn, "static": tuple(sorted(static.items()))}
+        losses, auxes, total = [], [], None
+        for micro in micro_batches:
+            batch = place_batch(self.layout, micro)
+            loss, aux, grads = _loss_and_grad(self.params, self.rest, batch, **keys, shardings=self._grad_shardings)
+            total = grads if total is None else _accumulate(total, grads)
+            losses.append(loss)
+            auxes.append(aux)
+        self.params, self.opt_state, norm, lr = self._apply(
+            self.params,
+            self.opt_state,
+            total,
+            optimizer=self.optimizer,
+            grad_clip=self.grad_clip,
+            shardings=self._state_shardings,
+        )
+        losses, auxes, norm, lr = jax.device_get((losses, auxes, norm, lr))
+        skipped = int(not np.isfinite(norm))
+        self.step += 1
+        self.skipped_steps += skipped
+        metrics = {"loss": float(np.sum(losses)), "grad_norm": float(norm), "lr": float(lr), "skipped": skipped}
+        for key in auxes[0]:
+            metrics[key] = float(np.mean([a[key] for a in auxes]))
+        return metrics
+
+    def eval(
+        self, fn: Callable[[nnx.Module, dict[str, jax.Array]], Any], batch: Mapping[str, np.ndarray], params: Any = None
+    ) -> Any:
+        """`fn(model, batch)` jitted (once per `fn` and batch shape; `fn` must be stable, as for `update`) on the
+        current parameters, or on `params` of the same structure; returns numpy."""
+        params = self.params if params is None else params
+        out = _forward(params, self.rest, place_batch(self.layout, batch), graphdef=self.graphdef, fn=fn)
+        return jax.device_get(out)
+
+    def items(self) -> dict[str, Any]:
+        """What a checkpoint holds: `{"params": ..., "opt_state": ...}`."""
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def abstract_items(self) -> dict[str, Any]:
+        """`items()` as `jax.ShapeDtypeStruct`s with this state's shardings (restore targets)."""
+        return {
+            "params": _abstract(self.params, self.param_shardings),
+            "opt_state": _abstract(self.opt_state, self.opt_shardings),
+        }
+
+    def load_items(self, items: Mapping[str, Any]) -> None:
+        """Replaces parameters and optimizer state with restored ones (shapes and shardings of `abstract_items`)."""
+        self.params, self.opt_state = items["params"], items["opt_state"]
+
+    def counters(self) -> dict[str, int]:
+        """`step` and `skipped_steps` (JSON-able, for a checkpoint's extra data)."""
+        return {"step": self.step, "skipped_steps": self.skipped_steps}
+
+    def load_counters(self, counters: Mapping[str, int]) -> None:
+        self.step, self.skipped_steps = int(counters["step"]), int(counters["skipped_steps"])

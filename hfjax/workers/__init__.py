@@ -1,0 +1,1 @@
+"""Model roles as workers: the policy (actor, rollout, reference), the critic, score models, rule rewards."""

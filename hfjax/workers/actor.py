@@ -1,0 +1,232 @@
+"""`ActorRolloutRefWorker`: the policy in its roles — `actor` (PPO updates), `rollout` (generation through the
+HybridEngine and the `OfflineGenerator`), `ref` (frozen reference log probs) — or any `actor_rollout[_ref]` mix
+sharing one process and its devices.
+
+Generation: `HybridEngine.to_gen` moves the training parameters to the generation layout (zero-redundancy: the
+training buffers are released), the generator runs, and `to_train` cuts the training shards back out locally.
+Log probs follow the engine's convention: log-softmax of logits / rollout temperature at the response tokens.
+Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.rollout`, `hfjax.parallel`, `hfjax.protocol`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from hfjax.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, mask_counts, policy_loss
+from hfjax.controller import Dispatch, Worker, register
+from hfjax.parallel import HybridEngine
+from hfjax.protocol import DataProto
+from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+from hfjax.training.optim import make_optimizer
+from hfjax.training.train_state import TrainState
+from hfjax.workers.config import ActorConfig, RolloutConfig
+from hfjax.workers.model_role import LoadedModel, load_train_state, role_layout, save_train_state, step_metrics
+from hfjax.workers.sequences import assemble, prompt_token_lists, response_slice, split_rows
+
+ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+
+
+def _response_logprobs(model: Any, batch: dict[str, jax.Array], temperature: float) -> tuple[jax.Array, jax.Array]:
+    """(log probs, logits / temperature) at the positions that predict the response tokens."""
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    scaled = response_slice(logits, batch["responses"].shape[1]) / temperature
+    return logprobs_from_logits(scaled, batch["responses"]), scaled
+
+
+class ActorRolloutRefWorker(Worker):
+    """One policy checkpoint serving the roles named by `role` (one of `ROLES`)."""
+
+    def __init__(
+        self,
+        actor: ActorConfig,
+        rollout: RolloutConfig,
+        role: str = "actor_rollout_ref",
+        *,
+        total_steps: int = 0,
+        max_prompt_length: int = 512,
+    ):
+        if role not in ROLES:
+            raise ValueError(f"role: expected one of {ROLES}, got {role!r}")
+        self.cfg, self.rollout_cfg, self.role = actor, rollout, role
+        self.total_steps = total_steps
+        self.max_prompt_length = max_prompt_length
+        self.has_actor, self.has_rollout, self.has_ref = "actor" in role, "rollout" in role, "ref" in role
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        """Loads the policy (and the reference copy) under the training layout; builds optimizer and generator."""
+        cfg, rollout = self.cfg, self.rollout_cfg
+        layout = role_layout(cfg.train_layout)
+        self.policy = LoadedModel(
+            cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="causal_lm"
+        )
+        self.pad_id = self.policy.config.pad_token_id or 0
+        self.state = None
+        if self.has_actor:
+            optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
+            self.state = TrainState(self.policy.model, layout, optimizer, cfg.optim.grad_clip)
+        self.ref_params = None
+        if self.has_ref:
+            self.ref_params = LoadedModel(cfg.model_path, layout, dtype=cfg.dtype, head="causal_lm").params
+        self._logprob = self.policy.rows_fn(self._logprob_rows)
+        info: dict[str, Any] = {"train_layout": layout.describe(), "params": self.policy.config.num_params}
+        if self.has_rollout:
+            gen = role_layout(rollout.gen_layout, generation=True)
+            self.hybrid = HybridEngine(layout, gen, self.policy.params, mode=rollout.hybrid_engine)
+            self.engine = JaxEngine(
+                self.policy.model,
+                self.hybrid.gen_layout,
+                max_concurrent_decodes=rollout.slots,
+                max_prefill_length=self.max_prompt_length,
+                max_new_tokens=rollout.response_length,
+            )
+            self.generator = OfflineGenerator(self.engine, None, progress=False)
+            info["gen_layout"] = self.hybrid.gen_layout.describe()
+        return info
+
+    @property
+    def params(self) -> Any:
+        return self.state.params if self.state is not None else self.policy.params
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        if self.state is not None:
+            self.state.params = value
+        else:
+            self.policy.params = value
+
+    def _sampling(self, meta: dict[str, Any]) -> SamplingParams:
+        rollout = self.rollout_cfg
+        greedy = not meta.get("do_sample", True)
+        return SamplingParams(
+            max_new_tokens=int(meta.get("response_length", rollout.response_length)),
+            temperature=0.0 if greedy else float(meta.get("temperature", rollout.temperature)),
+            top_k=rollout.top_k,
+            top_p=rollout.top_p,
+            n=1 if greedy else int(meta.get("n", rollout.n)),
+            seed=int(meta.get("seed", rollout.seed)),
+        )
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Prompts (left-padded `input_ids`, `attention_mask`) -> n responses each, interleaved: prompts, responses,
+        input_ids, attention_mask, position_ids, response_mask, rollout_log_probs. `meta_info` may set `n`,
+        `do_sample` (False = greedy), `seed`, `temperature`."""
+        sampling = self._sampling(prompts.meta_info)
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        gen_params = self.hybrid.to_gen(self.params)
+        try:
+            self.generator.update_params(gen_params)
+            outputs = self.generator.generate(prompt_token_lists(ids, mask), sampling)
+        finally:
+            self.generator.update_params(None)
+            self.params = self.hybrid.to_train(gen_params)
+        rejected = [o for o in outputs if o.finish_reason == "rejected"]
+        if rejected:
+            raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")
+        batch = assemble(ids, mask, outputs, sampling.n, sampling.max_new_tokens, self.pad_id)
+        stats = self.generator.last_stats
+        timing = {"gen_tokens": stats["response_tokens"], "gen_seconds": stats["seconds"]}
+        transitions = self.hybrid.stats()
+        timing["reshard_seconds"] = transitions["to_gen_s"][-1] + transitions["to_train_s"][-1]
+        return DataProto.from_dict(batch, meta_info={"metrics": timing})
+
+    def _logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        logp, scaled = _response_logprobs(model, batch, self.rollout_cfg.temperature)
+        return {"log_probs": logp, "entropys": entropy_from_logits(scaled)}
+
+    def _log_probs(self, params: Any, data: DataProto) -> dict[str, np.ndarray]:
+        keys = ("input_ids", "attention_mask", "position_ids", "responses")
+        arrays = {k: data.batch[k] for k in keys}
+        return self.policy.map_rows(self._logprob, params, arrays, self.cfg.micro_batch_size)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """`old_log_probs` and `entropys` [B, R] under the current policy."""
+        out = self._log_probs(self.params, data)
+        return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """`ref_log_prob` [B, R] under the frozen reference policy."""
+        if self.ref_params is None:
+            raise RuntimeError(f"compute_ref_log_prob: this worker's role {self.role!r} has no reference model")
+        return DataProto.from_dict({"ref_log_prob": self._log_probs(self.ref_params, data)["log_probs"]})
+
+    def _loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.cfg
+        mask = batch["response_mask"]
+        counts = {"global_tokens": batch["global_tokens"][0], "global_seqs": batch["global_seqs"][0]}
+        logp, scaled = _response_logprobs(model, batch, self.rollout_cfg.temperature)
+        clip = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
+        options = {"ppo": {**clip, "clip_ratio_c": cfg.clip_ratio_c}, "gspo": clip}.get(cfg.policy_loss, {})
+        pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
+            cfg.policy_loss,
+            batch["old_log_probs"],
+            logp,
+            batch["advantages"],
+            mask,
+            loss_agg_mode=cfg.loss_agg_mode,
+            **options,
+            **counts,
+        )
+        entropy = agg_loss(entropy_from_logits(scaled), mask, cfg.loss_agg_mode, **counts)
+        loss = pg_loss - cfg.entropy_coeff * entropy
+        metrics = {
+            "actor/pg_loss": pg_loss,
+            "actor/pg_clipfrac": clipfrac,
+            "actor/ppo_kl": ppo_kl,
+            "actor/pg_clipfrac_lower": clipfrac_lower,
+            "actor/entropy": entropy,
+        }
+        if cfg.use_kl_loss:
+            kl = agg_loss(kl_penalty(logp, batch["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
+            loss = loss + cfg.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = kl
+        return loss, metrics
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over mini-batches of `ppo_mini_batch_size` rows, each split into micro-batches whose losses
+        are normalised by the mini-batch's counts (so accumulation equals the whole mini-batch). Metrics are means
+        over optimizer steps, in `meta_info["metrics"]`."""
+        cfg = self.cfg
+        keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs"]
+        keys += ["advantages"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
+        arrays = {k: np.asarray(data.batch[k]) for k in keys}
+        history: list[dict[str, float]] = []
+        for _ in range(cfg.ppo_epochs):
+            for mini in split_rows(arrays, cfg.ppo_mini_batch_size):
+                tokens, seqs = mask_counts(mini["response_mask"])
+                rows = len(mini["input_ids"])
+                mini["global_tokens"] = np.full(rows, float(tokens), np.float32)
+                mini["global_seqs"] = np.full(rows, float(seqs), np.float32)
+                micro = split_rows(mini, cfg.micro_batch_size)
+                history.append((self.state.update(self._loss, micro), len(micro)))
+        return DataProto(meta_info={"metrics": step_metrics(history, "actor", self.state.skipped_steps)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str, step: int) -> None:
+        """Parameters, optimizer state and counters under `directory` (orbax), as step `step`."""
+        self.checkpoints = save_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str, step: int | None) -> int:
+        """Restores step `step` (None: the latest good one); returns the step restored."""
+        self.checkpoints, restored = load_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
+        return restored
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_for_checkpoint(self) -> None:
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.wait()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, out_dir: str) -> None:
+        """Writes the current policy as a Hugging Face checkpoint."""
+        from hfjax.models import save_hf
+
+        save_hf(self.policy.merge(self.params), out_dir, overwrite=True)

@@ -1,0 +1,111 @@
+"""Typed config sections of the model roles (actor, rollout, reference, critic, reward model).
+
+Plain dataclasses with defaults beside their fields; `hfjax.config` composes them into the run config and
+`hfjax.typed_config` validates YAML and `key=value` overrides into them. Layouts stay dicts in `Layout.from_config`
+form; `None` means "all of this process's devices" (fsdp for training, data parallel for generation).
+Imports `hfjax.training.optim` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from hfjax.training.optim import OptimConfig
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Sampling during RL (`temperature` is also the one log probs are computed at)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    response_length: int = 128
+    slots: int = 64
+    seed: int = 0
+    gen_layout: dict[str, Any] | None = None
+    hybrid_engine: Literal["zero_redundancy", "naive"] = "zero_redundancy"
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.response_length < 1 or self.slots < 1:
+            raise ValueError("n, response_length and slots must be >= 1")
+        if not 0.0 < self.top_p <= 1.0 or self.temperature < 0:
+            raise ValueError("expected top_p in (0, 1] and temperature >= 0")
+
+
+@dataclasses.dataclass
+class ActorConfig:
+    """The policy: its checkpoint, numerics, training layout, optimizer and PPO update settings."""
+
+    model_path: str = ""
+    dtype: Dtype = "float32"
+    param_dtype: Dtype | None = None
+    train_layout: dict[str, Any] | None = None
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6))
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 16
+    micro_batch_size: int = 8
+    policy_loss: str = "ppo"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+    def __post_init__(self) -> None:
+        for name in ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ppo_mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+
+
+@dataclasses.dataclass
+class CriticConfig:
+    """The value model (a causal-LM checkpoint gets a fresh value head) and its update settings."""
+
+    model_path: str = ""
+    dtype: Dtype = "float32"
+    param_dtype: Dtype | None = None
+    layout: dict[str, Any] | None = None
+    optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 16
+    micro_batch_size: int = 8
+    cliprange_value: float = 0.5
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+
+    def __post_init__(self) -> None:
+        if self.ppo_mini_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size})"
+            )
+
+
+@dataclasses.dataclass
+class RewardModelConfig:
+    """A sequence-score model (reward or cost); disabled when `model_path` is empty."""
+
+    model_path: str = ""
+    dtype: Dtype = "float32"
+    layout: dict[str, Any] | None = None
+    micro_batch_size: int = 8
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.model_path)

@@ -1,0 +1,101 @@
+"""`CriticWorker`: the value model — per-token values of the responses and clipped value-loss updates.
+
+A causal-LM checkpoint gets a fresh value head (`Critic`, saved as `*ForTokenClassification`). Values are read at
+the positions that predict each response token (the same positions as the policy's log probs).
+Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.protocol` and this package.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from hfjax.algos import mask_counts, value_loss
+from hfjax.controller import Dispatch, Worker, register
+from hfjax.protocol import DataProto
+from hfjax.training.optim import make_optimizer
+from hfjax.training.train_state import TrainState
+from hfjax.workers.config import CriticConfig
+from hfjax.workers.model_role import LoadedModel, load_train_state, role_layout, save_train_state, step_metrics
+from hfjax.workers.sequences import response_slice, split_rows
+
+VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def _values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    values = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    return response_slice(values, batch["responses"].shape[1])
+
+
+class CriticWorker(Worker):
+    """A value model trained with PPO's clipped value loss."""
+
+    def __init__(self, critic: CriticConfig, *, total_steps: int = 0):
+        self.cfg = critic
+        self.total_steps = total_steps
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        cfg = self.cfg
+        layout = role_layout(cfg.layout)
+        self.critic = LoadedModel(
+            cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="token_cls"
+        )
+        optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
+        self.state = TrainState(self.critic.model, layout, optimizer, cfg.optim.grad_clip)
+        self._values = self.critic.rows_fn(lambda model, batch: {"values": _values(model, batch)})
+        return {"layout": layout.describe(), "params": self.critic.config.num_params}
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """`values` [B, R]."""
+        arrays = {k: data.batch[k] for k in VALUE_KEYS}
+        out = self.critic.map_rows(self._values, self.state.params, arrays, self.cfg.micro_batch_size)
+        return DataProto.from_dict({"values": out["values"]})
+
+    def _loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        vpreds = _values(model, batch)
+        loss, clipfrac = value_loss(
+            vpreds,
+            batch["returns"],
+            batch["values"],
+            batch["response_mask"],
+            cliprange_value=self.cfg.cliprange_value,
+            loss_agg_mode=self.cfg.loss_agg_mode,
+            global_tokens=batch["global_tokens"][0],
+            global_seqs=batch["global_seqs"][0],
+        )
+        return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """Clipped value-loss epochs over mini-batches (micro-batch accumulation normalised by mini-batch counts)."""
+        cfg = self.cfg
+        keys = (*VALUE_KEYS, "response_mask", "values", "returns")
+        arrays = {k: np.asarray(data.batch[k]) for k in keys}
+        history = []
+        for _ in range(cfg.ppo_epochs):
+            for mini in split_rows(arrays, cfg.ppo_mini_batch_size):
+                tokens, seqs = mask_counts(mini["response_mask"])
+                rows = len(mini["input_ids"])
+                mini["global_tokens"] = np.full(rows, float(tokens), np.float32)
+                mini["global_seqs"] = np.full(rows, float(seqs), np.float32)
+                micro = split_rows(mini, cfg.micro_batch_size)
+                history.append((self.state.update(self._loss, micro), len(micro)))
+        return DataProto(meta_info={"metrics": step_metrics(history, "critic", self.state.skipped_steps)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str, step: int) -> None:
+        self.checkpoints = save_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str, step: int | None) -> int:
+        self.checkpoints, restored = load_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
+        return restored
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_for_checkpoint(self) -> None:
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.wait()

@@ -1,0 +1,49 @@
+"""A tiny RL run built locally: the addition task, its tokenizer, a tiny Llama policy and a tiny score model, and
+a config dict for `hfjax.config.load_rl_config` (override what a test needs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from checkpoints import save_hf_model
+
+from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def build_run_inputs(root: Path) -> dict[str, str]:
+    """Writes data, tokenizer, policy and score-model checkpoints under `root`; returns their paths."""
+    tokenizer = build_addition_tokenizer()
+    vocab = len(tokenizer)
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, vocab_size=vocab)
+    _, policy = save_hf_model(root, "llama", **TINY, **ids)
+    tokenizer.save_pretrained(policy)
+    _, scorer = save_hf_model(root, "llama", head="SequenceClassification", num_labels=1, **TINY, **ids)
+    files = write_addition_task(AdditionTask(min_digits=1, max_digits=2, num_train=32, num_test=8, num_sft=8), root)
+    return {"policy": str(policy), "scorer": str(scorer), "train": str(files["train"]), "test": str(files["test"])}
+
+
+def rl_config(inputs: dict[str, str], run_dir: Path, algorithm: str = "grpo", **sections: Any) -> dict[str, Any]:
+    """A 3-step config on 8 devices, in-process unless `trainer.backend` is overridden."""
+    config = {
+        "model_path": inputs["policy"],
+        "data": {
+            "train_files": [inputs["train"]],
+            "val_files": [inputs["test"]],
+            "max_prompt_length": 16,
+            "train_batch_size": 4,
+            "val_batch_size": 8,
+        },
+        "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 4, "optim": {"lr": 1e-3}},
+        "critic": {"ppo_mini_batch_size": 4, "micro_batch_size": 4},
+        "rollout": {"n": 2, "response_length": 6, "slots": 8},
+        "algorithm": {"name": algorithm},
+        "trainer": {"run_dir": str(run_dir), "total_steps": 3, "backend": "local", "progress": False},
+    }
+    if algorithm == "safe_rlhf":
+        config["reward"] = {"cost_model": {"model_path": inputs["scorer"]}}
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config
