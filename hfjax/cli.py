@@ -1,5 +1,7 @@
 """The `hfjax` command. `hfjax inspect` shows how a checkpoint's parameters shard under a layout (no weights are
-loaded); `hfjax layouts` lists the rule presets or compares layout pairs; `hfjax generate` samples responses."""
+loaded); `hfjax layouts` lists the rule presets or compares layout pairs; `hfjax generate` samples responses;
+`hfjax train` runs an RL config; `hfjax sft` / `hfjax rm` train supervised; `hfjax quickstart` runs the CPU demo;
+`hfjax export`, `hfjax plot` and `hfjax automap` work on runs and placements."""
 
 from __future__ import annotations
 
@@ -210,6 +212,24 @@ def cmd_automap(args: argparse.Namespace) -> int:
     return 0 if candidates else 1
 
 
+def cmd_supervised(args: argparse.Namespace) -> int:
+    from hfjax.trainer import rm_main, sft_main
+
+    return (sft_main if args.command == "sft" else rm_main)(args.config, args.overrides)
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from hfjax.quickstart import quickstart_main
+
+    return quickstart_main(args.config, args.overrides)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from hfjax.plot import plot_main
+
+    return plot_main(args.plot_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hfjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -264,6 +284,19 @@ def build_parser() -> argparse.ArgumentParser:
     automap.add_argument("--out", help="write the best mapping here")
     automap.add_argument("--top", type=int, default=10)
     automap.set_defaults(run=cmd_automap)
+    for name, text in (("sft", "supervised fine-tuning"), ("rm", "Bradley-Terry reward-model training")):
+        supervised = sub.add_parser(name, help=f"{text} from a YAML config")
+        supervised.add_argument("config")
+        supervised.add_argument("overrides", nargs="*", help="key=value overrides")
+        supervised.add_argument("--devices", type=int, help="on CPU: number of fake devices of this process")
+        supervised.set_defaults(run=cmd_supervised)
+    quickstart = sub.add_parser("quickstart", help="SFT then RL on a synthetic addition task, built locally")
+    quickstart.add_argument("config", nargs="?", default="configs/quickstart.yaml")
+    quickstart.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.algorithm.name=ppo")
+    quickstart.set_defaults(run=cmd_quickstart)
+    plot = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl")
+    plot.add_argument("plot_args", nargs=argparse.REMAINDER, metavar="RUN_DIR [--out DIR]")
+    plot.set_defaults(run=cmd_plot)
     return parser
 
 

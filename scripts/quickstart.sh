@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's main command: set up .venv, then run the quickstart on CPU. Extra args go to the quickstart.
+# The README's main command: set up .venv, then run the quickstart (SFT then RL on a synthetic task) on CPU.
+# Extra args are config overrides, e.g. `bash scripts/quickstart.sh rl.algorithm.name=ppo`.
 source "$(dirname "$0")/venv.sh"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-python scripts/quickstart.py "$@"
+python -m hfjax.cli quickstart configs/quickstart.yaml "$@"

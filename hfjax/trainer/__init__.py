@@ -8,6 +8,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
+    "PROGRAMS": "programs",
+    "RLTrainer": "rl",
+    "export_run": "launch",
+    "run_rl": "launch",
     "RMConfig": "rm",
     "rm_main": "rm",
     "run_rm": "rm",

@@ -103,7 +103,8 @@ class RLTrainer:
             tokens = float(state.batch.batch["attention_mask"].sum())
             metrics["perf/total_num_tokens"] = tokens
             metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
-            if self.val_data is not None and trainer.test_freq and self.step % trainer.test_freq == 0:
+            due = trainer.test_freq and self.step % trainer.test_freq == 0
+            if self.val_data is not None and (due or self.step == trainer.total_steps):
                 metrics.update(self.validate())
             if (trainer.save_freq and self.step % trainer.save_freq == 0) or self.step == trainer.total_steps:
                 self.save()

@@ -5,8 +5,9 @@ A step is written into a temporary directory and renamed into place once complet
 record inside it, so a crash midway leaves the previous steps untouched; leftover temporary directories are ignored
 and cleaned up. Each pytree is stored as a flat mapping from its leaves' key paths (`model.layers.0.mlp...`) to
 arrays, so any pytree (nnx `State`, optax states) round-trips and is rebuilt with the restore target's structure.
-Only the newest `max_to_keep` steps are kept; an unreadable step found by `restore(None, ...)` is renamed
-`<step>.unreadable` (kept for inspection) so that the step number can be saved again.
+Only the newest `max_to_keep` steps are kept; saving a step number that exists replaces it (a run resumed from an
+earlier step re-saves the steps after it); an unreadable step found by `restore(None, ...)` is renamed
+`<step>.unreadable` (kept for inspection).
 Imports orbax, jax and the standard library only; must not import workers or trainers.
 """
 
@@ -71,11 +72,14 @@ class CheckpointManager:
 
     def save(self, step: int, items: Mapping[str, Any], extra: Mapping[str, Any] | None = None) -> None:
         """Starts saving `items` (name -> pytree of arrays) and `extra` as step `step`; returns once the arrays are
-        copied off the devices (they may then be donated or deleted)."""
+        copied off the devices (they may then be donated or deleted). An existing step of that number (left by a run
+        that went further before this one resumed from an earlier step) is replaced."""
         if RECORD in items:
             raise ValueError(f"CheckpointManager.save: item name {RECORD!r} is reserved for the JSON record")
+        self.wait()
         if step in self.all_steps():
-            raise CheckpointError(f"{self.directory}: step {step} is already saved")
+            log.info("replacing checkpoint step %d in %s", step, self.directory)
+            self._manager.delete(step)
         record = {"extra": dict(extra or {}), "keys": {}}
         args: dict[str, Any] = {}
         for name, tree in items.items():
@@ -87,7 +91,7 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise ValueError(f"CheckpointManager.save: extra must be JSON-serialisable ({e})") from e
         args[RECORD] = ocp.args.JsonSave(record)
-        self._manager.save(step, args=ocp.args.Composite(**args))
+        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
 
     def wait(self) -> None:
         """Blocks until in-flight saves are committed."""
@@ -113,7 +117,9 @@ class CheckpointManager:
                 raise CheckpointError(f"{self.directory / str(candidate)}: {e}") from e
             except Exception as e:  # orbax, tensorstore and json raise many types for damaged files
                 if step is not None:
-                    raise CheckpointError(f"{self.directory / str(candidate)}: unreadable ({e})") from e
+                    raise CheckpointError(
+                        f"{self.directory / str(candidate)}: unreadable ({type(e).__name__}: {str(e)[:300]})"
+                    ) from e
                 log.warning(
                     "checkpoint step %d in %s is unreadable (%s: %.200s); falling back to the previous step",
                     candidate,

@@ -81,7 +81,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int | None) -> optax.GradientT
     """AdamW over `learning_rate_schedule(cfg, total_steps)`, the rate injected into the state (no clipping).
 
     Equal settings return the same transformation object, so the jitted programs keyed by it are shared."""
-    return _optimizer(dataclasses.astuple(cfg), total_steps)
+    return _optimizer(dataclasses.astuple(cfg), total_steps if cfg.schedule == "cosine" else None)
 
 
 @functools.lru_cache(maxsize=64)

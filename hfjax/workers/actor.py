@@ -23,7 +23,14 @@ from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import ActorConfig, RolloutConfig
-from hfjax.workers.model_role import LoadedModel, load_train_state, role_layout, save_train_state, step_metrics
+from hfjax.workers.model_role import (
+    LoadedModel,
+    load_train_state,
+    reports_seconds,
+    role_layout,
+    save_train_state,
+    step_metrics,
+)
 from hfjax.workers.sequences import assemble, prompt_token_lists, response_slice, split_rows
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -108,9 +115,11 @@ class ActorRolloutRefWorker(Worker):
             top_p=rollout.top_p,
             n=1 if greedy else int(meta.get("n", rollout.n)),
             seed=int(meta.get("seed", rollout.seed)),
+            stop_token_ids=() if rollout.ignore_eos else None,
         )
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    @reports_seconds
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts (left-padded `input_ids`, `attention_mask`) -> n responses each, interleaved: prompts, responses,
         input_ids, attention_mask, position_ids, response_mask, rollout_log_probs. `meta_info` may set `n`,
@@ -144,12 +153,14 @@ class ActorRolloutRefWorker(Worker):
         return self.policy.map_rows(self._logprob, params, arrays, self.cfg.micro_batch_size)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    @reports_seconds
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` and `entropys` [B, R] under the current policy."""
         out = self._log_probs(self.params, data)
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    @reports_seconds
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """`ref_log_prob` [B, R] under the frozen reference policy."""
         if self.ref_params is None:
@@ -189,6 +200,7 @@ class ActorRolloutRefWorker(Worker):
         return loss, metrics
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    @reports_seconds
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches of `ppo_mini_batch_size` rows, each split into micro-batches whose losses
         are normalised by the mini-batch's counts (so accumulation equals the whole mini-batch). Metrics are means

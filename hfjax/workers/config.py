@@ -27,6 +27,7 @@ class RolloutConfig:
     response_length: int = 128
     slots: int = 64
     seed: int = 0
+    ignore_eos: bool = False  # benchmarks: every response runs to response_length
     gen_layout: dict[str, Any] | None = None
     hybrid_engine: Literal["zero_redundancy", "naive"] = "zero_redundancy"
 

@@ -18,7 +18,14 @@ from hfjax.protocol import DataProto
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import CriticConfig
-from hfjax.workers.model_role import LoadedModel, load_train_state, role_layout, save_train_state, step_metrics
+from hfjax.workers.model_role import (
+    LoadedModel,
+    load_train_state,
+    reports_seconds,
+    role_layout,
+    save_train_state,
+    step_metrics,
+)
 from hfjax.workers.sequences import response_slice, split_rows
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -49,6 +56,7 @@ class CriticWorker(Worker):
         return {"layout": layout.describe(), "params": self.critic.config.num_params}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    @reports_seconds
     def compute_values(self, data: DataProto) -> DataProto:
         """`values` [B, R]."""
         arrays = {k: data.batch[k] for k in VALUE_KEYS}
@@ -70,6 +78,7 @@ class CriticWorker(Worker):
         return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    @reports_seconds
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss epochs over mini-batches (micro-batch accumulation normalised by mini-batch counts)."""
         cfg = self.cfg

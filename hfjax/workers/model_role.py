@@ -6,6 +6,8 @@ Imports `hfjax.models`, `hfjax.parallel`, `hfjax.training` and this package's se
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,20 @@ from hfjax.parallel import Layout
 from hfjax.training.checkpoint import CheckpointManager
 from hfjax.training.train_state import TrainState, place_batch
 from hfjax.workers.sequences import split_rows
+
+
+def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds the wall time spent inside a worker method returning a `DataProto` to its `meta_info["metrics"]` as
+    `worker_seconds` (the controller compares it with the time it waited: the rest is dispatch and transfer)."""
+
+    @functools.wraps(method)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = method(self, *args, **kwargs)
+        out.meta_info.setdefault("metrics", {})["worker_seconds"] = time.perf_counter() - started
+        return out
+
+    return timed
 
 
 def role_layout(config: Mapping[str, Any] | None, generation: bool = False) -> Layout:

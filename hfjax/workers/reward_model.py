@@ -13,7 +13,7 @@ import jax
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.protocol import DataProto
 from hfjax.workers.config import RewardModelConfig
-from hfjax.workers.model_role import LoadedModel, role_layout
+from hfjax.workers.model_role import LoadedModel, reports_seconds, role_layout
 
 
 def _scores(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -35,6 +35,7 @@ class RewardModelWorker(Worker):
         return {"layout": layout.describe(), "params": self.model.config.num_params}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
+    @reports_seconds
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """One score per sequence [B] under `output_key`."""
         arrays = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids")}

@@ -1,0 +1,303 @@
+"""The loop shared by the supervised trainers (SFT, reward model): typed config sections, loading the checkpoint
+under a layout, resumable shuffled batches split into fixed-size micro-batches, `TrainState` updates, held-out
+evaluation, orbax checkpoints with `trainer.resume: auto`, metrics, and the final Hugging Face export.
+
+What differs between trainers is an `Objective`: the model head, the dataset, the loss (normalised by the whole
+step's counts, added to each batch by `normalisers`) and the evaluation sums. A checkpoint holds parameters,
+optimizer state, the step counters and the data position, so a resumed run repeats the uninterrupted run's steps.
+Imports `hfjax.training`, `hfjax.data`, `hfjax.models`, `hfjax.parallel`, `hfjax.typed_config`; never workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from hfjax.data import BatchLoader
+from hfjax.models import load_hf, load_tokenizer, save_hf
+from hfjax.parallel import Layout
+from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
+from hfjax.typed_config import ConfigError, dump_yaml, load_config, to_dict
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+CHECKPOINT_DIR = "checkpoints"
+EXPORT_DIR = "hf"
+ROW_WEIGHT = "row_weight"  # 1 on real rows of an evaluation batch, 0 on the padding rows that fill it
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """The starting checkpoint (a Hugging Face directory), its tokenizer (default: the same directory), numerics
+    and the training layout (`Layout.from_config` form; null: fsdp over every device)."""
+
+    path: str
+    tokenizer_path: str | None = None
+    dtype: Dtype = "float32"
+    param_dtype: Dtype | None = None
+    layout: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass
+class DataSection:
+    """Training (and optional held-out) files; `batch_size` rows per optimizer step, run as micro-batches of
+    `micro_batch_size` rows; every sequence padded to `max_length` (one compiled shape)."""
+
+    train_files: list[str]
+    val_files: list[str] = dataclasses.field(default_factory=list)
+    max_length: int = 512
+    truncation: Literal["error", "filter", "left", "right"] = "error"
+    batch_size: int = 32
+    micro_batch_size: int = 8
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_length", "batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+            )
+        if not self.train_files:
+            raise ValueError("train_files: expected at least one parquet or JSONL file")
+
+
+@dataclasses.dataclass
+class TrainerSection:
+    """Run length, checkpointing, evaluation and logging. `total_steps` caps `epochs`; `save_freq` / `val_freq` of
+    0 mean "at the end only"; `resume: auto` continues from the newest readable checkpoint in `run_dir`."""
+
+    run_dir: str = "runs/supervised"
+    epochs: int = 1
+    total_steps: int | None = None
+    save_freq: int = 0
+    val_freq: int = 0
+    max_to_keep: int = 3
+    resume: Literal["auto", "never"] = "auto"
+    log_freq: int = 1
+    seed: int = 0
+    export_hf: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "log_freq", "max_to_keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+        for name in ("save_freq", "val_freq"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected an int >= 0 (0: at the end only), got {getattr(self, name)!r}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"total_steps: expected a positive int or null, got {self.total_steps!r}")
+
+
+@dataclasses.dataclass
+class SupervisedConfig:
+    """A supervised run: `model`, `data`, `optim`, `trainer`."""
+
+    model: ModelSection
+    data: DataSection
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    trainer: TrainerSection = dataclasses.field(default_factory=TrainerSection)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """What a supervised trainer trains. Functions are module-level (they key compiled programs):
+
+    - `load_dataset(files, tokenizer, data) -> dataset` with `__len__` and `collate(indices) -> Batch`;
+    - `normalisers(tensors) -> dict` of per-row arrays with the whole step's counts, merged into the batch;
+    - `loss_fn(model, batch) -> (loss, aux)`, the micro-batch's share of the step's loss;
+    - `eval_fn(model, batch) -> {name: sum}` over rows weighted by `batch["row_weight"]`;
+    - `summarize(sums) -> {"val/...": value}` from the sums over the whole held-out set;
+    - `tokens(tensors) -> int`, the real tokens of a batch (for `perf/tokens_per_s`).
+    """
+
+    name: str
+    head: str
+    load_dataset: Callable[[Sequence[str], Any, DataSection], Any]
+    normalisers: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+    loss_fn: Callable[..., Any]
+    eval_fn: Callable[..., Any]
+    summarize: Callable[[Mapping[str, float]], dict[str, float]]
+    tokens: Callable[[Mapping[str, np.ndarray]], int]
+
+
+def default_layout(config: Mapping[str, Any] | None) -> Layout:
+    """The configured layout, else fsdp over every device."""
+    if config is not None:
+        return Layout.from_config(config, "model.layout")
+    return Layout.from_config({"mesh": {"fsdp": jax.device_count()}, "rules": "fsdp"})
+
+
+def split_rows(tensors: Mapping[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
+    """Consecutive micro-batches of `size` rows (the row count is a multiple of `size`)."""
+    rows = len(next(iter(tensors.values())))
+    return [{k: v[i : i + size] for k, v in tensors.items()} for i in range(0, rows, size)]
+
+
+def full_rows(indices: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`indices` padded to `size` by repeating its first entry, and the row weights (0 on the padding)."""
+    pad = size - len(indices)
+    weights = np.concatenate([np.ones(len(indices), np.float32), np.zeros(pad, np.float32)])
+    return np.concatenate([indices, np.repeat(indices[:1], pad)]), weights
+
+
+def evaluate(state: TrainState, objective: Objective, dataset: Any, micro_batch_size: int) -> dict[str, float]:
+    """The objective's held-out metrics over all of `dataset`, in fixed-size batches."""
+    loader = BatchLoader(dataset, micro_batch_size, shuffle=False, drop_last=False)
+    sums: dict[str, float] = {}
+    for indices in loader.batch_indices():
+        rows, weights = full_rows(indices, micro_batch_size)
+        batch = {**dataset.collate(rows).tensors, ROW_WEIGHT: weights}
+        for key, value in state.eval(objective.eval_fn, batch).items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    return objective.summarize(sums)
+
+
+def _batches(loader: BatchLoader) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def _restore(
+    state: TrainState, loader: BatchLoader, manager: CheckpointManager, resume: str, run_dir: Path
+) -> int | None:
+    """Continues from the newest readable checkpoint (`auto`); returns its step, or None for a fresh run."""
+    if manager.latest_step() is None:
+        return None
+    if resume == "never":
+        raise ValueError(
+            f"trainer.resume=never but {manager.directory} holds checkpoints {manager.all_steps()}; "
+            "choose another trainer.run_dir or set trainer.resume=auto"
+        )
+    step, items, extra = manager.restore(None, state.abstract_items())
+    state.load_items(items)
+    state.load_counters(extra["counters"])
+    loader.load_state_dict(extra["data"])
+    tqdm.write(f"resumed {run_dir} from step {step}")
+    return step
+
+
+def export(state: TrainState, tokenizer: Any, out_dir: Path) -> Path:
+    """Writes the model as a Hugging Face checkpoint with its tokenizer; records the tokenizer's pad id in the
+    config when the checkpoint had none (sequence-classification models need it to find the last token)."""
+    path = save_hf(state.model(), out_dir, tokenizer=tokenizer, overwrite=True)
+    config_file = path / "config.json"
+    if jax.process_index() == 0 and tokenizer.pad_token_id is not None:
+        config = json.loads(config_file.read_text())
+        if config.get("pad_token_id") is None:
+            config["pad_token_id"] = int(tokenizer.pad_token_id)
+            config_file.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, float]:
+    """Trains `objective` as configured; returns the last step's metrics with the final held-out metrics."""
+    trainer, data = cfg.trainer, cfg.data
+    run_dir = Path(trainer.run_dir)
+    is_main = jax.process_index() == 0
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    train_set = objective.load_dataset(data.train_files, tokenizer, data)
+    val_set = objective.load_dataset(data.val_files, tokenizer, data) if data.val_files else None
+    loader = BatchLoader(train_set, data.batch_size, seed=trainer.seed, shuffle=data.shuffle, drop_last=True)
+    total_steps = len(loader) * trainer.epochs
+    total_steps = min(total_steps, trainer.total_steps) if trainer.total_steps else total_steps
+    layout = default_layout(cfg.model.layout)
+    model = load_hf(
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        param_dtype=cfg.model.param_dtype,
+        layout=layout,
+        head=objective.head,
+        seed=trainer.seed,
+    )
+    state = TrainState(model, layout, make_optimizer(cfg.optim, total_steps), cfg.optim.grad_clip)
+    del model  # its arrays now belong to `state` (donated on update)
+    manager = CheckpointManager(run_dir / CHECKPOINT_DIR, trainer.max_to_keep)
+    logger = None
+    try:
+        start = _restore(state, loader, manager, trainer.resume, run_dir)
+        if is_main:
+            dump_yaml(cfg, run_dir / "config.yaml")
+        logger = MetricsLogger(run_dir, start_step=start or 0, write=is_main)  # drops records past the restart
+        last = _train(cfg, objective, state, loader, val_set, manager, logger, total_steps)
+        if val_set is not None and not any(k.startswith("val/") for k in last):
+            last.update(evaluate(state, objective, val_set, data.micro_batch_size))
+        if trainer.export_hf:
+            export(state, tokenizer, run_dir / EXPORT_DIR)
+        return last
+    finally:
+        manager.close()
+        if logger is not None:
+            logger.close()
+
+
+def _train(
+    cfg: SupervisedConfig,
+    objective: Objective,
+    state: TrainState,
+    loader: BatchLoader,
+    val_set: Any,
+    manager: CheckpointManager,
+    logger: MetricsLogger,
+    total_steps: int,
+) -> dict[str, float]:
+    trainer, data = cfg.trainer, cfg.data
+    batches = _batches(loader)
+    last: dict[str, float] = {}
+    show = trainer.progress and jax.process_index() == 0
+    with tqdm(total=total_steps, initial=state.step, desc=objective.name, unit="step", disable=not show) as bar:
+        while state.step < total_steps:
+            started = time.perf_counter()
+            tensors = dict(next(batches).tensors)
+            tensors.update(objective.normalisers(tensors))
+            metrics = state.update(objective.loss_fn, split_rows(tensors, data.micro_batch_size))
+            seconds = time.perf_counter() - started
+            step, final = state.step, state.step == total_steps
+            last = {f"train/{key}": value for key, value in metrics.items()}
+            last["train/epoch"] = loader.epoch + loader.batch / len(loader)
+            last["timing_s/step"] = seconds
+            last["perf/tokens_per_s"] = objective.tokens(tensors) / seconds
+            if val_set is not None and ((trainer.val_freq and step % trainer.val_freq == 0) or final):
+                last.update(evaluate(state, objective, val_set, data.micro_batch_size))
+            if step % trainer.log_freq == 0 or final:
+                logger.log(step, last)
+            if (trainer.save_freq and step % trainer.save_freq == 0) or final:
+                extra = {"counters": state.counters(), "data": loader.state_dict(), "config": to_dict(cfg)}
+                manager.save(step, state.items(), extra)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['train/loss']:.4g}")
+    return last
+
+
+def cli_main(
+    cls: type[SupervisedConfig], run: Callable[[Any], dict[str, float]], config_path: str, overrides: list[str]
+) -> int:
+    """Loads `cls` from YAML plus `key=value` overrides, runs `run`, prints the final metrics. Exit code 2 on a
+    config error (printed with the key's path), else 0."""
+    try:
+        cfg = load_config(cls, config_path, overrides)
+    except ConfigError as e:
+        print(f"config error in {config_path}:\n{e}", file=sys.stderr)
+        return 2
+    metrics = run(cfg)
+    if jax.process_index() == 0:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"final metrics ({cfg.trainer.run_dir})")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key in sorted(metrics):
+            table.add_row(key, f"{metrics[key]:.6g}")
+        Console().print(table)
+    return 0

@@ -1,0 +1,104 @@
+"""Time of one GRPO and one PPO iteration on the reference checkpoint, per stage, with the share of time spent
+outside model compute (controller work, dispatch, data movement, resharding).
+
+Workload (../shared/bench/README.md): 64 prompts x 4 samples, prompts up to 64 tokens, responses of 128 tokens
+(eos ignored, so the work is fixed), the shared digits reward of scripts/peers/reward.py, a reference model (GRPO:
+KL loss; PPO: a critic). Each algorithm runs `--steps` iterations; the table reports the last one (the first
+includes compiles). Model compute = time inside the workers' methods minus resharding; overhead = step - that.
+Usage:
+    python scripts/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
+from bench_common import reference_checkpoint, report  # noqa: E402
+
+STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "reshard")
+
+
+def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argparse.Namespace) -> dict:
+    return {
+        "model_path": str(ckpt),
+        "data": {"train_files": [str(workload)], "max_prompt_length": 64, "train_batch_size": args.prompts},
+        "actor": {
+            "ppo_mini_batch_size": args.prompts * 4,
+            "micro_batch_size": args.micro_batch,
+            "use_kl_loss": algorithm == "grpo",
+            "optim": {"lr": 1e-5},
+        },
+        "critic": {"ppo_mini_batch_size": args.prompts * 4, "micro_batch_size": args.micro_batch},
+        "rollout": {"n": 4, "response_length": 128, "slots": args.prompts * 4, "ignore_eos": True},
+        "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
+        "algorithm": {"name": algorithm},
+        "trainer": {
+            "run_dir": str(run_dir / algorithm),
+            "total_steps": args.steps,
+            "backend": args.backend,
+            "resume": "never",
+            "tensorboard": False,
+            "devices": 1,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", type=Path, help="reference checkpoint (built under a temp dir when omitted)")
+    parser.add_argument("--backend", choices=["local", "ray"], default="local")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--algorithms", default="grpo,ppo")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/rl_step.json"))
+    args = parser.parse_args()
+    ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
+
+    import psutil
+    from workload import write_workload
+
+    from hfjax.config import load_rl_config
+    from hfjax.trainer.launch import run_rl
+
+    workload = write_workload(ckpt, ROOT / "runs" / "peers" / "workload.parquet", n=args.prompts)
+    run_dir = Path(tempfile.mkdtemp(prefix="hfjax-bench-rl-"))
+    rows, summaries = [], {}
+    for algorithm in args.algorithms.split(","):
+        history = run_rl(load_rl_config(config(ckpt, workload, run_dir, algorithm, args)))
+        last = history[-1]
+        step = last["timing_s/step"]
+        compute = last.get("perf/worker_seconds", 0.0) - last.get("timing_s/reshard", 0.0)
+        overhead = (step - compute) / step
+        tokens = last["perf/total_num_tokens"]
+        stages = {s: last.get(f"timing_s/{s}", 0.0) for s in STAGES}
+        rows.append([algorithm, step, *stages.values(), tokens / step, 100 * overhead])
+        summaries[algorithm] = {
+            "seconds_per_step": step,
+            "tokens_per_s": tokens / step,
+            "response_tokens_per_s": args.prompts * 4 * 128 / step,
+            "overhead_share": overhead,
+            "first_step_s": history[0]["timing_s/step"],
+            "metrics_jsonl": str(run_dir / algorithm / "metrics.jsonl"),
+            "steps": args.steps,
+        }
+    peak_gib = psutil.Process().memory_info().rss / 2**30
+    with open("/proc/self/status") as f:
+        hwm = next((int(line.split()[1]) for line in f if line.startswith("VmHWM")), 0) / 2**20
+    report(
+        f"one RL iteration: {args.prompts} prompts x 4 samples x 128 tokens, {args.backend} backend "
+        f"(peak host memory of this process {hwm:.2f} GiB, now {peak_gib:.2f} GiB)",
+        ["algorithm", "step s", *[f"{s} s" for s in STAGES], "tokens/s", "outside model compute %"],
+        rows,
+        args.out,
+        {"summaries": summaries, "peak_host_gib": hwm, "backend": args.backend},
+    )
+
+
+if __name__ == "__main__":
+    main()
