@@ -36,10 +36,11 @@ def rl_config(inputs: dict[str, str], run_dir: Path, algorithm: str = "grpo", **
             "train_batch_size": 4,
             "val_batch_size": 8,
         },
-        "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 4, "optim": {"lr": 1e-3}},
+        "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 4, "optim": {"lr": 1e-3}, "use_kl_loss": True},
         "critic": {"ppo_mini_batch_size": 4, "micro_batch_size": 4},
         "rollout": {"n": 2, "response_length": 6, "slots": 8},
-        "algorithm": {"name": algorithm},
+        # the reference policy in the actor's loss everywhere, and in the reward where a critic learns from it
+        "algorithm": {"name": algorithm, "use_kl_in_reward": algorithm in ("ppo", "remax", "safe_rlhf")},
         "trainer": {"run_dir": str(run_dir), "total_steps": 3, "backend": "local", "progress": False},
     }
     if algorithm == "safe_rlhf":

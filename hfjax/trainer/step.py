@@ -43,20 +43,20 @@ class Step:
         key = f"timing_s/{name}"
         self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
 
-    def _call(self, role: str, method: str, data: DataProto) -> DataProto:
-        """A role's group method; adds the time the worker spent inside it to `perf/worker_seconds` (the slowest
-        rank's, as ranks run in parallel)."""
+    def _call(self, role: str, method: str, data: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """A role's group method: its rows (without `meta_info`, so that they union with the batch) and its metrics.
+        The time the worker spent inside it goes to `perf/worker_seconds` (the slowest rank's: ranks run in
+        parallel)."""
         out = getattr(self.roles[role], method)(data)
         seconds = out.meta_info.get("metrics", {}).get("worker_seconds")
         if seconds is not None:
             self.metrics["perf/worker_seconds"] = self.metrics.get("perf/worker_seconds", 0.0) + float(np.max(seconds))
-        return out
+        return DataProto(out.batch, out.non_tensor_batch, {}), _mean_metrics(out.meta_info)
 
     # --------------------------------------------------------------------------------------------- generation
     def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
         request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
-        out = self._call("actor", "generate_sequences", request)
-        gen_metrics = _mean_metrics(out.meta_info)
+        out, gen_metrics = self._call("actor", "generate_sequences", request)
         self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + gen_metrics["reshard_seconds"]
         return out
 
@@ -90,14 +90,14 @@ class Step:
     def cost(self) -> None:
         """Safe-RLHF: the cost model's score as `token_level_costs`."""
         with self.timed("cost"):
-            costs = self._call("cost_model", "compute_rm_score", self.batch).batch["cost_scores"]
+            costs = self._call("cost_model", "compute_rm_score", self.batch)[0].batch["cost_scores"]
         self.batch.batch["costs"] = costs
         self.batch.batch["token_level_costs"] = scores_to_token_level(costs, self.batch.batch["response_mask"])
 
     # --------------------------------------------------------------------------------------------- model passes
     def old_log_prob(self) -> None:
         with self.timed("old_log_prob"):
-            out = self._call("actor", "compute_log_prob", self.batch)
+            out, _ = self._call("actor", "compute_log_prob", self.batch)
         mask = self.batch.batch["response_mask"]
         self.metrics["actor/entropy_rollout"] = float(masked_mean(out.batch.pop("entropys"), mask))
         self.batch = self.batch.union(out)
@@ -106,11 +106,11 @@ class Step:
         if not self.cfg.uses_ref:
             return
         with self.timed("ref"):
-            self.batch = self.batch.union(self._call("actor", "compute_ref_log_prob", self.batch))
+            self.batch = self.batch.union(self._call("actor", "compute_ref_log_prob", self.batch)[0])
 
     def values(self, role: str, key: str) -> None:
         with self.timed(f"values_{role}" if role != "critic" else "values"):
-            values = self._call(role, "compute_values", self.batch).batch["values"]
+            values = self._call(role, "compute_values", self.batch)[0].batch["values"]
         self.batch.batch[key] = values
 
     # --------------------------------------------------------------------------------------------- advantages
@@ -177,9 +177,9 @@ class Step:
         data = self.batch.select(batch_keys=[*PROMPT_TENSORS, "responses", "response_mask"])
         data.batch["values"], data.batch["returns"] = self.batch.batch[values_key], self.batch.batch[returns_key]
         with self.timed("update_critic" if role == "critic" else f"update_{role}"):
-            out = self._call(role, "update_critic", data)
+            _, metrics = self._call(role, "update_critic", data)
         prefix = "critic/" if role == "critic" else f"{role}/"
-        self.metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in _mean_metrics(out.meta_info).items()})
+        self.metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in metrics.items()})
 
     def update_actor(self) -> None:
         if self.step < self.cfg.trainer.critic_warmup:
@@ -187,5 +187,5 @@ class Step:
         keys = [*PROMPT_TENSORS, "responses", "response_mask", "old_log_probs", "advantages"]
         keys += ["ref_log_prob"] if self.cfg.actor.use_kl_loss else []
         with self.timed("update_actor"):
-            out = self._call("actor", "update_actor", self.batch.select(batch_keys=keys))
-        self.metrics.update(_mean_metrics(out.meta_info))
+            _, metrics = self._call("actor", "update_actor", self.batch.select(batch_keys=keys))
+        self.metrics.update(metrics)

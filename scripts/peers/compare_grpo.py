@@ -1,10 +1,11 @@
 """One table of GRPO speed, hfjax vs TRL on the same CPU, from the two runs' JSON summaries, and their reward curves.
 
 Each JSON needs `seconds_per_step`, `tokens_per_s` (prompt + response tokens per second, verl's `perf/throughput`),
-`steps` and `metrics_jsonl` (per-step metrics with verl's names); `first_step_seconds`, `response_tokens_per_s`
-and a `workload` mapping are shown or checked when present (workload settings that differ are printed as a warning).
-TRL's comes from `trl_grpo.py`; hfjax's is written by whoever runs hfjax's GRPO on the same workload. Usage:
-    python scripts/peers/compare_grpo.py --hfjax runs/peers/hfjax_grpo.json [--trl runs/peers/trl_grpo.json]
+`steps` and `metrics_jsonl` (per-step metrics with verl's names); `first_step_seconds` (or `first_step_s`),
+`response_tokens_per_s` and a `workload` mapping are shown or checked when present (workload settings that differ
+are printed as a warning). TRL's comes from `trl_grpo.py`; hfjax's from `scripts/bench_rl_step.py` (its
+`summaries.grpo` is used) or any JSON of that shape. Usage:
+    python scripts/peers/compare_grpo.py [--hfjax runs/bench/rl_step.json] [--trl runs/peers/trl_grpo.json]
 Writes `--out` (JSON: the table rows plus both inputs) and `--plot` (the reward curves of both runs).
 Imports rich (via `bench_common.report`) and `hfjax.plot` (matplotlib).
 """
@@ -30,11 +31,14 @@ COLUMNS = ["run", "steps", "s / step", "first step s", "tokens / s", "response t
 
 
 def read_summary(path: Path) -> dict[str, Any]:
-    """A run's summary JSON, checked to have the fields of the module docstring."""
+    """A run's summary JSON (or the GRPO summary of a bench_rl_step.py output), checked to have the fields of the
+    module docstring."""
     try:
         summary = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"{path}: cannot read a JSON summary ({exc})") from exc
+    if isinstance(summary, dict) and "grpo" in (summary.get("summaries") or {}):
+        summary = summary["summaries"]["grpo"]
     missing = [k for k in REQUIRED if k not in summary] if isinstance(summary, dict) else list(REQUIRED)
     if missing:
         raise SystemExit(f"{path}: missing {missing}; expected a JSON object with {list(REQUIRED)}")
@@ -55,7 +59,7 @@ def table_rows(runs: dict[str, dict[str, Any]]) -> list[list[Any]]:
             name,
             s["steps"],
             float(s["seconds_per_step"]),
-            float(s["first_step_seconds"]) if "first_step_seconds" in s else "-",
+            float(s.get("first_step_seconds", s.get("first_step_s", "nan"))),
             float(s["tokens_per_s"]),
             float(s["response_tokens_per_s"]) if "response_tokens_per_s" in s else "-",
             f"{s['tokens_per_s'] / trl_rate:.2f}x",
@@ -66,7 +70,7 @@ def table_rows(runs: dict[str, dict[str, Any]]) -> list[list[Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hfjax", type=Path, required=True, help="hfjax's GRPO summary JSON")
+    parser.add_argument("--hfjax", type=Path, default=ROOT / "runs" / "bench" / "rl_step.json", help="hfjax's GRPO")
     parser.add_argument("--trl", type=Path, default=ROOT / "runs" / "peers" / "trl_grpo.json")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "peers" / "compare_grpo.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "runs" / "peers" / "reward_hfjax_vs_trl.png")
