@@ -206,3 +206,16 @@ class Layout:
 def is_param_leaf(x: Any) -> bool:
     """True for an `nnx.Variable`-like leaf (has metadata and a shape)."""
     return hasattr(x, "get_metadata") and hasattr(x, "shape")
+
+
+def layout_or_default(
+    config: Layout | Mapping[str, Any] | None, *, generation: bool = False, where: str = "layout"
+) -> Layout:
+    """The configured layout, or every device of this process: fsdp for training and scoring (`fsdp` rules),
+    data parallel for generation (`dp_tp_gen` rules)."""
+    if config is not None:
+        return Layout.from_config(config, where)
+    devices = len(jax.devices())
+    if generation:
+        return Layout.from_config({"mesh": {"data": devices}, "rules": "dp_tp_gen"}, where)
+    return Layout.from_config({"mesh": {"fsdp": devices}, "rules": "fsdp"}, where)

@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 
 from hfjax.data import BatchLoader
 from hfjax.models import load_hf, load_tokenizer, save_hf
-from hfjax.parallel import Layout
+from hfjax.parallel import layout_or_default
 from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
+from hfjax.training.train_state import split_rows
 from hfjax.typed_config import ConfigError, dump_yaml, load_config, to_dict
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -131,19 +132,6 @@ class Objective:
     tokens: Callable[[Mapping[str, np.ndarray]], int]
 
 
-def default_layout(config: Mapping[str, Any] | None) -> Layout:
-    """The configured layout, else fsdp over every device."""
-    if config is not None:
-        return Layout.from_config(config, "model.layout")
-    return Layout.from_config({"mesh": {"fsdp": jax.device_count()}, "rules": "fsdp"})
-
-
-def split_rows(tensors: Mapping[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
-    """Consecutive micro-batches of `size` rows (the row count is a multiple of `size`)."""
-    rows = len(next(iter(tensors.values())))
-    return [{k: v[i : i + size] for k, v in tensors.items()} for i in range(0, rows, size)]
-
-
 def full_rows(indices: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     """`indices` padded to `size` by repeating its first entry, and the row weights (0 on the padding)."""
     pad = size - len(indices)
@@ -211,7 +199,7 @@ def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, flo
     loader = BatchLoader(train_set, data.batch_size, seed=trainer.seed, shuffle=data.shuffle, drop_last=True)
     total_steps = len(loader) * trainer.epochs
     total_steps = min(total_steps, trainer.total_steps) if trainer.total_steps else total_steps
-    layout = default_layout(cfg.model.layout)
+    layout = layout_or_default(cfg.model.layout, where="model.layout")
     model = load_hf(
         cfg.model.path,
         dtype=cfg.model.dtype,

@@ -233,3 +233,20 @@ class TrainState:
 
     def load_counters(self, counters: Mapping[str, int]) -> None:
         self.step, self.skipped_steps = int(counters["step"]), int(counters["skipped_steps"])
+
+
+def split_rows(arrays: Mapping[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
+    """Consecutive chunks of `size` rows (the last one padded by repeating row 0 with zero masks, so that every
+    chunk has one shape and compiles once). Padding rows carry `response_mask` 0 and contribute nothing."""
+    rows = len(next(iter(arrays.values())))
+    chunks = []
+    for start in range(0, rows, size):
+        chunk = {k: v[start : start + size] for k, v in arrays.items()}
+        short = size - len(next(iter(chunk.values())))
+        if short:
+            chunk = {k: np.concatenate([v, np.repeat(v[:1], short, axis=0)]) for k, v in chunk.items()}
+            if "response_mask" in chunk:
+                chunk["response_mask"] = chunk["response_mask"].copy()
+                chunk["response_mask"][-short:] = 0
+        chunks.append(chunk)
+    return chunks

@@ -15,23 +15,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from hfjax.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, mask_counts, policy_loss
-from hfjax.controller import Dispatch, Worker, register
-from hfjax.parallel import HybridEngine
+from hfjax.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from hfjax.controller import Dispatch, register
+from hfjax.parallel import HybridEngine, layout_or_default
 from hfjax.protocol import DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import ActorConfig, RolloutConfig
-from hfjax.workers.model_role import (
-    LoadedModel,
-    load_train_state,
-    reports_seconds,
-    role_layout,
-    save_train_state,
-    step_metrics,
-)
-from hfjax.workers.sequences import assemble, prompt_token_lists, response_slice, split_rows
+from hfjax.workers.model_role import LoadedModel, TrainedRole, reports_seconds
+from hfjax.workers.sequences import assemble, prompt_token_lists, response_slice
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
@@ -43,7 +36,7 @@ def _response_logprobs(model: Any, batch: dict[str, jax.Array], temperature: flo
     return logprobs_from_logits(scaled, batch["responses"]), scaled
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(TrainedRole):
     """One policy checkpoint serving the roles named by `role` (one of `ROLES`)."""
 
     def __init__(
@@ -66,7 +59,7 @@ class ActorRolloutRefWorker(Worker):
     def init_model(self) -> dict[str, Any]:
         """Loads the policy (and the reference copy) under the training layout; builds optimizer and generator."""
         cfg, rollout = self.cfg, self.rollout_cfg
-        layout = role_layout(cfg.train_layout)
+        layout = layout_or_default(cfg.train_layout, where="actor.train_layout")
         self.policy = LoadedModel(
             cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="causal_lm"
         )
@@ -81,7 +74,7 @@ class ActorRolloutRefWorker(Worker):
         self._logprob = self.policy.rows_fn(self._logprob_rows)
         info: dict[str, Any] = {"train_layout": layout.describe(), "params": self.policy.config.num_params}
         if self.has_rollout:
-            gen = role_layout(rollout.gen_layout, generation=True)
+            gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
             self.hybrid = HybridEngine(layout, gen, self.policy.params, mode=rollout.hybrid_engine)
             self.engine = JaxEngine(
                 self.policy.model,
@@ -209,32 +202,9 @@ class ActorRolloutRefWorker(Worker):
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs"]
         keys += ["advantages"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
         arrays = {k: np.asarray(data.batch[k]) for k in keys}
-        history: list[dict[str, float]] = []
-        for _ in range(cfg.ppo_epochs):
-            for mini in split_rows(arrays, cfg.ppo_mini_batch_size):
-                tokens, seqs = mask_counts(mini["response_mask"])
-                rows = len(mini["input_ids"])
-                mini["global_tokens"] = np.full(rows, float(tokens), np.float32)
-                mini["global_seqs"] = np.full(rows, float(seqs), np.float32)
-                micro = split_rows(mini, cfg.micro_batch_size)
-                history.append((self.state.update(self._loss, micro), len(micro)))
-        return DataProto(meta_info={"metrics": step_metrics(history, "actor", self.state.skipped_steps)})
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, directory: str, step: int) -> None:
-        """Parameters, optimizer state and counters under `directory` (orbax), as step `step`."""
-        self.checkpoints = save_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, directory: str, step: int | None) -> int:
-        """Restores step `step` (None: the latest good one); returns the step restored."""
-        self.checkpoints, restored = load_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
-        return restored
-
-    @register(Dispatch.ONE_TO_ALL)
-    def wait_for_checkpoint(self) -> None:
-        if getattr(self, "checkpoints", None) is not None:
-            self.checkpoints.wait()
+        return self.ppo_epochs(
+            arrays, self._loss, cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.micro_batch_size, "actor"
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:

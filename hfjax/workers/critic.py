@@ -12,21 +12,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from hfjax.algos import mask_counts, value_loss
-from hfjax.controller import Dispatch, Worker, register
+from hfjax.algos import value_loss
+from hfjax.controller import Dispatch, register
+from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import CriticConfig
-from hfjax.workers.model_role import (
-    LoadedModel,
-    load_train_state,
-    reports_seconds,
-    role_layout,
-    save_train_state,
-    step_metrics,
-)
-from hfjax.workers.sequences import response_slice, split_rows
+from hfjax.workers.model_role import LoadedModel, TrainedRole, reports_seconds
+from hfjax.workers.sequences import response_slice
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -36,7 +30,7 @@ def _values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     return response_slice(values, batch["responses"].shape[1])
 
 
-class CriticWorker(Worker):
+class CriticWorker(TrainedRole):
     """A value model trained with PPO's clipped value loss."""
 
     def __init__(self, critic: CriticConfig, *, total_steps: int = 0):
@@ -46,7 +40,7 @@ class CriticWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
         cfg = self.cfg
-        layout = role_layout(cfg.layout)
+        layout = layout_or_default(cfg.layout, where="critic.layout")
         self.critic = LoadedModel(
             cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="token_cls"
         )
@@ -82,29 +76,7 @@ class CriticWorker(Worker):
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss epochs over mini-batches (micro-batch accumulation normalised by mini-batch counts)."""
         cfg = self.cfg
-        keys = (*VALUE_KEYS, "response_mask", "values", "returns")
-        arrays = {k: np.asarray(data.batch[k]) for k in keys}
-        history = []
-        for _ in range(cfg.ppo_epochs):
-            for mini in split_rows(arrays, cfg.ppo_mini_batch_size):
-                tokens, seqs = mask_counts(mini["response_mask"])
-                rows = len(mini["input_ids"])
-                mini["global_tokens"] = np.full(rows, float(tokens), np.float32)
-                mini["global_seqs"] = np.full(rows, float(seqs), np.float32)
-                micro = split_rows(mini, cfg.micro_batch_size)
-                history.append((self.state.update(self._loss, micro), len(micro)))
-        return DataProto(meta_info={"metrics": step_metrics(history, "critic", self.state.skipped_steps)})
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, directory: str, step: int) -> None:
-        self.checkpoints = save_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, directory: str, step: int | None) -> int:
-        self.checkpoints, restored = load_train_state(self.state, getattr(self, "checkpoints", None), directory, step)
-        return restored
-
-    @register(Dispatch.ONE_TO_ALL)
-    def wait_for_checkpoint(self) -> None:
-        if getattr(self, "checkpoints", None) is not None:
-            self.checkpoints.wait()
+        arrays = {k: np.asarray(data.batch[k]) for k in (*VALUE_KEYS, "response_mask", "values", "returns")}
+        return self.ppo_epochs(
+            arrays, self._loss, cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.micro_batch_size, "critic"
+        )

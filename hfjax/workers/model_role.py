@@ -16,11 +16,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from hfjax.algos import mask_counts
+from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.parallel import Layout
+from hfjax.protocol import DataProto
 from hfjax.training.checkpoint import CheckpointManager
-from hfjax.training.train_state import TrainState, place_batch
-from hfjax.workers.sequences import split_rows
+from hfjax.training.train_state import TrainState, place_batch, split_rows
 
 
 def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -35,16 +37,6 @@ def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return timed
-
-
-def role_layout(config: Mapping[str, Any] | None, generation: bool = False) -> Layout:
-    """The configured layout, or every local device: fsdp for training and scoring, data parallel for generation."""
-    if config is not None:
-        return Layout.from_config(config)
-    devices = len(jax.devices())
-    if generation:
-        return Layout.from_config({"mesh": {"data": devices}, "rules": "dp_tp_gen"})
-    return Layout.from_config({"mesh": {"fsdp": devices}, "rules": "fsdp"})
 
 
 class LoadedModel:
@@ -70,7 +62,7 @@ class LoadedModel:
         """Runs `jitted(params, micro_batch)` over fixed-size micro-batches; concatenates the outputs (numpy),
         dropping the padding rows of the last micro-batch."""
         rows = len(next(iter(arrays.values())))
-        outs = [jitted(params, place_batch(self.layout, chunk)) for chunk in split_rows(dict(arrays), micro_batch_size)]
+        outs = [jitted(params, place_batch(self.layout, chunk)) for chunk in split_rows(arrays, micro_batch_size)]
         host = jax.device_get(outs)
         return jax.tree.map(lambda *parts: np.concatenate(parts)[:rows], *host)
 
@@ -90,26 +82,51 @@ def step_metrics(history: list[tuple[dict[str, float], int]], role: str, skipped
     return out
 
 
-def save_train_state(
-    state: TrainState, manager: CheckpointManager | None, directory: str, step: int
-) -> CheckpointManager:
-    """Saves a role's `TrainState` (asynchronously; `manager.wait()` to finish); returns the manager used."""
-    manager = _manager(manager, directory)
-    manager.save(step, state.items(), {"counters": state.counters()})
-    return manager
+class TrainedRole(Worker):
+    """What the trained roles (actor, critic) share: PPO epochs over mini-batches with micro-batch accumulation,
+    and checkpoints of their `TrainState` (set `self.state` in `init_model`)."""
 
+    state: TrainState
+    checkpoints: CheckpointManager | None = None
 
-def load_train_state(
-    state: TrainState, manager: CheckpointManager | None, directory: str, step: int | None
-) -> tuple[CheckpointManager, int]:
-    """Restores a role's `TrainState` from `directory` at `step` (None: latest) and drops newer steps (a run
-    resumes from the step it completed); returns the manager and the step."""
-    manager = _manager(manager, directory)
-    restored, items, extra = manager.restore(step, state.abstract_items())
-    manager.discard_after(restored)
-    state.load_items(items)
-    state.load_counters(extra["counters"])
-    return manager, restored
+    def ppo_epochs(
+        self, arrays: dict[str, np.ndarray], loss_fn: Callable[..., Any], epochs: int, mini: int, micro: int, role: str
+    ) -> DataProto:
+        """`epochs` passes over mini-batches of `mini` rows, each one optimizer step over micro-batches of `micro`
+        rows whose losses are normalised by the mini-batch's counts (`global_tokens`, `global_seqs` per row), so
+        accumulation equals the whole mini-batch. Metrics are means over optimizer steps."""
+        history = []
+        for _ in range(epochs):
+            for batch in split_rows(arrays, mini):
+                tokens, seqs = mask_counts(batch["response_mask"])
+                rows = len(batch["response_mask"])
+                batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
+                batch["global_seqs"] = np.full(rows, float(seqs), np.float32)
+                chunks = split_rows(batch, micro)
+                history.append((self.state.update(loss_fn, chunks), len(chunks)))
+        return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps)})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str, step: int) -> None:
+        """Parameters, optimizer state and counters under `directory` (orbax, asynchronous), as step `step`."""
+        self.checkpoints = _manager(self.checkpoints, directory)
+        self.checkpoints.save(step, self.state.items(), {"counters": self.state.counters()})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str, step: int | None) -> int:
+        """Restores step `step` (None: the latest readable one) and drops newer steps (a run resumes from the step
+        it completed); returns the step restored."""
+        self.checkpoints = _manager(self.checkpoints, directory)
+        restored, items, extra = self.checkpoints.restore(step, self.state.abstract_items())
+        self.checkpoints.discard_after(restored)
+        self.state.load_items(items)
+        self.state.load_counters(extra["counters"])
+        return restored
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_for_checkpoint(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
 
 
 def _manager(manager: CheckpointManager | None, directory: str) -> CheckpointManager:

@@ -11,9 +11,10 @@ from typing import Any
 import jax
 
 from hfjax.controller import Dispatch, Worker, register
+from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
 from hfjax.workers.config import RewardModelConfig
-from hfjax.workers.model_role import LoadedModel, reports_seconds, role_layout
+from hfjax.workers.model_role import LoadedModel, reports_seconds
 
 
 def _scores(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -29,7 +30,7 @@ class RewardModelWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
-        layout = role_layout(self.cfg.layout)
+        layout = layout_or_default(self.cfg.layout, where="reward.layout")
         self.model = LoadedModel(self.cfg.model_path, layout, dtype=self.cfg.dtype, head="seq_cls")
         self._score = self.model.rows_fn(_scores)
         return {"layout": layout.describe(), "params": self.model.config.num_params}

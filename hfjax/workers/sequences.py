@@ -73,20 +73,3 @@ def scores_to_token_level(scores: np.ndarray, response_mask: np.ndarray) -> np.n
     has_tokens = response_mask.sum(axis=-1) > 0
     out[rows[has_tokens], last_response_index(response_mask)[has_tokens]] = scores[has_tokens]
     return out
-
-
-def split_rows(arrays: dict[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
-    """Consecutive chunks of `size` rows (the last one padded by repeating row 0 with zero masks, so that every
-    chunk has one shape and compiles once). Padding rows carry `response_mask` 0 and contribute nothing."""
-    rows = len(next(iter(arrays.values())))
-    chunks = []
-    for start in range(0, rows, size):
-        chunk = {k: v[start : start + size] for k, v in arrays.items()}
-        short = size - len(next(iter(chunk.values())))
-        if short:
-            chunk = {k: np.concatenate([v, np.repeat(v[:1], short, axis=0)]) for k, v in chunk.items()}
-            if "response_mask" in chunk:
-                chunk["response_mask"] = chunk["response_mask"].copy()
-                chunk["response_mask"][-short:] = 0
-        chunks.append(chunk)
-    return chunks
