@@ -40,6 +40,7 @@ def _bits(array: np.ndarray) -> np.ndarray:
 
 
 def _fill_block(want: list[tuple[int, int]], pieces: list[tuple[tuple, np.ndarray]], dtype: np.dtype) -> np.ndarray:
+    """A new (aligned) block with bounds `want`, copied from the overlapping `pieces`."""
     block = aligned_empty([hi - lo for lo, hi in want], dtype)
     block_bits, filled = _bits(block), 0
     for have, data in pieces:
@@ -55,20 +56,31 @@ def _fill_block(want: list[tuple[int, int]], pieces: list[tuple[tuple, np.ndarra
     return block
 
 
-def _assemble_on_host(source: jax.Array, target: NamedSharding) -> jax.Array:
-    """Builds every target shard from the source shards that overlap it (host memcpy, one thread per core; numpy
-    releases the GIL while copying), then places it zero-copy."""
-    shape = source.shape
-    pieces, seen = [], set()  # (bounds, host view) of each distinct source block
+def _source_pieces(source: jax.Array) -> list[tuple[tuple, np.ndarray]]:
+    """(bounds, zero-copy host view) of each distinct block of `source`."""
+    pieces, seen = [], set()
     for shard in source.addressable_shards:
-        key = tuple(block_bounds(shard.index, shape))
+        key = tuple(block_bounds(shard.index, source.shape))
         if key not in seen:
             seen.add(key)
             pieces.append((key, _bits(np.asarray(shard.data))))
-    targets = list(target.addressable_devices_indices_map(shape).items())
-    blocks = _POOL.map(lambda item: _fill_block(block_bounds(item[1], shape), pieces, source.dtype), targets)
-    arrays = [jax.device_put(block, device) for block, (device, _) in zip(blocks, targets, strict=True)]
-    return jax.make_array_from_single_device_arrays(shape, target, arrays)
+    return pieces
+
+
+def _assemble_on_host(sources: Sequence[jax.Array], targets: Sequence[NamedSharding]) -> list[jax.Array]:
+    """Builds every target block from the source blocks that overlap it (host memcpy on a thread per core, all blocks
+    of all arrays in flight at once; numpy releases the GIL while copying), then places each array zero-copy."""
+    pending = []
+    for source, target in zip(sources, targets, strict=True):
+        pieces = _source_pieces(source)
+        placements = list(target.addressable_devices_indices_map(source.shape).items())
+        fills = [_POOL.submit(_fill_block, block_bounds(i, source.shape), pieces, source.dtype) for _, i in placements]
+        pending.append(([device for device, _ in placements], fills))
+    out = []
+    for source, target, (devices, fills) in zip(sources, targets, pending, strict=True):
+        blocks = jax.device_put([fill.result() for fill in fills], devices)  # one batched, zero-copy transfer
+        out.append(jax.make_array_from_single_device_arrays(source.shape, target, blocks))
+    return out
 
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="hfjax-reshard")
@@ -80,7 +92,7 @@ def reshard(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> 
         return []
     platform = arrays[0].sharding.mesh.devices.flat[0].platform
     if platform == "cpu" and jax.process_count() == 1:
-        return [_assemble_on_host(a, s) for a, s in zip(arrays, shardings, strict=True)]
+        return _assemble_on_host(arrays, shardings)
     if platform == "cpu":
         return [jax.block_until_ready(jax.device_put(a, s)) for a, s in zip(arrays, shardings, strict=True)]
     return jax.block_until_ready(jax.device_put(list(arrays), list(shardings)))
