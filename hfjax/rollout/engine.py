@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
-from hfjax.rollout.cached_forward import Prefix, decode_forward, prefill_forward
+from hfjax.rollout.cached_forward import Prefix, decode_forward, prefill_forward, to_decode_layout
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
 
 MIN_PREFILL_BUCKET = 16
@@ -43,7 +43,8 @@ class PrefillResult(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    """All slots: per-layer caches [slots, capacity, kv_heads, head_dim], the tokens in each slot's cache
+    """All slots: per-layer caches (keys [slots, kv_heads, head_dim, capacity], values [slots, kv_heads, capacity,
+    head_dim]), the tokens in each slot's cache
     (`lengths`), the next input token, each sample's key and token count (`steps`), and its sampling values."""
 
     keys: tuple[jax.Array, ...]
@@ -140,16 +141,25 @@ class JaxEngine:
         self.capacity = max_prefill_length + max_new_tokens
         self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
         self.compiles: collections.Counter[str] = collections.Counter()
-        cache_shape = (self._slots, self.capacity, cfg.num_kv_heads, cfg.head_dim)
+        self._key_shape = (self._slots, cfg.num_kv_heads, cfg.head_dim, self.capacity)
+        self._value_shape = (self._slots, cfg.num_kv_heads, self.capacity, cfg.head_dim)
         self._cache_dtype = jnp.dtype(model.dtype)
-        cache = _batch_sharded(self.layout, cache_shape, ("batch", "length", "kv_heads", "head_dim"))
+        key_cache = _batch_sharded(self.layout, self._key_shape, ("batch", "kv_heads", "head_dim", "length"))
+        value_cache = _batch_sharded(self.layout, self._value_shape, ("batch", "kv_heads", "length", "head_dim"))
         per_slot = _batch_sharded(self.layout, (self._slots,), ("batch",))
         rng = _batch_sharded(self.layout, (self._slots, 2), ("batch", None))
         layers = cfg.num_layers
         self.state_sharding = DecodeState(
-            (cache,) * layers, (cache,) * layers, per_slot, per_slot, rng, per_slot, per_slot, per_slot, per_slot
+            (key_cache,) * layers,
+            (value_cache,) * layers,
+            per_slot,
+            per_slot,
+            rng,
+            per_slot,
+            per_slot,
+            per_slot,
+            per_slot,
         )
-        self._cache_shape = cache_shape
         self._prefill = self._jit("prefill", self._prefill_fn)
         self._insert = self._jit("insert", self._insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
         self._generate = self._jit(
@@ -188,11 +198,10 @@ class JaxEngine:
 
     def init_decode_state(self) -> DecodeState:
         """Empty slots: zero caches and lengths (an empty slot computes harmlessly until something is inserted)."""
-        cache = functools.partial(jnp.zeros, self._cache_shape, self._cache_dtype)
         layers = self.config.num_layers
         state = DecodeState(
-            tuple(cache() for _ in range(layers)),
-            tuple(cache() for _ in range(layers)),
+            tuple(jnp.zeros(self._key_shape, self._cache_dtype) for _ in range(layers)),
+            tuple(jnp.zeros(self._value_shape, self._cache_dtype) for _ in range(layers)),
             jnp.zeros(self._slots, jnp.int32),
             jnp.zeros(self._slots, jnp.int32),
             jnp.zeros((self._slots, 2), jnp.uint32),
@@ -306,16 +315,22 @@ class JaxEngine:
         temperature, top_k, top_p = prefix.temperature[rows], prefix.top_k[rows], prefix.top_p[rows]
         first = sample_tokens(prefix.cache.last_logits[rows], rng, zeros, temperature, top_k, top_p, kind)
         width = prefix.cache.keys[0].shape[1]
+        layers = [
+            to_decode_layout(k[rows], v[rows]) for k, v in zip(prefix.cache.keys, prefix.cache.values, strict=True)
+        ]
 
-        def put(cache: jax.Array, rows_value: jax.Array) -> jax.Array:
-            return cache.at[slots, :width].set(rows_value[rows].astype(cache.dtype), mode="drop")
+        def put_keys(cache: jax.Array, keys: jax.Array) -> jax.Array:
+            return cache.at[slots, :, :, :width].set(keys.astype(cache.dtype), mode="drop")
+
+        def put_values(cache: jax.Array, values: jax.Array) -> jax.Array:
+            return cache.at[slots, :, :width].set(values.astype(cache.dtype), mode="drop")
 
         def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
             return current.at[slots].set(value, mode="drop")
 
         state = DecodeState(
-            tuple(put(c, p) for c, p in zip(state.keys, prefix.cache.keys, strict=True)),
-            tuple(put(c, p) for c, p in zip(state.values, prefix.cache.values, strict=True)),
+            tuple(put_keys(c, k) for c, (k, _) in zip(state.keys, layers, strict=True)),
+            tuple(put_values(c, v) for c, (_, v) in zip(state.values, layers, strict=True)),
             set_slots(state.lengths, prefix.cache.lengths[rows]),
             set_slots(state.tokens, first[0]),
             set_slots(state.rng, rng),
