@@ -35,8 +35,8 @@ from hfjax.mapping import (
     write_mapping,
 )
 from hfjax.mapping.cluster import GIB
-from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, layout_of
-from hfjax.mapping.dataflow import model_shape
+from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stage_seconds
+from hfjax.mapping.dataflow import STAGES, model_shape
 from hfjax.mapping.search import allocations, device_counts, train_sizes
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
@@ -182,6 +182,41 @@ def test_training_and_inference_seconds_by_hand():
     got = model.infer("reward", shape, Sizes(2, 2, 2))
     expected = {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "seconds": max(compute, fsdp) + tp}
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_shared_host_rates_serial_groups_and_no_overlap_by_hand():
+    rng = np.random.default_rng()
+    cluster, w = random_cluster(rng, hosts=1, per_host=8), random_workload(rng)
+    cluster = dataclasses.replace(cluster, profile=dataclasses.replace(cluster.profile, shared_host=True))
+    model = CostModel(cluster, dataflow("ppo"), w)
+    p = cluster.profile
+    # a group of 4 of the host's 8 devices runs alone: twice the per-device rates measured with all 8 busy
+    F, intra = 2 * p.matmul_flops * p.compute_efficiency, 2 * p.intra_host_bandwidth * p.bandwidth_efficiency
+    lat, L, d, S = p.collective_latency_s, 2, 64, w.prompt_len + w.response_len
+    norms = (2 * L + 1) * d
+    mm = TINY.num_params - 256 * d
+    attn = 4 * L * 4 * 16 * S / 2
+    shard = (TINY.num_params - norms) // 4 + norms // 2
+    local = math.ceil(w.global_batch_prompts * 2 / 2 / 2)
+    micro = math.ceil(local / 3)
+    m = math.ceil(local / micro)
+    compute = micro * m * S * (8 * mm + 4 * attn) / 2 / F
+    fsdp = micro * (3 * L * lat + 0.5 * (2 * shard * 2 + 2 * shard * 4) / intra)
+    tp = micro * (6 * L * lat + 2 * 0.5 * 6 * L * m * S * d * 2 / intra)
+    got = model.train(model_shape(TINY, "causal_lm"), Sizes(1, 2, 2))
+    expected = {"compute": 4 * compute, "fsdp_dp": 4 * fsdp, "tp": 4 * tp, "seconds": 4 * (compute + fsdp + tp)}
+    assert got == pytest.approx(expected, rel=1e-12)
+    assert (model.share(4), model.share(8), model.share(16)) == (2.0, 1.0, 1.0)
+    # groups on the shared host take turns: a stage lasts the sum of the groups' seconds, not their max
+    costs = [
+        RoleCost(role, Sizes(4, 1, 1), dict(zip(STAGES, rng.uniform(0, 1, 3), strict=True)), 0.0, 0.0, {}, {})
+        for role in ("actor", "critic")
+    ]
+    assert not model.concurrent_groups
+    assert stage_seconds([costs[:1], costs[1:]], model.concurrent_groups) == pytest.approx(
+        {s: costs[0].seconds[s] + costs[1].seconds[s] for s in STAGES}
+    )
+    assert stage_seconds([costs[:1], costs[1:]]) == {s: max(c.seconds[s] for c in costs) for s in STAGES}
 
 
 def test_generation_seconds_and_transition_bytes_by_hand():
@@ -331,6 +366,9 @@ def test_paper_scale_search_is_fast(size):
 
 def test_dataflows_and_workload_validation():
     assert dataflow("safe_rlhf").training == ("actor", "critic", "cost_critic")
+    # a critic built from a causal LM's config (HF's default num_labels is 2) gets one value label, as load_hf does
+    two_labels = dataclasses.replace(TINY, num_labels=2)
+    assert model_shape(two_labels, "token_cls").params == model_shape(TINY, "token_cls").params
     remax = CostModel(ClusterSpec.builtin("h100", 1), dataflow("remax"), Workload(global_batch_prompts=10, n_samples=3))
     assert remax.sequences("generation") == 40 and remax.sequences("inference", "reward") == 40
     assert remax.sequences("inference", "ref") == 30 and remax.sequences("training") == 30
@@ -390,3 +428,4 @@ def test_cpu_calibration_measures_the_local_devices():
     for value in (profile.matmul_flops, profile.memory_bandwidth, profile.intra_host_bandwidth):
         assert np.isfinite(value) and value > 1e6
     assert 0 < profile.collective_latency_s < 1
+    assert profile.shared_host  # fake CPU devices share the host's cores

@@ -20,7 +20,10 @@ GIB = 2**30
 @dataclasses.dataclass(frozen=True)
 class DeviceProfile:
     """Per-device speeds. Bandwidths are bytes/s in one direction, per device (what a ring collective's step
-    moves). `collective_latency_s`: fixed cost of one collective call (matters for per-token decode all-reduces)."""
+    moves). `collective_latency_s`: fixed cost of one collective call (matters for per-token decode all-reduces).
+    `shared_host`: the devices of a host time-share its cores (fake CPU devices): the rates are each device's
+    share with all of the host's devices busy, a group of g of its n devices running alone gets n/g times them,
+    communication does not overlap compute, and groups on the host do not run concurrently."""
 
     name: str
     matmul_flops: float
@@ -31,6 +34,7 @@ class DeviceProfile:
     compute_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
     source: str = ""
+    shared_host: bool = False
 
     def __post_init__(self) -> None:
         for name in ("matmul_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
@@ -199,8 +203,8 @@ def _timed(fn: Any, arg: Any, budget_s: float) -> float:
 def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfile:
     """Measures the local devices all busy at once (fake CPU devices share the host's cores): a batched matmul
     (one 384^3 product per device) for FLOP/s, a scaled copy of 8 MiB per device for memory bandwidth (bytes read
-    + written), moving every device's 2 MiB shard to the next device for link bandwidth, and a 4-byte move for
-    the per-collective latency. About `budget_s` seconds plus compile time."""
+    + written), and a jitted all-gather (the collective the sharded programs run) of 512 KiB per device for link
+    bandwidth, less its fixed cost measured with a 4-byte shard. About `budget_s` seconds plus compile time."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -209,8 +213,7 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
     devices = jax.local_devices()
     n = len(devices)
     mesh = Mesh(np.array(devices), ("d",))
-    rolled = Mesh(np.array(devices[1:] + devices[:1]), ("d",))
-    on_mesh, on_rolled = NamedSharding(mesh, PartitionSpec("d")), NamedSharding(rolled, PartitionSpec("d"))
+    on_mesh = NamedSharding(mesh, PartitionSpec("d"))
     rng = np.random.default_rng(0)
     k = 384
     a = jax.device_put(rng.standard_normal((n, k, k)).astype(dtype), on_mesh)
@@ -218,11 +221,21 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
     copy_elems = 2 * 2**20  # 8 MiB of float32 per device
     x = jax.device_put(rng.standard_normal((n, copy_elems)).astype(np.float32), on_mesh)
     copy_s = _timed(jax.jit(lambda v: v * jnp.float32(1.0001)), x, budget_s / 3)
-    y = jax.device_put(rng.standard_normal((n, 2**19)).astype(np.float32), on_mesh)
-    move_s = _timed(lambda v: jax.device_put(v, on_rolled), y, budget_s / 6)
+    gather = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.all_gather(v, "d", tiled=True),
+            mesh=mesh,
+            in_specs=PartitionSpec("d"),
+            out_specs=PartitionSpec(),
+            check_vma=False,  # all_gather's result is the same on every device
+        )
+    )
+    shard_elems = 2**17  # 512 KiB of float32 per device
+    y = jax.device_put(rng.standard_normal((n * shard_elems,)).astype(np.float32), on_mesh)
+    gather_s = _timed(gather, y, budget_s / 6)
     tiny = jax.device_put(np.ones((n,), np.float32), on_mesh)
-    latency_s = _timed(lambda v: jax.device_put(v, on_rolled), tiny, budget_s / 6)
-    link = 2 * 2**20 / max(move_s - latency_s, 1e-9)
+    latency_s = _timed(gather, tiny, budget_s / 6)
+    link = (n - 1) / n * 4 * n * shard_elems / max(gather_s - latency_s, 1e-9)
     return DeviceProfile(
         name=f"cpu-{n}dev",
         matmul_flops=2 * k**3 / matmul_s,
@@ -231,6 +244,7 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
         inter_host_bandwidth=link,
         collective_latency_s=latency_s,
         source=f"measured now on {n} local {devices[0].platform} devices ({dtype} matmul)",
+        shared_host=devices[0].platform == "cpu",
     )
 
 

@@ -14,9 +14,12 @@ With P the matmul parameters, L layers, width d, S = prompt + response tokens, F
   the KV cache left over by resident state bounds the concurrent batch (more waves when it does not fit);
 - train -> gen transition: the HybridEngine's Table 2 bytes per device (`table2_moved_bytes`), gen -> train free.
 A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for all-reduce) over the link's
-bandwidth, plus a fixed latency per call. Memory per device: bf16 parameters, fp32 Adam state (master, m, v) and
-fp32 gradients of trained roles, activations (Korthikanti et al. 2022: 10 + 24/t bytes per token and width per
-layer with flash attention; full recomputation keeps each layer's input), fp32 logits, the actor's KV cache.
+bandwidth, plus a fixed latency per call. On a shared host (fake CPU devices: `DeviceProfile.shared_host`) a group
+of g of the host's n devices runs at n/g times the per-device rates (measured with all n busy), collectives add
+to compute instead of overlapping it, and the groups' stage seconds add up instead of taking their max.
+Memory per device: bf16 parameters, fp32 Adam state (master, m, v) and fp32 gradients of trained roles,
+activations (Korthikanti et al. 2022: 10 + 24/t bytes per token and width per layer with flash attention; full
+recomputation keeps each layer's input), fp32 logits, the actor's KV cache.
 Imports `hfjax.parallel` and `hfjax.mapping.{cluster,dataflow}`.
 """
 
@@ -118,9 +121,11 @@ class Prediction:
         return sum(self.stage_seconds.values())
 
 
-def stage_seconds(groups: Sequence[Sequence[RoleCost]]) -> dict[str, float]:
-    """Per stage: the max over concurrently running groups of the sum of their roles' seconds."""
-    return {s: max(sum(c.seconds[s] for c in costs) for costs in groups) for s in STAGES}
+def stage_seconds(groups: Sequence[Sequence[RoleCost]], concurrent: bool = True) -> dict[str, float]:
+    """Per stage: the max over concurrently running groups of the sum of their roles' seconds (the sum over
+    all groups when they are not `concurrent`)."""
+    combine = max if concurrent else sum
+    return {s: combine(sum(c.seconds[s] for c in costs) for costs in groups) for s in STAGES}
 
 
 class InfeasibleError(ValueError):
@@ -134,15 +139,28 @@ class CostModel:
         self.cluster, self.flow, self.workload = cluster, flow, workload
         self.options = options or CostOptions()
         self.usable_bytes = cluster.device_memory_bytes * self.options.usable_memory_fraction
+        self.shared = cluster.profile.shared_host
+        self.concurrent_groups = not self.shared
 
-    def collective(self, kind: str, nbytes: float, group: int, span: int, calls: int = 1) -> float:
+    def share(self, devices: int) -> float:
+        """Times its profile's rates a device of a group of `devices` runs at: n/g on a shared host of n, else 1."""
+        per_host = self.cluster.devices_per_host
+        return per_host / devices if self.shared and devices < per_host else 1.0
+
+    def overlap(self, compute: float, communication: float) -> float:
+        """Seconds of compute with communication that overlaps it (not on a shared host: the same cores)."""
+        return compute + communication if self.shared else max(compute, communication)
+
+    def collective(self, kind: str, nbytes: float, group: int, span: int, calls: int = 1, share: float = 1.0) -> float:
         """Seconds of `calls` ring collectives moving `nbytes` in all (the gathered size) over `group` devices
-        spanning `span` consecutive devices; `kind` is `gather` (all-gather/reduce-scatter) or `reduce`."""
+        spanning `span` consecutive devices at `share` times the link bandwidth; `kind` is `gather`
+        (all-gather/reduce-scatter) or `reduce`."""
         if group == 1:
             return 0.0
         profile = self.cluster.profile
         factor = (group - 1) / group * (2 if kind == "reduce" else 1)
-        return calls * profile.collective_latency_s + factor * nbytes / profile.bandwidth(self.cluster.link(span))
+        bandwidth = share * profile.bandwidth(self.cluster.link(span))
+        return calls * profile.collective_latency_s + factor * nbytes / bandwidth
 
     def sequences(self, stage: str, role: str = "") -> int:
         """Sequences `role` processes in `stage` per iteration: ReMax's baseline rollouts are generated and
@@ -178,33 +196,33 @@ class CostModel:
         flops = m * S * ((6 + 2 * r) * shape.matmul_params + (3 + r) * shape.attention_flops(S / 2))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         f, t = sizes.fsdp, sizes.tensor
-        L = cfg.num_layers
-        compute = micro * flops / sizes.tensor / self.cluster.profile.flops
+        L, share = cfg.num_layers, self.share(sizes.size)
+        compute = micro * flops / sizes.tensor / (share * self.cluster.profile.flops)
         fsdp = micro * (
-            self.collective("gather", shard * f * opt.param_bytes, f, f * t, 2 * L)
-            + self.collective("gather", shard * f * opt.grad_bytes, f, f * t, L)
+            self.collective("gather", shard * f * opt.param_bytes, f, f * t, 2 * L, share)
+            + self.collective("gather", shard * f * opt.grad_bytes, f, f * t, L, share)
         )
-        dp = self.collective("reduce", shard * opt.grad_bytes, sizes.data, sizes.size)
+        dp = self.collective("reduce", shard * opt.grad_bytes, sizes.data, sizes.size, share=share)
         tp = micro * self.collective(
-            "reduce", (4 + 2 * r) * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, (4 + 2 * r) * L
+            "reduce", (4 + 2 * r) * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, (4 + 2 * r) * L, share
         )
         return {
             "compute": steps * compute,
             "fsdp_dp": steps * (fsdp + dp),
             "tp": steps * tp,
-            "seconds": steps * (max(compute, fsdp + dp) + tp),
+            "seconds": steps * (self.overlap(compute, fsdp + dp) + tp),
         }
 
     def infer(self, role: str, shape: ModelShape, sizes: Sizes) -> dict[str, float]:
         w, cfg, opt = self.workload, shape.config, self.options
         micro, m = self._passes(self.sequences("inference", role), sizes)
-        S, L, f, t = w.seq_len, cfg.num_layers, sizes.fsdp, sizes.tensor
+        S, L, f, t, share = w.seq_len, cfg.num_layers, sizes.fsdp, sizes.tensor, self.share(sizes.size)
         flops = m * S * (2 * shape.matmul_params + shape.attention_flops(S / 2))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
-        compute = micro * flops / t / self.cluster.profile.flops
-        fsdp = micro * self.collective("gather", shard * f * opt.param_bytes, f, f * t, L)
-        tp = micro * self.collective("reduce", 2 * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, 2 * L)
-        return {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "seconds": max(compute, fsdp) + tp}
+        compute = micro * flops / t / (share * self.cluster.profile.flops)
+        fsdp = micro * self.collective("gather", shard * f * opt.param_bytes, f, f * t, L, share)
+        tp = micro * self.collective("reduce", 2 * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, 2 * L, share)
+        return {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "seconds": self.overlap(compute, fsdp) + tp}
 
     def gen_extra_bytes(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
         """Parameter bytes per device the generation shard adds over the training shard."""
@@ -229,17 +247,19 @@ class CostModel:
         waves = math.ceil(batch / int(kv_budget // kv_seq))
         b = math.ceil(batch / waves)
         param_read = shape.shard_elements(layout_of(gen, GEN_RULES)) * opt.param_bytes
-        P, mm = w.prompt_len, shape.matmul_params
-        prefill = b * P * (2 * mm + shape.attention_flops(P / 2)) / t / profile.flops
-        prefill += self.collective("reduce", 2 * L * b * P * d * opt.param_bytes, t, t, 2 * L)
+        P, mm, share = w.prompt_len, shape.matmul_params, self.share(gen.size)
+        flops = share * profile.flops
+        prefill = b * P * (2 * mm + shape.attention_flops(P / 2)) / t / flops
+        prefill += self.collective("reduce", 2 * L * b * P * d * opt.param_bytes, t, t, 2 * L, share)
         ctx = P + w.response_len / 2
-        step_read = (param_read + b * kv_token * ctx) / profile.bandwidth("memory")
-        step_compute = b * (2 * mm + shape.attention_flops(ctx)) / t / profile.flops
-        step = max(step_read, step_compute) + self.collective("reduce", 2 * L * b * d * opt.param_bytes, t, t, 2 * L)
+        step_read = (param_read + b * kv_token * ctx) / (share * profile.bandwidth("memory"))
+        step_compute = b * (2 * mm + shape.attention_flops(ctx)) / t / flops
+        all_reduce = self.collective("reduce", 2 * L * b * d * opt.param_bytes, t, t, 2 * L, share)
+        step = max(step_read, step_compute) + all_reduce
         moved = table2_moved_bytes(
             shape.params * opt.param_bytes, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)
         )
-        reshard = moved / profile.bandwidth(self.cluster.link(train.fsdp * train.tensor))
+        reshard = moved / (share * profile.bandwidth(self.cluster.link(train.fsdp * train.tensor)))
         return {
             "prefill": waves * prefill,
             "decode": waves * w.response_len * step,
@@ -353,4 +373,4 @@ class CostModel:
             roles.update({c.role: c for c in done[0]})
             placed.append(done[0])
             peaks.append(done[1])
-        return Prediction(stage_seconds(placed), roles, tuple(peaks))
+        return Prediction(stage_seconds(placed, self.concurrent_groups), roles, tuple(peaks))

@@ -210,7 +210,10 @@ def _shard_elements(shape: ModelShape, axes: tuple, rules: tuple) -> int:
 
 @functools.lru_cache(maxsize=64)
 def model_shape(config: ModelConfig, head: str) -> ModelShape:
-    """The `ModelShape` of a config with a head kind (`causal_lm`, `seq_cls`, `token_cls`)."""
+    """The `ModelShape` of a config with a head kind (`causal_lm`, `seq_cls`, `token_cls`). A value head has one
+    label whatever the checkpoint's config says (as `load_hf` builds a critic from a causal LM)."""
+    if head == "token_cls":
+        config = dataclasses.replace(config, num_labels=1)
     model = abstract_model(config, head, "bfloat16")
     kinds: dict[tuple, int] = {}
     for leaf in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=is_param_leaf):

@@ -252,7 +252,7 @@ class MappingSearch:
                     if failed:
                         why = why or failed[0]
                     else:
-                        candidates.append(_candidate(placement, alloc, groups))
+                        candidates.append(_candidate(placement, alloc, groups, self.model.concurrent_groups))
                         found += 1
                 if not found:
                     mins = ", ".join(f"{'+'.join(g)} >= {n}" for g, n in zip(placement, minimums, strict=True))
@@ -270,13 +270,13 @@ def _name(placement: Placement) -> str:
     return " | ".join("+".join(g) for g in placement)
 
 
-def _candidate(placement: Placement, alloc: tuple[int, ...], groups: list) -> Candidate:
+def _candidate(placement: Placement, alloc: tuple[int, ...], groups: list, concurrent: bool) -> Candidate:
     roles = {c.role: c for costs, _ in groups for c in costs}
     gen = next((c.gen for c in roles.values() if c.gen is not None), None)
     mapping = DeviceMapping(
         tuple(zip(placement, alloc, strict=True)), {r: c.sizes for r, c in roles.items()}, gen_layout=gen
     )
-    stages = stage_seconds([[roles[r] for r in group] for group in placement])
+    stages = stage_seconds([[roles[r] for r in group] for group in placement], concurrent)
     return Candidate(mapping, Prediction(stages, roles, tuple(peak for _, peak in groups)))
 
 

@@ -1,0 +1,297 @@
+"""Issue 8's CPU check of the auto-mapper: on 8 fake CPU devices, does the cost model with the calibrated CPU
+profile rank real PPO iterations of a small local model the way they measure, and is its choice near the best?
+
+1. Builds a Llama policy (also the critic's and reference's checkpoint), the addition task and its tokenizer locally.
+2. Calibrates the CPU profile (`local_cpu`), runs the search (`MappingSearch`) for PPO (actor, ref, critic; a rule
+   reward) on the run's workload, and predicts every mapping the trainer can run: `colocate` on all devices, or
+   `split` (actor+ref | critic, half the devices each); the reference always shares the actor's training layout
+   (it lives in the actor's worker). Picks `--mappings` of them spread over the predicted ranking, the best
+   predicted ("chosen") first.
+3. Writes each as `hfjax automap --out` does (`write_mapping`), turns it into the run config's placement and
+   layout keys, and trains `--steps` PPO iterations through Ray as `hfjax train` does (`run_rl`). Measured s/iter:
+   median `timing_s/step` after the first `--warmup` iterations (compiles; the second still compiles some).
+4. Prints predicted vs measured per mapping, Spearman's rho and chosen / best measured; exits 1 unless
+   rho >= 0.8 and chosen <= 1.15 x best.
+Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/automap_cpu_check.py`): concurrent load
+changes both the calibration and the measurements. Usage:
+    python scripts/automap_cpu_check.py [--mappings 7] [--steps 3] [--out runs/bench/automap_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICES = 8
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hfjax-automap-xla-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
+from bench_common import report  # noqa: E402
+
+# Trainer timings (`timing_s/<name>`) per stage of the cost model.
+STAGE_TIMINGS = {
+    "generation": ("gen",),
+    "inference": ("reward", "old_log_prob", "ref", "values"),
+    "training": ("update_critic", "update_actor"),
+}
+
+
+def build_inputs(root: Path, args: argparse.Namespace) -> dict[str, str]:
+    """Policy checkpoint with the addition tokenizer, and the task's prompts (two-digit operands: every prompt
+    has the same length, so no iteration recompiles for a new shape)."""
+    from checkpoints import save_hf_model
+
+    from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
+
+    tokenizer = build_addition_tokenizer()
+    _, policy = save_hf_model(
+        root,
+        "llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.mlp,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tokenizer.save_pretrained(policy)
+    files = write_addition_task(AdditionTask(min_digits=2, max_digits=2, num_train=256, num_test=8, num_sft=8), root)
+    return {"policy": str(policy), "train": str(files["train"])}
+
+
+def base_config(inputs: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    """PPO with a KL reference in the reward, one mini-batch of one micro-batch per update (the cost model's
+    micro-batches are per data-parallel rank, the trainer's global: with one of each they agree)."""
+    seqs = args.prompts * args.n
+    update = {"ppo_mini_batch_size": seqs, "micro_batch_size": seqs}
+    return {
+        "model_path": inputs["policy"],
+        "data": {
+            "train_files": [inputs["train"]],
+            "max_prompt_length": args.prompt_len,
+            "train_batch_size": args.prompts,
+        },
+        "actor": {**update, "optim": {"lr": 1e-5}},
+        "critic": update,
+        "rollout": {"n": args.n, "response_length": args.response_len, "slots": seqs, "ignore_eos": True},
+        "algorithm": {"name": "ppo", "use_kl_in_reward": True},
+        "trainer": {
+            "backend": "ray",
+            "total_steps": args.steps,
+            "resume": "never",
+            "tensorboard": False,
+            "progress": False,
+            "devices": DEVICES,
+        },
+    }
+
+
+def trainer_mappings(total: int) -> list[Any]:
+    """Every mapping of (actor, ref, critic) that the trainer's placements run on `total` devices."""
+    from hfjax.mapping import DeviceMapping
+    from hfjax.mapping.cost import gen_sizes
+    from hfjax.mapping.search import train_sizes
+
+    out = []
+    for groups in (((("actor", "ref", "critic"), total),), ((("actor", "ref"), total // 2), (("critic",), total // 2))):
+        actor_devices, critic_devices = groups[0][1], groups[-1][1]
+        for actor in train_sizes(actor_devices):
+            gens = [gen_sizes(actor_devices, 2**i) for i in range(actor.tensor.bit_length())]
+            for gen in (g for g in gens if actor.tensor % g.tensor == 0):
+                for critic in train_sizes(critic_devices):
+                    out.append(DeviceMapping(groups, {"actor": actor, "ref": actor, "critic": critic}, gen))
+    return out
+
+
+def run_overrides(mapped: dict[str, Any]) -> dict[str, Any]:
+    """The run config's placement and layout keys for a mapping written by `write_mapping`."""
+    pools = mapped["resource_pools"]
+    roles = mapped["roles"]
+    if roles["ref"]["layout"] != roles["actor"]["train_layout"] or roles["ref"]["pool"] != roles["actor"]["pool"]:
+        raise ValueError("the trainer runs the reference in the actor's worker: it needs the actor's pool and layout")
+    if len(pools) > 1 and (len(pools) != 2 or len({p["devices"] for p in pools}) != 1):
+        raise ValueError(f"the trainer splits its devices evenly between actor and the rest; got {pools}")
+    return {
+        "trainer": {"placement": mapped["placement"]},
+        "actor": {"train_layout": roles["actor"]["train_layout"]},
+        "rollout": {"gen_layout": roles["actor"]["gen_layout"]},
+        "critic": {"layout": roles["critic"]["layout"]},
+    }
+
+
+def pick(ranked: list[Any], k: int) -> list[int]:
+    """`k` indices spread evenly over the predicted ranking (the first is the best), with the best of each
+    placement kind included."""
+    chosen = {round(i * (len(ranked) - 1) / (k - 1)) for i in range(k)}
+    for kind in {c.kind for c in ranked}:
+        chosen.add(next(i for i, c in enumerate(ranked) if c.kind == kind))
+    return sorted(chosen)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
+
+
+def measure(config: dict[str, Any], warmup: int) -> tuple[float, dict[str, float]]:
+    """Median seconds per iteration after `warmup` iterations, and the median seconds of each stage."""
+    from hfjax.config import load_rl_config
+    from hfjax.trainer.launch import run_rl
+
+    history = run_rl(load_rl_config(config))[warmup:]
+    stages = {
+        stage: statistics.median(sum(h.get(f"timing_s/{k}", 0.0) for k in keys) for h in history)
+        for stage, keys in STAGE_TIMINGS.items()
+    }
+    return statistics.median(h["timing_s/step"] for h in history), stages
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mappings", type=int, default=7, help="mappings to run (at least 6 for the check)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="first iterations left out (compiles)")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--response-len", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--mlp", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--predict-only", action="store_true", help="print the predicted ranking, run nothing")
+    parser.add_argument("--work-dir", type=Path, help="inputs, mapped configs and runs (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "automap_cpu.json")
+    args = parser.parse_args()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="hfjax-automap-cpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    import ray
+
+    from hfjax.mapping import (
+        Candidate,
+        CostModel,
+        CostOptions,
+        InfeasibleError,
+        MappingSearch,
+        Workload,
+        dataflow,
+        local_cpu,
+        role_shapes,
+        write_mapping,
+    )
+    from hfjax.parallel.layout import LayoutError
+
+    inputs = build_inputs(work / "inputs", args)
+    cluster = local_cpu()
+    seqs = args.prompts * args.n
+    workload = Workload(args.prompts, args.n, args.prompt_len, args.response_len, 1, 1, seqs)
+    flow = dataflow("ppo")
+    model = CostModel(cluster, flow, workload, CostOptions(param_bytes=4))  # the run is float32 throughout
+    shapes = role_shapes(flow, dict.fromkeys(("actor", "ref", "critic"), inputs["policy"]))
+    searched = MappingSearch(model, shapes).run()
+    ranked = []
+    for mapping in trainer_mappings(DEVICES):
+        try:
+            ranked.append(Candidate(mapping, model.predict(shapes, mapping)))
+        except (LayoutError, InfeasibleError):
+            continue
+    ranked.sort(key=lambda c: c.iteration_seconds)
+    print(f"profile: {cluster.profile}")
+    print(
+        f"search: best of {len(searched.candidates)} candidates {searched.candidates[0].iteration_seconds:.3f} s; "
+        f"best the trainer runs {ranked[0].iteration_seconds:.3f} s (of {len(ranked)})"
+    )
+
+    if args.predict_only:
+        from hfjax.mapping import print_candidates
+
+        print_candidates([ranked[i] for i in pick(ranked, args.mappings)], "picked mappings", args.mappings + 2)
+        print_candidates(searched.candidates, "search (all placements)", 5)
+        return 0
+    base = base_config(inputs, args)
+    ray.init(include_dashboard=False, _temp_dir=str(work / "ray"), log_to_driver=False)
+    rows, results = [], []
+    try:
+        for index in pick(ranked, args.mappings):
+            candidate = ranked[index]
+            mapped = write_mapping(candidate, work / f"mapped-{index}.yaml", "ppo")
+            config = {**base, "trainer": {**base["trainer"], "run_dir": str(work / f"run-{index}")}}
+            for section, values in run_overrides(mapped).items():
+                config[section] = {**config.get(section, {}), **values}
+            seconds, stages = measure(config, args.warmup)
+            results.append((index, candidate, seconds, stages))
+            print(f"mapping {index}: predicted {candidate.iteration_seconds:.3f} s, measured {seconds:.3f} s")
+    finally:
+        ray.shutdown()
+
+    predicted = [c.iteration_seconds for _, c, _, _ in results]
+    measured = [s for _, _, s, _ in results]
+    measured_rank = {i: r for r, i in enumerate(sorted(range(len(results)), key=lambda i: measured[i]), 1)}
+    for j, (index, c, seconds, stages) in enumerate(results):
+        layouts = c.mapping.layouts
+        rows.append(
+            [
+                index + 1,
+                c.kind,
+                " | ".join(f"{'+'.join(g)}:{n}" for g, n in c.mapping.groups),
+                f"actor {layouts['actor'].describe()} gen t{c.mapping.gen_layout.tensor}, "
+                f"critic {layouts['critic'].describe()}",
+                " / ".join(f"{c.prediction.stage_seconds[s]:.2f}" for s in STAGE_TIMINGS),
+                " / ".join(f"{stages[s]:.2f}" for s in STAGE_TIMINGS),
+                c.iteration_seconds,
+                seconds,
+                j + 1,
+                measured_rank[j],
+            ]
+        )
+    rho = spearman(predicted, measured)
+    ratio = measured[0] / min(measured)
+    ok = len(results) >= 6 and rho >= 0.8 and ratio <= 1.15
+    report(
+        f"PPO on {DEVICES} fake CPU devices: predicted vs measured s/iter (Spearman rho {rho:.3f}, chosen / best "
+        f"measured {ratio:.3f}: {'PASS' if ok else 'FAIL'})",
+        [
+            "#",
+            "kind",
+            "groups:devices",
+            "layouts",
+            "pred gen/inf/train s",
+            "meas gen/inf/train s",
+            "predicted s/iter",
+            "measured s/iter",
+            "predicted rank",
+            "measured rank",
+        ],
+        rows,
+        args.out,
+        {
+            "spearman": rho,
+            "chosen_over_best": ratio,
+            "pass": ok,
+            "profile": repr(cluster.profile),
+            "workload": repr(workload),
+            "runnable_mappings": len(ranked),
+            "args": {k: str(v) for k, v in vars(args).items()},
+        },
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
