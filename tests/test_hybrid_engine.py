@@ -100,6 +100,9 @@ def test_round_trip_is_bitwise_and_contained(checkpoint, name):
     assert all(x.is_deleted() for x in jax.tree.leaves(params))
     for leaf, want in zip(jax.tree.leaves(gen_params), engine.gen_shardings, strict=True):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+        # Every device holds its own copy, also of blocks that several devices share (replicated dimensions).
+        pointers = [shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards]
+        assert len(set(pointers)) == len(pointers), name
     with jax.transfer_guard("disallow"):  # to_train copies nothing across devices (nor to/from host)
         back = engine.to_train(gen_params)
     assert all(x.is_deleted() for x in jax.tree.leaves(gen_params))

@@ -76,11 +76,23 @@ def _assemble_on_host(sources: Sequence[jax.Array], targets: Sequence[NamedShard
         placements = list(target.addressable_devices_indices_map(source.shape).items())
         fills = [_POOL.submit(_fill_block, block_bounds(i, source.shape), pieces, source.dtype) for _, i in placements]
         pending.append(([device for device, _ in placements], fills))
-    out = []
-    for source, target, (devices, fills) in zip(sources, targets, pending, strict=True):
-        blocks = jax.device_put([fill.result() for fill in fills], devices)  # one batched, zero-copy transfer
-        out.append(jax.make_array_from_single_device_arrays(source.shape, target, blocks))
-    return out
+    return [
+        _place(source.shape, target, devices, [fill.result() for fill in fills])
+        for source, target, (devices, fills) in zip(sources, targets, pending, strict=True)
+    ]
+
+
+def _place(shape: tuple[int, ...], target: NamedSharding, devices: list, blocks: list[np.ndarray]) -> jax.Array:
+    """The global array whose block on `devices[i]` is `blocks[i]`, placed zero-copy. `make_array_from_callback`
+    places all blocks in one call (the cheapest), but gives every device the same block when the target is fully
+    replicated; then each device gets its own block through a batched `device_put`."""
+    if target.is_fully_replicated:
+        return jax.make_array_from_single_device_arrays(shape, target, jax.device_put(blocks, devices))
+    by_device = dict(zip(devices, blocks, strict=True))
+    by_index = {}
+    for device, index in target.addressable_devices_indices_map(shape).items():
+        by_index.setdefault(tuple(block_bounds(index, shape)), []).append(by_device[device])
+    return jax.make_array_from_callback(shape, target, lambda index: by_index[tuple(block_bounds(index, shape))].pop())
 
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="hfjax-reshard")
