@@ -159,7 +159,11 @@ class Attention(nnx.Module):
         self.dtype = dtype
 
     def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = jnp.einsum("bte,hde->bthd", x, kernel[...].astype(self.dtype))
+        # As one [heads * head_dim, embed] matrix (a free reshape): a 3-D contraction makes XLA:CPU transpose the
+        # kernel on every call, a 2-D one multiplies by its transpose in place.
+        heads, head_dim, embed = kernel.shape
+        flat = kernel[...].astype(self.dtype).reshape(heads * head_dim, embed)
+        y = jnp.einsum("bte,fe->btf", x, flat).reshape(*x.shape[:2], heads, head_dim)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -172,7 +176,9 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def project_out(self, attended: jax.Array) -> jax.Array:
-        y = jnp.einsum("bthd,ehd->bte", attended, self.o_kernel[...].astype(self.dtype))
+        embed, heads, head_dim = self.o_kernel.shape
+        flat = self.o_kernel[...].astype(self.dtype).reshape(embed, heads * head_dim)
+        y = jnp.einsum("btf,ef->bte", attended.reshape(*attended.shape[:2], heads * head_dim), flat)
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
