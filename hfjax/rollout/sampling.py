@@ -61,14 +61,17 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerKind:
-    """The static part of sampling (which filters exist in the compiled step); values stay per slot."""
+    """The static part of sampling (which filters exist in the compiled step, and whether any row samples at all:
+    an all-greedy step draws no random noise); values stay per slot."""
 
     top_k: bool
     top_p: bool
+    sampled: bool = True
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplerKind:
-        return cls(top_k=params.top_k > 0 and not params.greedy, top_p=params.top_p < 1.0 and not params.greedy)
+        sampled = not params.greedy
+        return cls(top_k=params.top_k > 0 and sampled, top_p=params.top_p < 1.0 and sampled, sampled=sampled)
 
 
 def sample_key(seed: jax.Array, request: jax.Array, sample: jax.Array) -> jax.Array:
@@ -119,12 +122,14 @@ def sample_tokens(
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
-    filtered = filter_logits(scaled, top_k, top_p, kind)
+    tokens = jnp.argmax(logits, axis=-1)
+    if kind.sampled:
+        filtered = filter_logits(scaled, top_k, top_p, kind)
 
-    def gumbel(key: jax.Array, step: jax.Array) -> jax.Array:
-        return jax.random.gumbel(jax.random.fold_in(jax.random.wrap_key_data(key), step), (logits.shape[-1],))
+        def gumbel(key: jax.Array, step: jax.Array) -> jax.Array:
+            return jax.random.gumbel(jax.random.fold_in(jax.random.wrap_key_data(key), step), (logits.shape[-1],))
 
-    noise = jax.vmap(gumbel)(keys, steps)
-    sampled = jnp.argmax(filtered + noise, axis=-1)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+        noise = jax.vmap(gumbel)(keys, steps)
+        tokens = jnp.where(greedy, tokens, jnp.argmax(filtered + noise, axis=-1))
+    tokens = tokens.astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
