@@ -124,6 +124,15 @@ class RLConfig:
     def uses_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def reuses_update_log_probs(self) -> bool:
+        """Whether the actor update computes the old log probs itself (`actor.old_log_prob: auto` with one optimizer
+        step per iteration and no KL in the reward): the policy has not moved since generation, so they are the
+        update's own log probs, detached."""
+        actor = self.actor
+        single_step = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= self.data.train_batch_size * self.rollout.n
+        return actor.old_log_prob == "auto" and single_step and not self.algorithm.use_kl_in_reward
+
 
 def load_rl_config(source: str | Path | dict[str, Any] | None, overrides: Sequence[str] = ()) -> RLConfig:
     """Reads and validates an RL config (YAML path or dict) with `key=value` overrides."""

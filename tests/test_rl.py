@@ -52,6 +52,32 @@ def test_log_probs_equal_rollout_log_probs(inputs):
     np.testing.assert_allclose(old[mask], rollout.batch["rollout_log_probs"][mask], rtol=0, atol=1e-5)
 
 
+def test_update_reusing_its_log_probs_equals_a_recomputed_old_log_prob_pass(inputs, tmp_path):
+    """One optimizer step per iteration: `old_log_prob: auto` skips the separate pass and must train exactly as
+    verl's recompute does (same losses, KL and gradient norms over 2 iterations)."""
+    single_step = {"ppo_mini_batch_size": 8, "micro_batch_size": 4}
+    varied = tmp_path / "distinct_characters.py"  # a reward that differs between random samples: advantages != 0
+    varied.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(set(solution_str)))\n"
+    )
+    runs = {}
+    for mode in ("auto", "recompute"):
+        config = rl_config(inputs, tmp_path / mode, "grpo", actor={**single_step, "old_log_prob": mode})
+        config["trainer"]["total_steps"] = 2
+        config["reward"] = {"function": f"{varied}:compute_score"}
+        cfg = load_rl_config(config)
+        assert cfg.reuses_update_log_probs == (mode == "auto")
+        runs[mode] = run_rl(cfg)
+    assert all("timing_s/old_log_prob" not in m for m in runs["auto"])
+    assert all("timing_s/old_log_prob" in m for m in runs["recompute"])
+    for auto, recompute in zip(runs["auto"], runs["recompute"], strict=True):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
+            assert auto[key] == pytest.approx(recompute[key], rel=1e-5, abs=1e-7), key
+        assert auto["critic/advantages/max"] > 0
+        assert auto["actor/ppo_kl"] == 0.0 and abs(recompute["actor/ppo_kl"]) < 1e-6
+
+
 def test_resume_equals_uninterrupted_and_damaged_latest_falls_back(inputs, tmp_path, caplog):
     two = {"total_steps": 2, "save_freq": 1}
     full = run_rl(load_rl_config(rl_config(inputs, tmp_path / "full", "ppo", trainer=two)))

@@ -96,6 +96,8 @@ class Step:
 
     # --------------------------------------------------------------------------------------------- model passes
     def old_log_prob(self) -> None:
+        if self.cfg.reuses_update_log_probs:
+            return
         with self.timed("old_log_prob"):
             out, _ = self._call("actor", "compute_log_prob", self.batch)
         mask = self.batch.batch["response_mask"]
@@ -184,7 +186,8 @@ class Step:
     def update_actor(self) -> None:
         if self.step < self.cfg.trainer.critic_warmup:
             return
-        keys = [*PROMPT_TENSORS, "responses", "response_mask", "old_log_probs", "advantages"]
+        keys = [*PROMPT_TENSORS, "responses", "response_mask", "advantages"]
+        keys += [] if self.cfg.reuses_update_log_probs else ["old_log_probs"]
         keys += ["ref_log_prob"] if self.cfg.actor.use_kl_loss else []
         with self.timed("update_actor"):
             _, metrics = self._call("actor", "update_actor", self.batch.select(batch_keys=keys))

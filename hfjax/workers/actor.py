@@ -165,11 +165,13 @@ class ActorRolloutRefWorker(TrainedRole):
         mask = batch["response_mask"]
         counts = {"global_tokens": batch["global_tokens"][0], "global_seqs": batch["global_seqs"][0]}
         logp, scaled = _response_logprobs(model, batch, self.rollout_cfg.temperature)
+        # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
+        old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
         clip = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
         options = {"ppo": {**clip, "clip_ratio_c": cfg.clip_ratio_c}, "gspo": clip}.get(cfg.policy_loss, {})
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
             cfg.policy_loss,
-            batch["old_log_probs"],
+            old_log_probs,
             logp,
             batch["advantages"],
             mask,
@@ -199,9 +201,14 @@ class ActorRolloutRefWorker(TrainedRole):
         are normalised by the mini-batch's counts (so accumulation equals the whole mini-batch). Metrics are means
         over optimizer steps, in `meta_info["metrics"]`."""
         cfg = self.cfg
-        keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_probs"]
-        keys += ["advantages"] + (["ref_log_prob"] if cfg.use_kl_loss else [])
+        keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
+        keys += [k for k in ("old_log_probs", "ref_log_prob") if k in data.batch]
         arrays = {k: np.asarray(data.batch[k]) for k in keys}
+        if "old_log_probs" not in arrays and (cfg.ppo_epochs > 1 or len(data) > cfg.ppo_mini_batch_size):
+            raise ValueError(
+                "update_actor: no old_log_probs, but this update makes several optimizer steps "
+                f"(ppo_epochs={cfg.ppo_epochs}, {len(data)} rows, ppo_mini_batch_size={cfg.ppo_mini_batch_size})"
+            )
         return self.ppo_epochs(
             arrays, self._loss, cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.micro_batch_size, "actor"
         )

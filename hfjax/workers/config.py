@@ -61,6 +61,10 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # "auto": when an iteration makes a single optimizer step (one epoch, one mini-batch) and the KL is not in the
+    # reward, the update's own forward gives the old log probs (detached, so the ratio is exactly 1), saving one
+    # forward pass over the batch; "recompute": always a separate pass first (verl's behaviour).
+    old_log_prob: Literal["auto", "recompute"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size"):
