@@ -30,9 +30,10 @@ ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
 
 def _response_logprobs(model: Any, batch: dict[str, jax.Array], temperature: float) -> tuple[jax.Array, jax.Array]:
-    """(log probs, logits / temperature) at the positions that predict the response tokens."""
-    logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-    scaled = response_slice(logits, batch["responses"].shape[1]) / temperature
+    """(log probs, logits / temperature) at the positions that predict the response tokens (the vocabulary
+    projection runs on those positions only)."""
+    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    scaled = model.logits(response_slice(hidden, batch["responses"].shape[1])) / temperature
     return logprobs_from_logits(scaled, batch["responses"]), scaled
 
 
