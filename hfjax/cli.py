@@ -192,24 +192,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_automap(args: argparse.Namespace) -> int:
-    import yaml
+    from hfjax.trainer.automap_run import automap_run
 
-    from hfjax.mapping import ClusterSpec, Workload, automap, dataflow, print_candidates, write_mapping
-
-    with open(args.config) as f:
-        run = yaml.safe_load(f) or {}
-    algorithm = (run.get("algorithm") or {}).get("name", "ppo")
-    flow = dataflow(algorithm)
-    default_model = run.get("model_path")
-    models = {role: (run.get("models") or {}).get(role, default_model) for role in flow.required}
-    workload = Workload(**(run.get("workload") or {}))
-    cluster = ClusterSpec.from_yaml(args.cluster)
-    candidates = automap(cluster, algorithm, models, workload, top=args.top)
-    print_candidates(candidates, f"{algorithm} on {cluster.hosts}x{cluster.devices_per_host} devices", args.top)
-    if candidates and args.out:
-        write_mapping(candidates[0], args.out, algorithm)
-        print(f"wrote the best mapping to {args.out}")
-    return 0 if candidates else 1
+    return automap_run(args.cluster, args.config, args.out, args.top)
 
 
 def cmd_supervised(args: argparse.Namespace) -> int:
@@ -280,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(run=cmd_export)
     automap = sub.add_parser("automap", help="choose placement and layouts for an RL run from a cost model")
     automap.add_argument("--cluster", required=True, help="cluster YAML (hosts, devices, memory, profile)")
-    automap.add_argument("--config", required=True, help="run YAML: algorithm.name, models, workload")
-    automap.add_argument("--out", help="write the best mapping here")
+    automap.add_argument("--config", required=True, help="the RL run config (the YAML `hfjax train` reads)")
+    automap.add_argument("--out", help="write the best mapping here, as that run config with it filled in")
     automap.add_argument("--top", type=int, default=10)
     automap.set_defaults(run=cmd_automap)
     for name, text in (("sft", "supervised fine-tuning"), ("rm", "Bradley-Terry reward-model training")):

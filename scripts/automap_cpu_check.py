@@ -2,14 +2,13 @@
 profile rank real PPO iterations of a small local model the way they measure, and is its choice near the best?
 
 1. Builds a Llama policy (also the critic's and reference's checkpoint), the addition task and its tokenizer locally.
-2. Calibrates the CPU profile (`local_cpu`), runs the search (`MappingSearch`) for PPO (actor, ref, critic; a rule
-   reward) on the run's workload, and predicts every mapping the trainer can run: `colocate` on all devices, or
-   `split` (actor+ref | critic, half the devices each); the reference always shares the actor's training layout
-   (it lives in the actor's worker). Picks `--mappings` of them spread over the predicted ranking, the best
-   predicted ("chosen") first.
-3. Writes each as `hfjax automap --out` does (`write_mapping`), turns it into the run config's placement and
-   layout keys, and trains `--steps` PPO iterations through Ray as `hfjax train` does (`run_rl`). Measured s/iter:
-   median `timing_s/step` after the first `--warmup` iterations (compiles; the second still compiles some).
+2. Calibrates the CPU profile (`local_cpu`) and ranks, as `hfjax automap` does, every mapping the trainer runs
+   for PPO (actor, ref, critic; a rule reward) on the run's workload (`trainer_candidates`: `colocate` on all
+   devices or `split` actor+ref | critic on half each; the reference shares the actor's layout). Picks `--mappings`
+   of them spread over the predicted ranking; the first is the best predicted, the one `hfjax automap` writes.
+3. Turns each into the run config (`run_config`, as `hfjax automap --out` writes it) and trains `--steps` PPO
+   iterations through Ray as `hfjax train` does (`run_rl`). Measured s/iter: median `timing_s/step` after the first
+   `--warmup` iterations (compiles; the second still compiles some).
 4. Prints predicted vs measured per mapping, Spearman's rho and chosen / best measured; exits 1 unless
    rho >= 0.8 and chosen <= 1.15 x best.
 Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/automap_cpu_check.py`): concurrent load
@@ -99,39 +98,6 @@ def base_config(inputs: dict[str, str], args: argparse.Namespace) -> dict[str, A
     }
 
 
-def trainer_mappings(total: int) -> list[Any]:
-    """Every mapping of (actor, ref, critic) that the trainer's placements run on `total` devices."""
-    from hfjax.mapping import DeviceMapping
-    from hfjax.mapping.cost import gen_sizes
-    from hfjax.mapping.search import train_sizes
-
-    out = []
-    for groups in (((("actor", "ref", "critic"), total),), ((("actor", "ref"), total // 2), (("critic",), total // 2))):
-        actor_devices, critic_devices = groups[0][1], groups[-1][1]
-        for actor in train_sizes(actor_devices):
-            gens = [gen_sizes(actor_devices, 2**i) for i in range(actor.tensor.bit_length())]
-            for gen in (g for g in gens if actor.tensor % g.tensor == 0):
-                for critic in train_sizes(critic_devices):
-                    out.append(DeviceMapping(groups, {"actor": actor, "ref": actor, "critic": critic}, gen))
-    return out
-
-
-def run_overrides(mapped: dict[str, Any]) -> dict[str, Any]:
-    """The run config's placement and layout keys for a mapping written by `write_mapping`."""
-    pools = mapped["resource_pools"]
-    roles = mapped["roles"]
-    if roles["ref"]["layout"] != roles["actor"]["train_layout"] or roles["ref"]["pool"] != roles["actor"]["pool"]:
-        raise ValueError("the trainer runs the reference in the actor's worker: it needs the actor's pool and layout")
-    if len(pools) > 1 and (len(pools) != 2 or len({p["devices"] for p in pools}) != 1):
-        raise ValueError(f"the trainer splits its devices evenly between actor and the rest; got {pools}")
-    return {
-        "trainer": {"placement": mapped["placement"]},
-        "actor": {"train_layout": roles["actor"]["train_layout"]},
-        "rollout": {"gen_layout": roles["actor"]["gen_layout"]},
-        "critic": {"layout": roles["critic"]["layout"]},
-    }
-
-
 def pick(ranked: list[Any], k: int) -> list[int]:
     """`k` indices spread evenly over the predicted ranking (the first is the best), with the best of each
     placement kind included."""
@@ -183,35 +149,21 @@ def main() -> int:
 
     import ray
 
-    from hfjax.mapping import (
-        Candidate,
-        CostModel,
-        CostOptions,
-        InfeasibleError,
-        MappingSearch,
-        Workload,
-        dataflow,
-        local_cpu,
-        role_shapes,
-        write_mapping,
-    )
-    from hfjax.parallel.layout import LayoutError
+    from hfjax.config import load_rl_config
+    from hfjax.mapping import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
+    from hfjax.mapping.trainer_runs import run_config, trainer_candidates
+    from hfjax.trainer.automap_run import run_models, run_workload
 
     inputs = build_inputs(work / "inputs", args)
+    base = base_config(inputs, args)
+    cfg = load_rl_config(base)
     cluster = local_cpu()
-    seqs = args.prompts * args.n
-    workload = Workload(args.prompts, args.n, args.prompt_len, args.response_len, 1, 1, seqs)
     flow = dataflow("ppo")
-    model = CostModel(cluster, flow, workload, CostOptions(param_bytes=4))  # the run is float32 throughout
-    shapes = role_shapes(flow, dict.fromkeys(("actor", "ref", "critic"), inputs["policy"]))
+    workload = run_workload(cfg)
+    model = CostModel(cluster, flow, workload, CostOptions(param_bytes=4))  # as `hfjax automap` for float32 runs
+    shapes = role_shapes(flow, run_models(cfg))
     searched = MappingSearch(model, shapes).run()
-    ranked = []
-    for mapping in trainer_mappings(DEVICES):
-        try:
-            ranked.append(Candidate(mapping, model.predict(shapes, mapping)))
-        except (LayoutError, InfeasibleError):
-            continue
-    ranked.sort(key=lambda c: c.iteration_seconds)
+    ranked = trainer_candidates(model, shapes, DEVICES)  # what `hfjax automap` ranks; its first is what it writes
     print(f"profile: {cluster.profile}")
     print(
         f"search: best of {len(searched.candidates)} candidates {searched.candidates[0].iteration_seconds:.3f} s; "
@@ -224,16 +176,13 @@ def main() -> int:
         print_candidates([ranked[i] for i in pick(ranked, args.mappings)], "picked mappings", args.mappings + 2)
         print_candidates(searched.candidates, "search (all placements)", 5)
         return 0
-    base = base_config(inputs, args)
     ray.init(include_dashboard=False, _temp_dir=str(work / "ray"), log_to_driver=False)
     rows, results = [], []
     try:
         for index in pick(ranked, args.mappings):
             candidate = ranked[index]
-            mapped = write_mapping(candidate, work / f"mapped-{index}.yaml", "ppo")
-            config = {**base, "trainer": {**base["trainer"], "run_dir": str(work / f"run-{index}")}}
-            for section, values in run_overrides(mapped).items():
-                config[section] = {**config.get(section, {}), **values}
+            config = run_config(candidate, base)
+            config["trainer"]["run_dir"] = str(work / f"run-{index}")
             seconds, stages = measure(config, args.warmup)
             results.append((index, candidate, seconds, stages))
             print(f"mapping {index}: predicted {candidate.iteration_seconds:.3f} s, measured {seconds:.3f} s")

@@ -38,11 +38,13 @@ from hfjax.mapping.cluster import GIB
 from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stage_seconds
 from hfjax.mapping.dataflow import STAGES, model_shape
 from hfjax.mapping.search import allocations, device_counts, train_sizes
+from hfjax.mapping.trainer_runs import trainer_groups
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.parallel import HybridEngine, Layout, LayoutError
 from hfjax.parallel.layout import is_param_leaf
 
+pytest_plugins = ["ray_cluster"]  # the session-scoped `ray_cluster` fixture
 TINY = ModelConfig(
     family="llama",
     vocab_size=256,
@@ -429,3 +431,54 @@ def test_cpu_calibration_measures_the_local_devices():
         assert np.isfinite(value) and value > 1e6
     assert 0 < profile.collective_latency_s < 1
     assert profile.shared_host  # fake CPU devices share the host's cores
+
+
+def test_trainer_groups_follow_the_trainer_placements():
+    """Reference with the actor, the rest split or standalone with the devices divided evenly."""
+    roles = ("actor", "ref", "critic", "reward")
+    assert trainer_groups(roles, 8, "colocate") == ((roles, 8),)
+    assert trainer_groups(roles, 8, "split") == ((("actor", "ref"), 4), (("critic", "reward"), 4))
+    assert trainer_groups(roles, 8, "standalone") == ((("actor", "ref"), 2), (("critic",), 2), (("reward",), 2))
+    assert trainer_groups(("actor", "ref"), 8, "split") == ((("actor", "ref"), 8),)
+    with pytest.raises(ValueError, match=r"trainer\.placement"):
+        trainer_groups(roles, 8, "spread")
+
+
+@pytest.mark.ray
+def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
+    """`hfjax automap` on a PPO run config: the output is that config with the best trainer mapping filled in,
+    loads as an RL config and `run_rl` runs an iteration of it as is."""
+    from rl_setup import build_run_inputs, rl_config
+
+    from hfjax.cli import main
+    from hfjax.config import load_rl_config
+    from hfjax.trainer.launch import run_rl
+
+    inputs = build_run_inputs(tmp_path / "inputs")
+    run = rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "profile": "cpu"}))
+    args = ["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")]
+    with pytest.raises(ValueError, match="overwrite"):
+        main([*args, "--out", str(tmp_path / "run.yaml")])
+    assert main([*args, "--out", str(tmp_path / "mapped.yaml")]) == 0
+    mapped = yaml.safe_load((tmp_path / "mapped.yaml").read_text())
+    assert (tmp_path / "mapped.yaml").read_text().startswith("# hfjax automap of")
+    assert {k: v for k, v in mapped.items() if k not in ("actor", "rollout", "critic", "trainer")} == {
+        k: v for k, v in run.items() if k not in ("actor", "rollout", "critic", "trainer")
+    }
+    cfg = load_rl_config(mapped)
+    assert cfg.trainer.placement in ("colocate", "split", "standalone") and cfg.trainer.devices == 8
+    assert cfg.actor.train_layout and cfg.rollout.gen_layout and cfg.critic.layout
+    assert "placements hfjax train runs" in capsys.readouterr().out
+    history = run_rl(cfg)
+    assert len(history) == 1 and all(np.isfinite(v) for v in history[0].values())
+
+
+def test_automap_rejects_a_bad_run_config(tmp_path):
+    from hfjax.cli import main
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model_path": "x", "actor": {"ppo_epochs": 0}}))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "profile": "a100-80gb"}))
+    with pytest.raises(ValueError, match="ppo_epochs"):
+        main(["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")])
