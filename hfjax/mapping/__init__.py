@@ -4,13 +4,7 @@ model of the cluster, the algorithm's dataflow and the workload. Imports `hfjax.
 from hfjax.mapping.cluster import BUILTIN, ClusterSpec, DeviceProfile, calibrate_cpu, local_cpu
 from hfjax.mapping.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost, Sizes
 from hfjax.mapping.dataflow import DATAFLOWS, PAPER_MODELS, Dataflow, ModelShape, Workload, dataflow, role_shapes
-from hfjax.mapping.report import (
-    mapping_config,
-    mapping_from_config,
-    print_breakdown,
-    print_candidates,
-    write_mapping,
-)
+from hfjax.mapping.report import print_breakdown, print_candidates
 from hfjax.mapping.search import Candidate, MappingSearch, SearchResult, automap, set_partitions
 
 __all__ = [
@@ -36,11 +30,8 @@ __all__ = [
     "calibrate_cpu",
     "dataflow",
     "local_cpu",
-    "mapping_config",
-    "mapping_from_config",
     "print_breakdown",
     "print_candidates",
     "role_shapes",
     "set_partitions",
-    "write_mapping",
 ]

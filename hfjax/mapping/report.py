@@ -1,92 +1,15 @@
-"""Presenting search results: a rich table of the top candidates, and the best mapping as a plain config dict
-(resource pools of device ranges, per-role layouts in `Layout.from_config` form, the prediction) that round-trips
-back to a `DeviceMapping` for `CostModel.predict`. Imports `hfjax.mapping.{cluster,cost,search}` only.
+"""Presenting search results: a rich table of the top candidates and the per-role breakdown of one (the run
+config a mapping becomes is `hfjax.mapping.trainer_runs.run_config`). Imports `hfjax.mapping.{cluster,cost,search}`
+only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
 from hfjax.mapping.cluster import GIB
-from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, DeviceMapping, Sizes
 from hfjax.mapping.dataflow import STAGES
 from hfjax.mapping.search import Candidate
-
-
-def device_ranges(groups: Sequence[tuple[tuple[str, ...], int]]) -> list[tuple[int, int]]:
-    """(first device, count) per group: larger groups first, so whole-host groups start on a host boundary and
-    groups smaller than a host (powers of two) never straddle one."""
-    order = sorted(range(len(groups)), key=lambda i: -groups[i][1])
-    ranges: dict[int, tuple[int, int]] = {}
-    first = 0
-    for i in order:
-        ranges[i] = (first, groups[i][1])
-        first += groups[i][1]
-    return [ranges[i] for i in range(len(groups))]
-
-
-def mapping_config(candidate: Candidate, algorithm: str = "") -> dict[str, Any]:
-    """The candidate as plain data: `resource_pools` (roles, devices, first_device), per role its pool and
-    `layout` (`train_layout` + `gen_layout` for the actor), and the predicted seconds."""
-    mapping = candidate.mapping
-    pools = []
-    pool_of = {}
-    for i, ((roles, count), (first, _)) in enumerate(zip(mapping.groups, device_ranges(mapping.groups), strict=True)):
-        pools.append({"name": f"pool{i}", "roles": list(roles), "devices": count, "first_device": first})
-        pool_of.update(dict.fromkeys(roles, f"pool{i}"))
-    roles: dict[str, Any] = {}
-    for role, sizes in mapping.layouts.items():
-        cost = candidate.prediction.roles[role]
-        if cost.gen is not None:
-            roles[role] = {
-                "pool": pool_of[role],
-                "train_layout": sizes.config(TRAIN_RULES),
-                "gen_layout": cost.gen.config(GEN_RULES),
-            }
-        else:
-            roles[role] = {"pool": pool_of[role], "layout": sizes.config(TRAIN_RULES)}
-    out: dict[str, Any] = {"algorithm": algorithm} if algorithm else {}
-    out.update(
-        placement=candidate.kind,
-        resource_pools=pools,
-        roles=roles,
-        predicted={
-            "iteration_s": round(candidate.iteration_seconds, 3),
-            **{f"{s}_s": round(v, 3) for s, v in candidate.prediction.stage_seconds.items()},
-        },
-    )
-    return out
-
-
-def _sizes(layout: Mapping[str, Any], where: str) -> Sizes:
-    mesh = layout.get("mesh") if isinstance(layout, Mapping) else None
-    if not isinstance(mesh, Mapping) or set(mesh) - {"data", "fsdp", "tensor"}:
-        raise ValueError(f"{where}.mesh: expected a mapping of data/fsdp/tensor sizes, got {mesh!r}")
-    return Sizes(int(mesh.get("data", 1)), int(mesh.get("fsdp", 1)), int(mesh.get("tensor", 1)))
-
-
-def mapping_from_config(config: Mapping[str, Any]) -> DeviceMapping:
-    """The `DeviceMapping` of a dict written by `mapping_config` (or edited by hand)."""
-    pools = {p["name"]: (tuple(p["roles"]), int(p["devices"])) for p in config["resource_pools"]}
-    layouts, gen = {}, None
-    for role, entry in config["roles"].items():
-        if "train_layout" in entry:
-            layouts[role] = _sizes(entry["train_layout"], f"roles.{role}.train_layout")
-            gen = _sizes(entry["gen_layout"], f"roles.{role}.gen_layout")
-        else:
-            layouts[role] = _sizes(entry["layout"], f"roles.{role}.layout")
-    return DeviceMapping(tuple(pools.values()), layouts, gen)
-
-
-def write_mapping(candidate: Candidate, path: str | Path, algorithm: str = "") -> dict[str, Any]:
-    """Writes `mapping_config(candidate)` as YAML and returns it."""
-    import yaml
-
-    config = mapping_config(candidate, algorithm)
-    Path(path).write_text(yaml.safe_dump(config, sort_keys=False))
-    return config
 
 
 def _layouts(candidate: Candidate) -> str:
