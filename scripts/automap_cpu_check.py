@@ -3,10 +3,9 @@ profile rank real PPO iterations of a small local model the way they measure, an
 
 1. Builds a Llama policy (also the critic's and reference's checkpoint), the addition task and its tokenizer locally.
 2. Calibrates the CPU profile (`local_cpu`) and ranks, as `hfjax automap` does, every mapping the trainer runs
-   for PPO (actor, ref, critic; a rule reward) on the run's workload (`MappingSearch(..., placements="trainer")`:
-   `colocate` on all devices or `split` actor+ref | critic on half each; the reference shares the actor's layout).
-   Picks `--mappings` of them spread over the predicted ranking; the first is the best predicted, the one
-   `hfjax automap` writes.
+   for PPO (actor, ref, critic; a rule reward) on the run's workload (`trainer_candidates`: `colocate` on all
+   devices or `split` actor+ref | critic on half each; the reference shares the actor's layout). Picks `--mappings`
+   of them spread over the predicted ranking; the first is the best predicted, the one `hfjax automap` writes.
 3. Turns each into the run config (`run_config`, as `hfjax automap --out` writes it) and trains `--steps` PPO
    iterations through Ray as `hfjax train` does (`run_rl`). Measured s/iter: median `timing_s/step` after the first
    `--warmup` iterations (compiles; the second still compiles some).
@@ -151,7 +150,8 @@ def main() -> int:
     import ray
 
     from hfjax.config import load_rl_config
-    from hfjax.mapping import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes, run_config
+    from hfjax.mapping import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
+    from hfjax.mapping.trainer_runs import run_config, trainer_candidates
     from hfjax.trainer.automap_run import run_models, run_workload
 
     inputs = build_inputs(work / "inputs", args)
@@ -163,7 +163,7 @@ def main() -> int:
     model = CostModel(cluster, flow, workload, CostOptions(param_bytes=4))  # as `hfjax automap` for float32 runs
     shapes = role_shapes(flow, run_models(cfg))
     searched = MappingSearch(model, shapes).run()
-    ranked = MappingSearch(model, shapes, placements="trainer").run().candidates  # `hfjax automap`'s; first written
+    ranked = trainer_candidates(model, shapes, DEVICES)  # what `hfjax automap` ranks; its first is what it writes
     print(f"profile: {cluster.profile}")
     print(
         f"search: best of {len(searched.candidates)} candidates {searched.candidates[0].iteration_seconds:.3f} s; "
@@ -181,7 +181,7 @@ def main() -> int:
     try:
         for index in pick(ranked, args.mappings):
             candidate = ranked[index]
-            config = run_config(candidate.mapping, base)
+            config = run_config(candidate, base)
             config["trainer"]["run_dir"] = str(work / f"run-{index}")
             seconds, stages = measure(config, args.warmup)
             results.append((index, candidate, seconds, stages))

@@ -1,6 +1,6 @@
 """Auto-mapping: cost formulas against hand computations, shard sizes against real shardings, the enumeration
 (Bell numbers, allocations), branch and bound against brute force, memory rejection, round trip of the written
-config, the placements `hfjax train` runs and the run config they become, and search time on the paper's set-up."""
+config, and search time on the paper's set-up."""
 
 import contextlib
 import dataclasses
@@ -35,12 +35,13 @@ from hfjax.mapping.cluster import GIB
 from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stage_seconds
 from hfjax.mapping.dataflow import STAGES, model_shape
 from hfjax.mapping.search import allocations, device_counts, train_sizes
-from hfjax.mapping.trainer_runs import run_config, run_overrides, trainer_groups
+from hfjax.mapping.trainer_runs import trainer_groups
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.parallel import HybridEngine, Layout, LayoutError
 from hfjax.parallel.layout import is_param_leaf
 
+pytest_plugins = ["ray_cluster"]  # the session-scoped `ray_cluster` fixture
 TINY = ModelConfig(
     family="llama",
     vocab_size=256,
@@ -430,99 +431,41 @@ def test_trainer_groups_follow_the_trainer_placements():
         trainer_groups(roles, 8, "spread")
 
 
-# Every weight dimension divisible by 8, so every layout of up to 8 devices shards it.
-EIGHTS = dataclasses.replace(TINY, num_heads=8, num_kv_heads=8, head_dim=8)
+@pytest.mark.ray
+def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
+    """`hfjax automap` on a PPO run config: the output is that config with the best trainer mapping filled in,
+    loads as an RL config and `run_rl` runs an iteration of it as is."""
+    from rl_setup import build_run_inputs, rl_config
 
+    from hfjax.cli import main
+    from hfjax.config import load_rl_config
+    from hfjax.trainer.launch import run_rl
 
-def test_trainer_placements_are_exactly_those_the_trainer_runs():
-    """PPO on one host of 8 devices, every mapping fitting. An actor layout on n devices is d.f.t with a
-    power-of-two t, its generation t_g any power of two dividing t:
-      8 devices: t=1: f in {1,2,4,8} (x1 t_g); t=2: f in {1,2,4} (x2); t=4: f in {1,2} (x3); t=8 (x4) -> 4+6+6+4 = 20
-      4 devices: t=1: f in {1,2,4} (x1); t=2: f in {1,2} (x2); t=4 (x3) -> 3+4+3 = 10
-      2 devices: t=1: f in {1,2} (x1); t=2 (x2) -> 2+2 = 4
-    With a rule reward (actor, ref, critic): colocate on 8 (20) and split actor+ref:4 | critic:4 (10); standalone
-    has the same groups, so is not repeated: 30. With a reward model: colocate (20), split actor+ref:4 |
-    critic+reward:4 (10), standalone actor+ref:2 | critic:2 | reward:2 (4, two devices idle): 34."""
-    layouts = {
-        8: [
-            (8, 1, 1),
-            (4, 2, 1),
-            (2, 4, 1),
-            (1, 8, 1),
-            (4, 1, 2),
-            (2, 2, 2),
-            (1, 4, 2),
-            (2, 1, 4),
-            (1, 2, 4),
-            (1, 1, 8),
-        ],
-        4: [(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)],
-        2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],
+    inputs = build_run_inputs(tmp_path / "inputs")
+    run = rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "profile": "cpu"}))
+    args = ["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")]
+    with pytest.raises(ValueError, match="overwrite"):
+        main([*args, "--out", str(tmp_path / "run.yaml")])
+    assert main([*args, "--out", str(tmp_path / "mapped.yaml")]) == 0
+    mapped = yaml.safe_load((tmp_path / "mapped.yaml").read_text())
+    assert (tmp_path / "mapped.yaml").read_text().startswith("# hfjax automap of")
+    assert {k: v for k, v in mapped.items() if k not in ("actor", "rollout", "critic", "trainer")} == {
+        k: v for k, v in run.items() if k not in ("actor", "rollout", "critic", "trainer")
     }
-
-    def expected(groups: tuple) -> set:
-        n = next(count for roles, count in groups if "actor" in roles)
-        return {(groups, Sizes(*a), Sizes(n // g, 1, g)) for a in layouts[n] for g in (1, 2, 4, 8) if a[2] % g == 0}
-
-    cluster = ClusterSpec.builtin("a100-80gb", 1)
-    workload = Workload(global_batch_prompts=16, prompt_len=16, response_len=16, mini_batches=1, micro_batch_seqs=2)
-    flow = dataflow("ppo")
-    colocate8 = ((("actor", "ref", "critic"), 8),)
-    split4 = ((("actor", "ref"), 4), (("critic",), 4))
-    with_rm_colocate = ((("actor", "ref", "critic", "reward"), 8),)
-    with_rm_split = ((("actor", "ref"), 4), (("critic", "reward"), 4))
-    with_rm_standalone = ((("actor", "ref"), 2), (("critic",), 2), (("reward",), 2))
-    for roles, groups, sizes in (
-        (("actor", "ref", "critic"), (colocate8, split4), (20, 10)),
-        (PPO_ROLES, (with_rm_colocate, with_rm_split, with_rm_standalone), (20, 10, 4)),
-    ):
-        search = MappingSearch(
-            CostModel(cluster, flow, workload), role_shapes(flow, dict.fromkeys(roles, EIGHTS)), "trainer"
-        )
-        result = search.run()
-        got = [(c.mapping.groups, c.mapping.layouts["actor"], c.mapping.gen_layout) for c in result.candidates]
-        want = set().union(*(expected(g) for g in groups))
-        assert [len(expected(g)) for g in groups] == list(sizes)
-        assert len(got) == len(set(got)) == sum(sizes) and set(got) == want and not result.rejected
-        assert [c.iteration_seconds for c in result.candidates] == sorted(
-            c.iteration_seconds for c in result.candidates
-        )
-        for c in result.candidates:
-            group = next(g for g, _ in c.mapping.groups if "actor" in g)
-            assert "ref" in group and c.mapping.layouts["ref"] == c.mapping.layouts["actor"]
-            assert c.kind == run_overrides(c.mapping)["trainer.placement"]
-            for role, sizes_ in c.mapping.layouts.items():
-                assert sizes_.size == next(n for g, n in c.mapping.groups if role in g)
-    with pytest.raises(ValueError, match="one host"):
-        MappingSearch(CostModel(ClusterSpec.builtin("a100-80gb", 2), flow, workload), {}, "trainer")
+    cfg = load_rl_config(mapped)
+    assert cfg.trainer.placement in ("colocate", "split", "standalone") and cfg.trainer.devices == 8
+    assert cfg.actor.train_layout and cfg.rollout.gen_layout and cfg.critic.layout
+    assert "placements hfjax train runs" in capsys.readouterr().out
+    history = run_rl(cfg)
+    assert len(history) == 1 and all(np.isfinite(v) for v in history[0].values())
 
 
-def test_run_config_sets_the_mapping_and_keeps_the_rest():
-    """The overrides replace whole layouts (no stale mesh axis or device order survives) and leave every other key;
-    a mapping the trainer cannot run (reference apart from the actor) is refused."""
-    actor, critic, gen = Sizes(2, 2, 2), Sizes(1, 4, 1), Sizes(4, 1, 2)
-    groups = ((("actor", "ref"), 4), (("critic",), 4))
-    mapping = DeviceMapping(groups, {"actor": actor, "ref": actor, "critic": critic}, gen)
-    base = {
-        "model_path": "m",
-        "actor": {"train_layout": {"mesh": {"fsdp": 8}, "devices": [7, 6, 5, 4, 3, 2, 1, 0]}, "ppo_epochs": 2},
-        "critic": None,
-        "trainer": {"backend": "local", "total_steps": 5},
-    }
-    out = run_config(mapping, base)
-    assert out == {
-        "model_path": "m",
-        "actor": {"train_layout": actor.config(TRAIN_RULES), "ppo_epochs": 2},
-        "critic": {"layout": critic.config(TRAIN_RULES)},
-        "trainer": {"backend": "ray", "total_steps": 5, "placement": "split", "devices": 8},
-        "rollout": {"gen_layout": gen.config(GEN_RULES)},
-    }
-    assert base["actor"]["train_layout"]["mesh"] == {"fsdp": 8} and base["critic"] is None  # not modified
-    apart = DeviceMapping(
-        ((("actor",), 4), (("ref", "critic"), 4)), {"actor": actor, "ref": actor, "critic": critic}, gen
-    )
-    with pytest.raises(ValueError, match="cannot run"):
-        run_overrides(apart)
-    other_ref = DeviceMapping(groups, {"actor": actor, "ref": critic, "critic": critic}, gen)
-    with pytest.raises(ValueError, match="cannot run"):
-        run_overrides(other_ref)
+def test_automap_rejects_a_bad_run_config(tmp_path):
+    from hfjax.cli import main
+
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model_path": "x", "actor": {"ppo_epochs": 0}}))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "profile": "a100-80gb"}))
+    with pytest.raises(ValueError, match="ppo_epochs"):
+        main(["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")])

@@ -6,13 +6,11 @@ from hfjax.mapping.cost import CostModel, CostOptions, DeviceMapping, Infeasible
 from hfjax.mapping.dataflow import DATAFLOWS, PAPER_MODELS, Dataflow, ModelShape, Workload, dataflow, role_shapes
 from hfjax.mapping.report import print_breakdown, print_candidates
 from hfjax.mapping.search import Candidate, MappingSearch, SearchResult, automap, set_partitions
-from hfjax.mapping.trainer_runs import PLACEMENTS, run_config, run_overrides, trainer_groups
 
 __all__ = [
     "BUILTIN",
     "DATAFLOWS",
     "PAPER_MODELS",
-    "PLACEMENTS",
     "Candidate",
     "ClusterSpec",
     "CostModel",
@@ -35,8 +33,5 @@ __all__ = [
     "print_breakdown",
     "print_candidates",
     "role_shapes",
-    "run_config",
-    "run_overrides",
     "set_partitions",
-    "trainer_groups",
 ]

@@ -5,12 +5,8 @@ every allocation of the cluster's devices to the groups (device counts: powers o
 above; each group from its memory minimum upward; all devices used), and every layout of each role on its group
 (data x fsdp x tensor; the actor also its generation tensor size t_g dividing t), the predicted iteration is
 sum over stages of the max over groups of the sum of their roles' seconds. A group's best layouts are cached per
-(group, device count), each role's layout costs per (role, device count).
-
-`placements="trainer"` searches only what `hfjax train` runs (`hfjax.mapping.trainer_runs`): its `colocate`,
-`split` and `standalone` groups with even device counts on one host, the reference with the actor's layout and the
-cost critic with the critic's; every actor training x generation layout is a candidate, the other roles taking
-their fastest Pareto layouts that fit. Imports `hfjax.mapping.{cost,dataflow,trainer_runs}`, `hfjax.parallel.layout`.
+(group, device count), each role's layout costs per (role, device count). Imports `hfjax.mapping.cost`,
+`hfjax.mapping.dataflow`, `hfjax.parallel.layout`.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import functools
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from hfjax.mapping.cluster import ClusterSpec
 from hfjax.mapping.cost import (
@@ -28,7 +24,6 @@ from hfjax.mapping.cost import (
     CostModel,
     CostOptions,
     DeviceMapping,
-    InfeasibleError,
     Prediction,
     RoleCost,
     Sizes,
@@ -37,7 +32,6 @@ from hfjax.mapping.cost import (
     stage_seconds,
 )
 from hfjax.mapping.dataflow import ModelShape, Workload, dataflow, role_shapes
-from hfjax.mapping.trainer_runs import PLACEMENTS, SHARED_LAYOUT, Groups, trainer_groups
 from hfjax.parallel.layout import LayoutError
 
 Placement = tuple[tuple[str, ...], ...]
@@ -113,7 +107,6 @@ class Candidate:
 
     mapping: DeviceMapping
     prediction: Prediction
-    trainer_placement: str | None = None  # the `trainer.placement` it was searched as
 
     @property
     def iteration_seconds(self) -> float:
@@ -121,10 +114,7 @@ class Candidate:
 
     @property
     def kind(self) -> str:
-        """The trainer placement it was searched as; else `colocate` (one group), `standalone` (every role
-        alone) or `split`."""
-        if self.trainer_placement:
-            return self.trainer_placement
+        """`colocate` (one group), `standalone` (every role alone) or `split`."""
         groups = self.mapping.groups
         if len(groups) == 1:
             return "colocate"
@@ -143,20 +133,10 @@ class SearchResult:
 
 
 class MappingSearch:
-    """Algorithm 1 for the roles of `shapes` under `model`: over every placement (`placements="all"`) or the
-    placements `hfjax train` runs (`"trainer"`, on a one-host cluster)."""
+    """Algorithm 1 for the roles of `shapes` under `model`."""
 
-    def __init__(
-        self, model: CostModel, shapes: Mapping[str, ModelShape], placements: Literal["all", "trainer"] = "all"
-    ):
-        if placements not in ("all", "trainer"):
-            raise ValueError(f"placements: expected 'all' or 'trainer', got {placements!r}")
-        if placements == "trainer" and model.cluster.hosts > 1:
-            raise ValueError(
-                f"placements='trainer': hfjax train places its worker groups on one host (trainer.devices), the "
-                f"cluster has {model.cluster.hosts}; describe one host (hosts: 1) or search placements='all'"
-            )
-        self.model, self.shapes, self.placements = model, dict(shapes), placements
+    def __init__(self, model: CostModel, shapes: Mapping[str, ModelShape]):
+        self.model, self.shapes = model, dict(shapes)
         self.roles = tuple(r for r in model.flow.roles if r in self.shapes)
         self.counts = device_counts(model.cluster.num_devices, model.cluster.devices_per_host)
         self.group_best = functools.cache(self._group_best)
@@ -252,15 +232,6 @@ class MappingSearch:
 
     def run(self, top: int | None = None) -> SearchResult:
         start = time.perf_counter()
-        search = self._search_trainer if self.placements == "trainer" else self._search_all
-        candidates, rejected, placements, tried = search()
-        candidates.sort(key=lambda c: c.iteration_seconds)
-        return SearchResult(
-            candidates[:top] if top else candidates, rejected, placements, tried, time.perf_counter() - start
-        )
-
-    def _search_all(self) -> tuple[list[Candidate], dict[str, str], int, int]:
-        """Every set partition of the roles, every allocation from the group minimums."""
         total = self.model.cluster.num_devices
         candidates, rejected, tried = [], {}, 0
         placements = set_partitions(self.roles)
@@ -289,52 +260,10 @@ class MappingSearch:
                         f"no allocation of {total} devices with the group minimums ({mins}) fits"
                         + (f": {why}" if why else "")
                     )
-        return candidates, rejected, len(placements), tried
-
-    def _search_trainer(self) -> tuple[list[Candidate], dict[str, str], int, int]:
-        """The trainer's placements (a placement whose groups equal an earlier one's is skipped)."""
-        total = self.model.cluster.num_devices
-        candidates, rejected, seen, tried = [], {}, set(), 0
-        for placement in PLACEMENTS:
-            groups = trainer_groups(self.roles, total, placement)
-            if groups in seen:
-                continue
-            seen.add(groups)
-            found, why, count = self._trainer_mappings(placement, groups)
-            candidates += found
-            tried += count
-            if not found:
-                rejected[f"{placement} ({_name(tuple(g for g, _ in groups))})"] = why
-        return candidates, rejected, len(seen), tried
-
-    def _trainer_mappings(self, placement: str, groups: Groups) -> tuple[list[Candidate], str, int]:
-        """Per actor training layout and generation layout, the first mapping that fits with the other roles'
-        Pareto layouts tried fastest first (all at their k-th fastest, k = 0, 1, ...); with why any failed and
-        how many mappings were predicted."""
-        devices = {r: n for g, n in groups for r in g}
-        if min(devices.values()) < 1:
-            return [], f"{len(groups)} groups need a device each, the cluster has {sum(n for _, n in groups)}", 0
-        others = {}
-        for role in self.roles:
-            if role != "actor" and role not in SHARED_LAYOUT:
-                opts, why = self.role_options(role, devices[role])
-                if not opts:
-                    return [], f"{role}: no layout of {devices[role]} devices divides the model ({why})", 0
-                others[role] = [c.sizes for c in opts]
-        out, why, tried = [], "", 0
-        for actor in train_sizes(devices["actor"]):
-            for gen in self._gen_options("actor", devices["actor"], actor.tensor):
-                for rank in range(max(map(len, others.values()), default=1)):
-                    layouts = {"actor": actor, **{r: v[min(rank, len(v) - 1)] for r, v in others.items()}}
-                    layouts.update({r: layouts[of] for r, of in SHARED_LAYOUT.items() if r in devices})
-                    mapping = DeviceMapping(groups, layouts, gen)
-                    tried += 1
-                    try:
-                        out.append(Candidate(mapping, self.model.predict(self.shapes, mapping), placement))
-                        break
-                    except (LayoutError, InfeasibleError) as e:
-                        why = why or f"actor {actor.describe()} gen t{gen.tensor}: {e}"
-        return out, why, tried
+        candidates.sort(key=lambda c: c.iteration_seconds)
+        return SearchResult(
+            candidates[:top] if top else candidates, rejected, len(placements), tried, time.perf_counter() - start
+        )
 
 
 def _name(placement: Placement) -> str:
@@ -358,11 +287,9 @@ def automap(
     workload: Workload | Mapping[str, Any],
     top: int = 10,
     options: CostOptions | None = None,
-    placements: Literal["all", "trainer"] = "all",
 ) -> list[Candidate]:
     """The `top` mappings of `algorithm`'s roles (`models`: role -> ModelConfig, named shape, HF directory or
-    config dict) on `cluster` (a spec, a YAML path or a dict) for `workload`, fastest predicted first; over every
-    placement or only those `hfjax train` runs (`placements`)."""
+    config dict) on `cluster` (a spec, a YAML path or a dict) for `workload`, fastest predicted first."""
     if isinstance(cluster, str):
         cluster = ClusterSpec.from_yaml(cluster)
     elif isinstance(cluster, Mapping):
@@ -371,4 +298,4 @@ def automap(
         workload = Workload.from_dict(workload)
     flow = dataflow(algorithm)
     model = CostModel(cluster, flow, workload, options)
-    return MappingSearch(model, role_shapes(flow, models), placements).run(top).candidates
+    return MappingSearch(model, role_shapes(flow, models)).run(top).candidates

@@ -1,32 +1,23 @@
 """`hfjax automap`: the auto-mapper (`hfjax.mapping`) applied to an RL run config.
 
 The run config (the one `hfjax train` reads) gives the algorithm, the models of each role and the workload; the
-search covers the mappings the trainer runs (`MappingSearch(..., placements="trainer")`); the best is written as the
-same run config with its placement, device count and layouts set (`hfjax.mapping.trainer_runs.run_config`) and its
-prediction in a comment header, so `hfjax train MAPPED.yaml` runs it as is.
+search covers the mappings the trainer runs (`hfjax.mapping.trainer_candidates`); the best is written as the same
+run config with its placement, device count and layouts filled in, so `hfjax train MAPPED.yaml` runs it as is.
 Imports `hfjax.config` and `hfjax.mapping`.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from hfjax.config import RLConfig, load_rl_config
-from hfjax.mapping import (
-    ClusterSpec,
-    CostModel,
-    CostOptions,
-    MappingSearch,
-    Workload,
-    dataflow,
-    print_candidates,
-    role_shapes,
-)
-from hfjax.mapping.trainer_runs import run_config
+from hfjax.mapping import ClusterSpec, CostModel, CostOptions, Workload, dataflow, print_candidates, role_shapes
+from hfjax.mapping.trainer_runs import run_config, trainer_candidates
 
 
 def run_workload(cfg: RLConfig) -> Workload:
@@ -62,21 +53,18 @@ def automap_run(cluster_path: str, config_path: str, out: str | None, top: int =
     """Prints the `top` mappings of the run at `config_path` on the cluster at `cluster_path`; writes the best
     as a run config to `out`. Returns 0, or 1 when no mapping fits."""
     if out and Path(out).resolve() == Path(config_path).resolve():
-        raise SystemExit(f"--out {out}: is the run config --config it is computed from; choose another path")
-    cfg = load_rl_config(config_path)  # errors name the file and the key
+        raise ValueError(f"--out {out}: would overwrite the run config it is computed from; choose another path")
     raw: dict[str, Any] = yaml.safe_load(Path(config_path).read_text()) or {}
+    cfg = load_rl_config(raw)
     cluster = ClusterSpec.from_yaml(cluster_path)
     flow = dataflow(cfg.algorithm.name)
     float32 = (cfg.actor.param_dtype or cfg.actor.dtype) == "float32"
     model = CostModel(cluster, flow, run_workload(cfg), CostOptions(param_bytes=4 if float32 else 2))
-    result = MappingSearch(model, role_shapes(flow, run_models(cfg)), placements="trainer").run()
-    candidates = result.candidates
+    candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)), cluster.num_devices)
     title = f"{cfg.algorithm.name} on {cluster.hosts}x{cluster.devices_per_host} devices (placements hfjax train runs)"
     print_candidates(candidates, title, top)
     if not candidates:
-        for placement, why in result.rejected.items():
-            print(f"{placement}: {why}")
-        print("no mapping fits (reasons above): give the cluster more devices or memory, or shrink the workload")
+        print("no mapping fits: see the memory reasons above, or give the cluster more devices or memory")
         return 1
     if out:
         best = candidates[0]
@@ -84,10 +72,10 @@ def automap_run(cluster_path: str, config_path: str, out: str | None, top: int =
             f"# hfjax automap of {config_path} on {cluster_path}: predicted {best.iteration_seconds:.3f} s per "
             "iteration (" + ", ".join(f"{s} {v:.3f} s" for s, v in best.prediction.stage_seconds.items()) + ")\n"
         )
-        text = header + yaml.safe_dump(run_config(best.mapping, raw), sort_keys=False)
+        text = header + yaml.safe_dump(run_config(best, raw), sort_keys=False)
         target = Path(out)
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        partial.write_text(text)
-        os.replace(partial, target)  # never a half-written config
+        with tempfile.NamedTemporaryFile("w", dir=target.parent or ".", delete=False, suffix=".yaml") as f:
+            f.write(text)
+        os.replace(f.name, target)  # never a half-written config
         print(f"wrote the best mapping as a run config to {out} (run it with: hfjax train {out})")
     return 0
