@@ -75,23 +75,24 @@ def _assemble_on_host(sources: Sequence[jax.Array], targets: Sequence[NamedShard
         pieces = _source_pieces(source)
         placements = list(target.addressable_devices_indices_map(source.shape).items())
         fills = [_POOL.submit(_fill_block, block_bounds(i, source.shape), pieces, source.dtype) for _, i in placements]
-        pending.append(([device for device, _ in placements], fills))
+        pending.append((placements, fills))
     return [
-        _place(source.shape, target, devices, [fill.result() for fill in fills])
-        for source, target, (devices, fills) in zip(sources, targets, pending, strict=True)
+        _place(source.shape, target, placements, [fill.result() for fill in fills])
+        for source, target, (placements, fills) in zip(sources, targets, pending, strict=True)
     ]
 
 
-def _place(shape: tuple[int, ...], target: NamedSharding, devices: list, blocks: list[np.ndarray]) -> jax.Array:
-    """The global array whose block on `devices[i]` is `blocks[i]`, placed zero-copy. `make_array_from_callback`
-    places all blocks in one call (the cheapest), but gives every device the same block when the target is fully
-    replicated; then each device gets its own block through a batched `device_put`."""
+def _place(shape: tuple[int, ...], target: NamedSharding, placements: list, blocks: list[np.ndarray]) -> jax.Array:
+    """The global array whose block on device `placements[i][0]` (index `placements[i][1]`) is `blocks[i]`, placed
+    zero-copy. `make_array_from_callback` places all blocks in one call (the cheapest), but gives every device the
+    same block when the target is fully replicated; then each device gets its own block through a batched
+    `device_put`."""
     if target.is_fully_replicated:
+        devices = [device for device, _ in placements]
         return jax.make_array_from_single_device_arrays(shape, target, jax.device_put(blocks, devices))
-    by_device = dict(zip(devices, blocks, strict=True))
-    by_index = {}
-    for device, index in target.addressable_devices_indices_map(shape).items():
-        by_index.setdefault(tuple(block_bounds(index, shape)), []).append(by_device[device])
+    by_index: dict[tuple, list[np.ndarray]] = {}
+    for (_, index), block in zip(placements, blocks, strict=True):
+        by_index.setdefault(tuple(block_bounds(index, shape)), []).append(block)
     return jax.make_array_from_callback(shape, target, lambda index: by_index[tuple(block_bounds(index, shape))].pop())
 
 
