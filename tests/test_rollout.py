@@ -3,6 +3,8 @@ sampling filters against numpy, determinism, stop tokens, continuous batching, w
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +170,20 @@ def test_continuous_batching_equals_one_at_a_time(llama):
     sampled = SamplingParams(max_new_tokens=9, n=2, seed=3)
     tokens = [[o.tokens.tolist() for o in g.generate(prompts, sampled)] for g in (few, many)]
     assert tokens[0] == tokens[1]
+
+
+def test_data_parallel_decode_step_has_no_collectives(llama):
+    """Slots sharded over the data axis decode independently: the compiled step (cache writes included) moves
+    nothing between devices. Indexing every slot in one scatter made the partitioner all-gather the new keys and
+    values of all slots in every layer."""
+    _, path = llama
+    layout = Layout.from_config({"mesh": {"data": 8}, "rules": "dp_tp_gen"})
+    _, generator = _generator(path, layout, slots=8)
+    engine = generator.engine
+    kind = SamplerKind.of(SamplingParams(max_new_tokens=4))
+    hlo = engine._generate.lower(generator.params, engine.init_decode_state(), kind=kind).compile().as_text()
+    collectives = re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)\(", hlo)
+    assert collectives == []
 
 
 def test_update_params_does_not_recompile(llama):

@@ -72,6 +72,18 @@ def attend_cache(q: jax.Array, cache_keys: jax.Array, cache_values: jax.Array, a
     return jnp.einsum("skgt,sktd->skgd", probs, cache_values).reshape(slots, 1, heads, d)
 
 
+def write_key(cache: jax.Array, key: jax.Array, position: jax.Array) -> jax.Array:
+    """One slot's keys cache [kv_heads, head_dim, T] with `key` [kv_heads, head_dim] at `position` (dropped past
+    the end). Vmapped over slots, the scatter has the slots as a batching dimension, so a slots-sharded cache is
+    written shard by shard (indexing every slot at once makes the partitioner all-gather the updates)."""
+    return cache.at[:, :, position].set(key, mode="drop")
+
+
+def write_value(cache: jax.Array, value: jax.Array, position: jax.Array) -> jax.Array:
+    """One slot's values cache [kv_heads, T, head_dim] with `value` [kv_heads, head_dim] at `position`."""
+    return cache.at[:, position].set(value, mode="drop")
+
+
 def decode_forward(
     model: CausalLM,
     tokens: jax.Array,
@@ -83,13 +95,12 @@ def decode_forward(
     [S, kv_heads, head_dim, T], values [S, kv_heads, T, head_dim]). Writes each slot's key and value at its position
     (dropped past the cache end) and attends over the cache. Returns (logits [S, vocab] float32, new cache keys,
     new cache values)."""
-    slots, capacity = cache_keys[0].shape[0], cache_keys[0].shape[-1]
+    capacity = cache_keys[0].shape[-1]
     decoder = model.model
     positions = lengths[:, None]
     cos, sin = decoder.rotary(positions)
     x = decoder.embed(tokens[:, None])
     key_index = jnp.arange(capacity, dtype=jnp.int32)
-    rows = jnp.arange(slots)
     new_keys, new_values = [], []
     for layer, ck, cv in zip(decoder.layers, cache_keys, cache_values, strict=True):
         allowed = key_index[None, :] <= lengths[:, None]
@@ -99,8 +110,8 @@ def decode_forward(
         def attend(
             q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv, allowed=allowed
         ) -> jax.Array:
-            ck = ck.at[rows, :, :, lengths].set(k[:, 0].astype(ck.dtype), mode="drop")
-            cv = cv.at[rows, :, lengths].set(v[:, 0].astype(cv.dtype), mode="drop")
+            ck = jax.vmap(write_key)(ck, k[:, 0].astype(ck.dtype), lengths)
+            cv = jax.vmap(write_value)(cv, v[:, 0].astype(cv.dtype), lengths)
             new_keys.append(ck)
             new_values.append(cv)
             return attend_cache(q, ck, cv, allowed)
