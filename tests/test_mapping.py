@@ -74,6 +74,7 @@ def random_cluster(rng, hosts=2, per_host=4, memory=GIB) -> ClusterSpec:
         intra_host_bandwidth=float(rng.uniform(1e10, 1e11)),
         inter_host_bandwidth=float(rng.uniform(1e9, 1e10)),
         collective_latency_s=float(rng.uniform(1e-6, 1e-4)),
+        decode_layer_overhead_s=float(rng.uniform(0, 1e-4)),
         compute_efficiency=float(rng.uniform(0.3, 1)),
         bandwidth_efficiency=float(rng.uniform(0.3, 1)),
     )
@@ -227,6 +228,7 @@ def test_generation_seconds_and_transition_bytes_by_hand():
     F = p.matmul_flops * p.compute_efficiency
     intra, mem = p.intra_host_bandwidth * p.bandwidth_efficiency, p.memory_bandwidth * p.bandwidth_efficiency
     lat, L, d, P, R = p.collective_latency_s, 2, 64, w.prompt_len, w.response_len
+    launch = L * p.decode_layer_overhead_s
     norms = (2 * L + 1) * d
     mm = TINY.num_params - 256 * d
     kv_token = 2 * L * 2 * 16 * 2 / 2
@@ -238,7 +240,10 @@ def test_generation_seconds_and_transition_bytes_by_hand():
     ctx = P + R / 2
     read = ((TINY.num_params - norms) // 2 + norms) * 2 + b * kv_token * ctx
     step = (
-        max(read / mem, b * (2 * mm + 4 * L * 4 * 16 * ctx) / 2 / F) + 2 * L * lat + 0.5 * 2 * 2 * L * b * d * 2 / intra
+        max(read / mem, b * (2 * mm + 4 * L * 4 * 16 * ctx) / 2 / F)
+        + 2 * L * lat
+        + 0.5 * 2 * 2 * L * b * d * 2 / intra
+        + launch
     )
     M = TINY.num_params * 2
     moved = M // 2 - M // 4  # Table 2: M/t_g - M/(f t)
@@ -251,6 +256,7 @@ def test_generation_seconds_and_transition_bytes_by_hand():
     slow = dataclasses.replace(cluster, profile=dataclasses.replace(p, matmul_flops=p.matmul_flops / 1000))
     got = CostModel(slow, dataflow("remax"), w).generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), 3.5 * kv_seq)
     step = b * (2 * mm + 4 * L * 4 * 16 * ctx) / 2 / (F / 1000) + 2 * L * lat + 0.5 * 2 * 2 * L * b * d * 2 / intra
+    step += launch
     assert read / mem < step / 10 and got["decode"] == pytest.approx(waves * R * step, rel=1e-12)
     # the HybridEngine's own accounting agrees with Table 2 up to the parameters the formula treats as sharded
     params = nnx.state(abstract_model(TINY, "causal_lm", "bfloat16"), nnx.Param)
@@ -409,6 +415,8 @@ def test_cluster_from_dict_yaml_and_errors(tmp_path):
         )
     with pytest.raises(ValueError, match="compute_efficiency"):
         DeviceProfile("x", 1, 1, 1, 1, compute_efficiency=1.5)
+    with pytest.raises(ValueError, match="decode_layer_overhead_s"):
+        DeviceProfile("x", 1, 1, 1, 1, decode_layer_overhead_s=-1e-6)
 
 
 def test_cpu_calibration_measures_the_local_devices():
@@ -417,6 +425,7 @@ def test_cpu_calibration_measures_the_local_devices():
     for value in (profile.matmul_flops, profile.memory_bandwidth, profile.intra_host_bandwidth):
         assert np.isfinite(value) and value > 1e6
     assert 0 < profile.collective_latency_s < 1
+    assert 0 < profile.decode_layer_overhead_s < 1
     assert profile.shared_host  # fake CPU devices share the host's cores
 
 

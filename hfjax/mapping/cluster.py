@@ -31,6 +31,7 @@ class DeviceProfile:
     intra_host_bandwidth: float
     inter_host_bandwidth: float
     collective_latency_s: float = 10e-6
+    decode_layer_overhead_s: float = 0.0
     compute_efficiency: float = 1.0
     bandwidth_efficiency: float = 1.0
     source: str = ""
@@ -40,6 +41,9 @@ class DeviceProfile:
         for name in ("matmul_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DeviceProfile({self.name}).{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("collective_latency_s", "decode_layer_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"DeviceProfile({self.name}).{name} must be >= 0 seconds, got {getattr(self, name)!r}")
         for name in ("compute_efficiency", "bandwidth_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"DeviceProfile({self.name}).{name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -57,8 +61,9 @@ class DeviceProfile:
 
 # Assumptions for datasheet profiles (not datasheet numbers): large dense transformer steps reach about half of
 # peak bf16 FLOP/s (MFU 40-55% is what Megatron-style training reports on A100/H100), and about 80% of peak HBM
-# and link bandwidth; one collective call costs about 10 us.
-_MFU, _BW_EFF = 0.5, 0.8
+# and link bandwidth; one collective call costs about 10 us; a decode step's layer launches about 5 fused kernels
+# at about 4 us each (20 us per layer).
+_MFU, _BW_EFF, _LAYER_S = 0.5, 0.8, 20e-6
 
 # name -> (profile, memory per device in bytes, devices per host)
 BUILTIN: dict[str, tuple[DeviceProfile, int, int]] = {
@@ -66,7 +71,9 @@ BUILTIN: dict[str, tuple[DeviceProfile, int, int]] = {
     # 2,039 GB/s, NVLink 600 GB/s (both directions: 300 GB/s each way). "NVIDIA DGX A100" datasheet: 8 GPUs per
     # host and 8 single-port ConnectX-6 200 Gb/s HDR InfiniBand NICs for compute, i.e. 25 GB/s per GPU each way.
     "a100-80gb": (
-        DeviceProfile("a100-80gb", 312e12, 2039e9, 300e9, 25e9, 10e-6, _MFU, _BW_EFF, "NVIDIA A100 / DGX A100"),
+        DeviceProfile(
+            "a100-80gb", 312e12, 2039e9, 300e9, 25e9, 10e-6, _LAYER_S, _MFU, _BW_EFF, "NVIDIA A100 / DGX A100"
+        ),
         80 * GIB,
         8,
     ),
@@ -74,7 +81,9 @@ BUILTIN: dict[str, tuple[DeviceProfile, int, int]] = {
     # dense; HBM3 80GB at 3.35 TB/s; NVLink 900 GB/s (450 GB/s each way). "NVIDIA DGX H100" datasheet: 8 GPUs
     # and 8 ConnectX-7 400 Gb/s NICs per host, i.e. 50 GB/s per GPU each way.
     "h100": (
-        DeviceProfile("h100", 989.5e12, 3350e9, 450e9, 50e9, 10e-6, _MFU, _BW_EFF, "NVIDIA H100 SXM / DGX H100"),
+        DeviceProfile(
+            "h100", 989.5e12, 3350e9, 450e9, 50e9, 10e-6, _LAYER_S, _MFU, _BW_EFF, "NVIDIA H100 SXM / DGX H100"
+        ),
         80 * GIB,
         8,
     ),
@@ -83,7 +92,9 @@ BUILTIN: dict[str, tuple[DeviceProfile, int, int]] = {
     # bidirectional in later revisions; we take 200 GB/s each way), 2D torus, 8 chips per host. Chips on other
     # hosts of the same slice are reached over ICI too, so inter-host = intra-host here (DCN only links slices).
     "tpu-v5e": (
-        DeviceProfile("tpu-v5e", 197e12, 819e9, 200e9, 200e9, 10e-6, _MFU, _BW_EFF, "Cloud TPU v5e documentation"),
+        DeviceProfile(
+            "tpu-v5e", 197e12, 819e9, 200e9, 200e9, 10e-6, _LAYER_S, _MFU, _BW_EFF, "Cloud TPU v5e documentation"
+        ),
         16 * GIB,
         8,
     ),
@@ -91,7 +102,9 @@ BUILTIN: dict[str, tuple[DeviceProfile, int, int]] = {
     # interconnect 4,800 Gbps = 600 GB/s per chip (1,200 GB/s bidirectional in later revisions: 600 GB/s each
     # way), 3D torus, 4 chips per host; ICI spans hosts within a slice, as for v5e.
     "tpu-v5p": (
-        DeviceProfile("tpu-v5p", 459e12, 2765e9, 600e9, 600e9, 10e-6, _MFU, _BW_EFF, "Cloud TPU v5p documentation"),
+        DeviceProfile(
+            "tpu-v5p", 459e12, 2765e9, 600e9, 600e9, 10e-6, _LAYER_S, _MFU, _BW_EFF, "Cloud TPU v5p documentation"
+        ),
         95 * GIB,
         4,
     ),
@@ -200,13 +213,30 @@ def _timed(fn: Any, arg: Any, budget_s: float) -> float:
             return elapsed / calls
 
 
-def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfile:
-    """Measures the local devices all busy at once (fake CPU devices share the host's cores): a batched matmul
-    (one 384^3 product per device) for FLOP/s, a scaled copy of 8 MiB per device for memory bandwidth (bytes read
-    + written), and a jitted all-gather (the collective the sharded programs run) of 512 KiB per device for link
-    bandwidth, less its fixed cost measured with a 4-byte shard. About `budget_s` seconds plus compile time."""
+def _decode_layers(x: Any, weights: Any) -> Any:
+    """A chain of tiny decoder layers (norm, attention over a few keys, gated MLP): a decode step's per-layer
+    kernels at a size where their fixed cost, not their arithmetic, sets the time."""
     import jax
     import jax.numpy as jnp
+
+    for wq, wk, w_up, w_down in weights:
+        h = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        scores = jax.nn.softmax((h @ wq) @ (h @ wk).swapaxes(-1, -2), axis=-1)
+        x = x + scores @ h
+        x = x + jax.nn.silu(x @ w_up) @ w_down
+    return x
+
+
+def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfile:
+    """Measures the local devices all busy at once (fake CPU devices share the host's cores):
+    - FLOP/s: a batched matmul, one 384^3 product per device;
+    - memory bandwidth: the weight bytes per second a decode step's matmul streams (8 rows times a 32 MiB weight
+      per device; a copy would also time its output's first-touch page faults, slow on a virtual machine);
+    - decode overhead per layer: a jitted chain of tiny decoder layers, 8 rows of width 64 per device;
+    - link bandwidth: a jitted all-gather (the collective the sharded programs run) of 512 KiB per device, less
+      its fixed cost measured with a 4-byte shard.
+    About `budget_s` seconds plus compile time."""
+    import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -215,12 +245,20 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
     mesh = Mesh(np.array(devices), ("d",))
     on_mesh = NamedSharding(mesh, PartitionSpec("d"))
     rng = np.random.default_rng(0)
+
+    def put(*shape: int) -> jax.Array:
+        return jax.device_put((rng.standard_normal(shape) / shape[-1] ** 0.5).astype(dtype), on_mesh)
+
     k = 384
-    a = jax.device_put(rng.standard_normal((n, k, k)).astype(dtype), on_mesh)
-    matmul_s = _timed(jax.jit(lambda x: x @ x), a, budget_s / 3)
-    copy_elems = 2 * 2**20  # 8 MiB of float32 per device
-    x = jax.device_put(rng.standard_normal((n, copy_elems)).astype(np.float32), on_mesh)
-    copy_s = _timed(jax.jit(lambda v: v * jnp.float32(1.0001)), x, budget_s / 3)
+    matmul_s = _timed(jax.jit(lambda x: x @ x), put(n, k, k), budget_s / 4)
+    rows, width, columns = 8, 1024, 8192  # 32 MiB of float32 weight per device
+    weight = put(n, width, columns)
+    stream = jax.jit(lambda x, w: x @ w)
+    stream_s = _timed(lambda x: stream(x, weight), put(n, rows, width), budget_s / 4)
+    layers, small = 8, 64
+    weights = [tuple(put(n, small, small) for _ in range(4)) for _ in range(layers)]
+    chain = jax.jit(_decode_layers)
+    layer_s = _timed(lambda x: chain(x, weights), put(n, rows, small), budget_s / 6) / layers
     gather = jax.jit(
         jax.shard_map(
             lambda v: jax.lax.all_gather(v, "d", tiled=True),
@@ -231,18 +269,17 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
         )
     )
     shard_elems = 2**17  # 512 KiB of float32 per device
-    y = jax.device_put(rng.standard_normal((n * shard_elems,)).astype(np.float32), on_mesh)
-    gather_s = _timed(gather, y, budget_s / 6)
-    tiny = jax.device_put(np.ones((n,), np.float32), on_mesh)
-    latency_s = _timed(gather, tiny, budget_s / 6)
+    gather_s = _timed(gather, put(n * shard_elems), budget_s / 6)
+    latency_s = _timed(gather, jax.device_put(np.ones((n,), np.float32), on_mesh), budget_s / 6)
     link = (n - 1) / n * 4 * n * shard_elems / max(gather_s - latency_s, 1e-9)
     return DeviceProfile(
         name=f"cpu-{n}dev",
         matmul_flops=2 * k**3 / matmul_s,
-        memory_bandwidth=2 * 4 * copy_elems / copy_s,
+        memory_bandwidth=np.dtype(dtype).itemsize * width * columns / stream_s,
         intra_host_bandwidth=link,
         inter_host_bandwidth=link,
         collective_latency_s=latency_s,
+        decode_layer_overhead_s=layer_s,
         source=f"measured now on {n} local {devices[0].platform} devices ({dtype} matmul)",
         shared_host=devices[0].platform == "cpu",
     )

@@ -10,7 +10,8 @@ With P the matmul parameters, L layers, width d, S = prompt + response tokens, F
 - inference: 2P + attention per token, one FSDP gather and 2 tensor all-reduces per layer per micro-batch (the
   actor's old log-probs under its training layout, as the HybridEngine leaves it after generation);
 - generation: prefill compute-bound; each decode step reads the actor's generation shard of the parameters
-  plus the KV cache of its batch (memory-bound unless compute is slower), 2 tensor all-reduces per layer;
+  plus the KV cache of its batch (memory-bound unless compute is slower), 2 tensor all-reduces per layer, and a
+  fixed cost per layer (kernel launches, host work: `DeviceProfile.decode_layer_overhead_s`);
   the KV cache left over by resident state bounds the concurrent batch (more waves when it does not fit);
 - train -> gen transition: the HybridEngine's Table 2 bytes per device (`table2_moved_bytes`), gen -> train free.
 A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for all-reduce) over the link's
@@ -255,7 +256,7 @@ class CostModel:
         step_read = (param_read + b * kv_token * ctx) / (share * profile.bandwidth("memory"))
         step_compute = b * (2 * mm + shape.attention_flops(ctx)) / t / flops
         all_reduce = self.collective("reduce", 2 * L * b * d * opt.param_bytes, t, t, 2 * L, share)
-        step = max(step_read, step_compute) + all_reduce
+        step = max(step_read, step_compute) + all_reduce + L * profile.decode_layer_overhead_s
         moved = table2_moved_bytes(
             shape.params * opt.param_bytes, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)
         )
