@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of the sampled runs (both systems)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/generate.json"))
     args = parser.parse_args()
     ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
@@ -63,7 +64,9 @@ def main() -> None:
         model, max_concurrent_decodes=args.prompts, max_prefill_length=64, max_new_tokens=args.new_tokens
     )
     generator = OfflineGenerator(engine, params, progress=False)
-    sampled = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, stop_token_ids=(), seed=0)
+    sampled = SamplingParams(
+        max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, stop_token_ids=(), seed=0
+    )
     greedy = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, stop_token_ids=())
     started = time.perf_counter()
     generator.generate(prompts, sampled)
@@ -84,7 +87,7 @@ def main() -> None:
             do_sample=do_sample,
             temperature=1.0 if do_sample else None,
             top_k=0 if do_sample else None,
-            top_p=1.0 if do_sample else None,
+            top_p=args.top_p if do_sample else None,
             max_new_tokens=args.new_tokens,
             min_new_tokens=args.new_tokens,
             pad_token_id=0,
@@ -116,8 +119,9 @@ def main() -> None:
     rows = []
     for mode in ("sampled", "greedy"):
         ours, theirs = medians[f"hfjax {mode}"], medians[f"torch {mode}"]
-        rows.append([f"transformers generate ({mode})", theirs, tokens / theirs, 1.0])
-        rows.append([f"hfjax OfflineGenerator ({mode})", ours, tokens / ours, theirs / ours])
+        label = f"sampled, top_p {args.top_p}" if mode == "sampled" and args.top_p < 1 else mode
+        rows.append([f"transformers generate ({label})", theirs, tokens / theirs, 1.0])
+        rows.append([f"hfjax OfflineGenerator ({label})", ours, tokens / ours, theirs / ours])
     report(
         f"generate {args.prompts} prompts x {args.new_tokens} new tokens, {cfg.num_params / 1e6:.1f}M params, fp32, "
         f"{jax.default_backend()}, torch threads {torch.get_num_threads()}",

@@ -123,6 +123,19 @@ def test_filters_match_numpy_reference():
         expected = _numpy_filter(logits[row].astype(np.float64), int(top_k[row]), float(top_p[row]))
         np.testing.assert_array_equal(np.isfinite(out[row]), expected)
         np.testing.assert_array_equal(out[row][expected], logits[row][expected])
+    # many rows with ties (logits on a half-unit grid), negative and -inf logits, random settings
+    logits = np.round(rng.normal(size=(64, 300)) * 6) / 2
+    logits[:, :5] = -np.inf
+    logits[3, 5:] = 0.0  # all finite logits tied
+    top_k = rng.integers(0, 40, 64).astype(np.int32)
+    top_p = rng.uniform(0.05, 1.0, 64).astype(np.float32)
+    top_p[:4] = 1.0
+    out = np.asarray(
+        filter_logits(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k), jnp.asarray(top_p), SamplerKind(True, True))
+    )
+    for row in range(len(logits)):
+        expected = _numpy_filter(logits[row], int(top_k[row]), float(top_p[row]))
+        np.testing.assert_array_equal(np.isfinite(out[row]), expected, err_msg=f"row {row}")
 
 
 def test_top_k_samples_stay_in_top_k(llama):
