@@ -16,7 +16,7 @@ from flax import nnx
 from hfjax.models import load_hf
 from hfjax.parallel import Layout
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingError, SamplingParams
-from hfjax.rollout.sampling import SamplerKind, filter_logits
+from hfjax.rollout.sampling import SamplerKind, filter_logits, sample_key, sample_tokens
 
 VOCAB = 96  # divisible by the tensor axis of the sharded layout
 EOS = 7
@@ -136,6 +136,38 @@ def test_filters_match_numpy_reference():
     for row in range(len(logits)):
         expected = _numpy_filter(logits[row], int(top_k[row]), float(top_p[row]))
         np.testing.assert_array_equal(np.isfinite(out[row]), expected, err_msg=f"row {row}")
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 1.0), (1.3, 0.8)])
+def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_p):
+    """40,000 draws from one row of logits (vocabulary 300, two tokens at -inf, a block of zeros): counts against
+    softmax(logits / T) after the numpy reference filter, by a chi-square bound far in the tail."""
+    rng = np.random.default_rng(1)
+    row = (rng.normal(size=300) * 2).astype(np.float32)
+    row[[7, 250]] = -np.inf
+    row[100:140] = -30.0  # probabilities that round to tiny values
+    draws = 40_000
+    requests = np.arange(draws, dtype=np.int32)
+    keys = jax.jit(sample_key)(np.zeros(draws, np.int32), requests, np.zeros(draws, np.int32))
+    tokens, _ = jax.jit(sample_tokens, static_argnames="kind")(
+        jnp.broadcast_to(row, (draws, 300)),
+        keys,
+        jnp.ones(draws, jnp.int32),
+        jnp.full(draws, temperature),
+        jnp.zeros(draws, jnp.int32),
+        jnp.full(draws, top_p),
+        kind=SamplerKind(top_k=False, top_p=top_p < 1, sampled=True),
+    )
+    keep = _numpy_filter(row.astype(np.float64) / temperature, 0, top_p)
+    probs = np.where(keep, np.exp(row.astype(np.float64) / temperature - row.max() / temperature), 0.0)
+    probs /= probs.sum()
+    counts = np.bincount(np.asarray(tokens), minlength=300)
+    assert counts[probs == 0].sum() == 0
+    expected = draws * probs
+    cells = expected > 5
+    chi2 = float((((counts - expected) ** 2)[cells] / expected[cells]).sum())
+    dof = int(cells.sum()) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)
 
 
 def test_top_k_samples_stay_in_top_k(llama):

@@ -10,6 +10,7 @@ Imports only jax and numpy.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -138,6 +139,36 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: S
     return scaled
 
 
+def inverse_cdf_sample(logits: jax.Array, uniform: jax.Array) -> jax.Array:
+    """Per row, the token whose cumulative probability interval under softmax(logits) holds `uniform` [rows] in
+    [0, 1): one random number per row instead of noise over the whole vocabulary (drawing that noise cost about 4x
+    the rest of the sampler on CPU). The cumulative sums run in two levels (block totals, then within the chosen
+    block), so each is short. Tokens of probability 0 (-inf logits) are never chosen."""
+    rows, vocab = logits.shape
+    per_block = math.ceil(math.sqrt(vocab))
+    blocks = math.ceil(vocab / per_block)
+    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+    probs = jnp.pad(probs, ((0, 0), (0, blocks * per_block - vocab))).reshape(rows, blocks, per_block)
+    block_mass = probs.sum(axis=-1)
+    cumulative = jnp.cumsum(block_mass, axis=-1)
+    target = uniform * cumulative[:, -1]
+    block = jnp.minimum(jnp.sum(cumulative <= target[:, None], axis=-1), blocks - 1)
+    block = _last_positive_at_most(block_mass, block)  # rounding may point past the last block with mass
+    inside = jnp.take_along_axis(probs, block[:, None, None], axis=1)[:, 0]
+    previous = jnp.take_along_axis(cumulative, jnp.maximum(block - 1, 0)[:, None], axis=1)[:, 0]
+    before = jnp.where(block > 0, previous, 0.0)  # <= target: the same values the block count compared
+    offset = jnp.sum(jnp.cumsum(inside, axis=-1) <= (target - before)[:, None], axis=-1)
+    offset = _last_positive_at_most(inside, jnp.minimum(offset, per_block - 1))
+    return (block * per_block + offset).astype(jnp.int32)
+
+
+def _last_positive_at_most(values: jax.Array, index: jax.Array) -> jax.Array:
+    """Per row, the largest i <= index with values[i] > 0 (index itself when it is positive)."""
+    positions = jnp.arange(values.shape[-1])
+    candidates = jnp.where((values > 0) & (positions <= index[:, None]), positions, -1)
+    return jnp.maximum(jnp.max(candidates, axis=-1), 0)
+
+
 def sample_tokens(
     logits: jax.Array,
     keys: jax.Array,
@@ -157,10 +188,10 @@ def sample_tokens(
     if kind.sampled:
         filtered = filter_logits(scaled, top_k, top_p, kind)
 
-        def gumbel(key: jax.Array, step: jax.Array) -> jax.Array:
-            return jax.random.gumbel(jax.random.fold_in(jax.random.wrap_key_data(key), step), (logits.shape[-1],))
+        def uniform(key: jax.Array, step: jax.Array) -> jax.Array:
+            return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), step))
 
-        noise = jax.vmap(gumbel)(keys, steps)
-        tokens = jnp.where(greedy, tokens, jnp.argmax(filtered + noise, axis=-1))
+        drawn = inverse_cdf_sample(filtered, jax.vmap(uniform)(keys, steps))
+        tokens = jnp.where(greedy, tokens, drawn)
     tokens = tokens.astype(jnp.int32)
     return tokens, jnp.take_along_axis(logprobs_all, tokens[:, None], axis=-1)[:, 0]
