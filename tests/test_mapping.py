@@ -417,6 +417,17 @@ def test_cluster_from_dict_yaml_and_errors(tmp_path):
         DeviceProfile("x", 1, 1, 1, 1, compute_efficiency=1.5)
     with pytest.raises(ValueError, match="decode_layer_overhead_s"):
         DeviceProfile("x", 1, 1, 1, 1, decode_layer_overhead_s=-1e-6)
+    with pytest.raises(ValueError, match="narrow_matmul_flops"):
+        DeviceProfile("x", 1, 1, 1, 1, narrow_matmul_flops=((48, 0.0),))
+
+
+def test_narrow_matmul_rates_interpolate_in_log_width():
+    p = DeviceProfile("x", 100.0, 1, 1, 1, compute_efficiency=0.5, narrow_matmul_flops=[(192, 80.0), (48, 40.0)])
+    assert p.narrow_matmul_flops == ((192, 80.0), (48, 40.0))
+    assert p.flops_at(384) == p.flops_at(192) == 50.0  # at or above the widest point: the square-matmul rate
+    assert p.flops_at(48) == p.flops_at(10) == 20.0
+    assert p.flops_at(96) == pytest.approx(0.5 * (40.0 + 0.5 * 40.0))  # halfway in log-width from 48 to 192
+    assert DeviceProfile("y", 100.0, 1, 1, 1).flops_at(1) == 100.0
 
 
 def test_cpu_calibration_measures_the_local_devices():

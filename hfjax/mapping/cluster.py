@@ -9,6 +9,8 @@ profile is measured on the spot (`calibrate_cpu`), so its efficiencies are 1. Im
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,11 +38,22 @@ class DeviceProfile:
     bandwidth_efficiency: float = 1.0
     source: str = ""
     shared_host: bool = False
+    narrow_matmul_flops: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("matmul_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DeviceProfile({self.name}).{name} must be > 0, got {getattr(self, name)!r}")
+        try:
+            narrow = tuple((int(width), float(flops)) for width, flops in self.narrow_matmul_flops)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"DeviceProfile({self.name}).narrow_matmul_flops must be (width, FLOP/s) pairs, got "
+                f"{self.narrow_matmul_flops!r}"
+            ) from error
+        if any(width < 1 or not flops > 0 for width, flops in narrow):
+            raise ValueError(f"DeviceProfile({self.name}).narrow_matmul_flops: widths >= 1, FLOP/s > 0, got {narrow}")
+        object.__setattr__(self, "narrow_matmul_flops", narrow)
         for name in ("collective_latency_s", "decode_layer_overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"DeviceProfile({self.name}).{name} must be >= 0 seconds, got {getattr(self, name)!r}")
@@ -52,6 +65,19 @@ class DeviceProfile:
     def flops(self) -> float:
         """Achievable matmul FLOP/s."""
         return self.matmul_flops * self.compute_efficiency
+
+    def flops_at(self, width: float) -> float:
+        """Achievable FLOP/s of matmuls whose per-device output is `width` wide."""
+        points = sorted(self.narrow_matmul_flops)
+        if not points or width >= points[-1][0]:
+            return self.flops
+        if width <= points[0][0]:
+            return points[0][1] * self.compute_efficiency
+        for (w0, f0), (w1, f1) in itertools.pairwise(points):
+            if w0 <= width <= w1:
+                fraction = math.log(width / w0) / math.log(w1 / w0)
+                return (f0 + fraction * (f1 - f0)) * self.compute_efficiency
+        raise AssertionError("unreachable: width lies between the first and last point")
 
     def bandwidth(self, kind: str) -> float:
         """Achievable bytes/s of `memory`, `intra` (host) or `inter` (host) traffic."""
@@ -229,7 +255,8 @@ def _decode_layers(x: Any, weights: Any) -> Any:
 
 def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfile:
     """Measures the local devices all busy at once (fake CPU devices share the host's cores):
-    - FLOP/s: a batched matmul, one 384^3 product per device;
+    - FLOP/s: a batched matmul, one 384^3 product per device, and products 1024 x 384 by 384 x {48, 96, 192}
+      (the narrow outputs of tensor-parallel shards);
     - memory bandwidth: the weight bytes per second a decode step's matmul streams (8 rows times a 32 MiB weight
       per device; a copy would also time its output's first-touch page faults, slow on a virtual machine);
     - decode overhead per layer: a jitted chain of tiny decoder layers, 8 rows of width 64 per device;
@@ -251,10 +278,15 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
 
     k = 384
     matmul_s = _timed(jax.jit(lambda x: x @ x), put(n, k, k), budget_s / 4)
+    product = jax.jit(lambda x, w: x @ w)
+    narrow = []
+    for width in (48, 96, 192):
+        weight = put(n, k, width)
+        seconds = _timed(lambda x, weight=weight: product(x, weight), put(n, 1024, k), budget_s / 12)
+        narrow.append((width, 2 * 1024 * k * width / seconds))
     rows, width, columns = 8, 1024, 8192  # 32 MiB of float32 weight per device
     weight = put(n, width, columns)
-    stream = jax.jit(lambda x, w: x @ w)
-    stream_s = _timed(lambda x: stream(x, weight), put(n, rows, width), budget_s / 4)
+    stream_s = _timed(lambda x: product(x, weight), put(n, rows, width), budget_s / 4)
     layers, small = 8, 64
     weights = [tuple(put(n, small, small) for _ in range(4)) for _ in range(layers)]
     chain = jax.jit(_decode_layers)
@@ -280,6 +312,7 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
         inter_host_bandwidth=link,
         collective_latency_s=latency_s,
         decode_layer_overhead_s=layer_s,
+        narrow_matmul_flops=(*narrow, (k, 2 * k**3 / matmul_s)),
         source=f"measured now on {n} local {devices[0].platform} devices ({dtype} matmul)",
         shared_host=devices[0].platform == "cpu",
     )

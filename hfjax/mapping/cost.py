@@ -2,7 +2,8 @@
 
 A role's layout is `Sizes(data, fsdp, tensor)` on its group's devices (mesh axes in that order, tensor innermost,
 devices numbered host-major, so a group of `span` consecutive devices talks over NVLink/ICI when it fits a host).
-With P the matmul parameters, L layers, width d, S = prompt + response tokens, F achievable FLOP/s per device:
+With P the matmul parameters, L layers, width d, S = prompt + response tokens, F achievable FLOP/s per device
+(at the width d/t each device's matmuls produce under t-way tensor parallelism: `DeviceProfile.flops_at`):
 - training, per token (6 + 2r) P + (3 + r) attention FLOPs (r = 1 with full recomputation), split over the
   group's devices; per micro-batch FSDP all-gathers the tensor-shard of the parameters twice and reduce-scatters
   gradients once (overlapped with compute), data-parallel ranks all-reduce gradients once per optimizer step,
@@ -152,6 +153,11 @@ class CostModel:
         """Seconds of compute with communication that overlaps it (not on a shared host: the same cores)."""
         return compute + communication if self.shared else max(compute, communication)
 
+    def shard_flops(self, shape: ModelShape, tensor: int) -> float:
+        """FLOP/s of the model's matmuls with `tensor`-way tensor parallelism: the width each device computes is
+        the hidden size over `tensor`."""
+        return self.cluster.profile.flops_at(shape.config.hidden_size / tensor)
+
     def collective(self, kind: str, nbytes: float, group: int, span: int, calls: int = 1, share: float = 1.0) -> float:
         """Seconds of `calls` ring collectives moving `nbytes` in all (the gathered size) over `group` devices
         spanning `span` consecutive devices at `share` times the link bandwidth; `kind` is `gather`
@@ -198,7 +204,7 @@ class CostModel:
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         f, t = sizes.fsdp, sizes.tensor
         L, share = cfg.num_layers, self.share(sizes.size)
-        compute = micro * flops / sizes.tensor / (share * self.cluster.profile.flops)
+        compute = micro * flops / sizes.tensor / (share * self.shard_flops(shape, sizes.tensor))
         fsdp = micro * (
             self.collective("gather", shard * f * opt.param_bytes, f, f * t, 2 * L, share)
             + self.collective("gather", shard * f * opt.grad_bytes, f, f * t, L, share)
@@ -220,7 +226,7 @@ class CostModel:
         S, L, f, t, share = w.seq_len, cfg.num_layers, sizes.fsdp, sizes.tensor, self.share(sizes.size)
         flops = m * S * (2 * shape.matmul_params + shape.attention_flops(S / 2))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
-        compute = micro * flops / t / (share * self.cluster.profile.flops)
+        compute = micro * flops / t / (share * self.shard_flops(shape, t))
         fsdp = micro * self.collective("gather", shard * f * opt.param_bytes, f, f * t, L, share)
         tp = micro * self.collective("reduce", 2 * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, 2 * L, share)
         return {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "seconds": self.overlap(compute, fsdp) + tp}
@@ -249,7 +255,7 @@ class CostModel:
         b = math.ceil(batch / waves)
         param_read = shape.shard_elements(layout_of(gen, GEN_RULES)) * opt.param_bytes
         P, mm, share = w.prompt_len, shape.matmul_params, self.share(gen.size)
-        flops = share * profile.flops
+        flops = share * self.shard_flops(shape, t)
         prefill = b * P * (2 * mm + shape.attention_flops(P / 2)) / t / flops
         prefill += self.collective("reduce", 2 * L * b * P * d * opt.param_bytes, t, t, 2 * L, share)
         ctx = P + w.response_len / 2
