@@ -140,6 +140,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument(
+        "--calibration-s", type=float, default=3.0, help="seconds the CPU profile measures (longer: less noise)"
+    )
     parser.add_argument("--predict-only", action="store_true", help="print the predicted ranking, run nothing")
     parser.add_argument("--work-dir", type=Path, help="inputs, mapped configs and runs (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "automap_cpu.json")
@@ -157,7 +160,7 @@ def main() -> int:
     inputs = build_inputs(work / "inputs", args)
     base = base_config(inputs, args)
     cfg = load_rl_config(base)
-    cluster = local_cpu()
+    cluster = local_cpu(args.calibration_s)
     flow = dataflow("ppo")
     workload = run_workload(cfg)
     model = CostModel(cluster, flow, workload, CostOptions(param_bytes=4))  # as `hfjax automap` for float32 runs

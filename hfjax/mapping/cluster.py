@@ -318,7 +318,7 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
     )
 
 
-def local_cpu(budget_s: float = 0.4) -> ClusterSpec:
+def local_cpu(budget_s: float = 1.5) -> ClusterSpec:
     """One host holding the local devices, memory split evenly between them, profile calibrated now."""
     import jax
     import psutil
