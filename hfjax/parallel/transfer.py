@@ -39,15 +39,15 @@ def _bits(array: np.ndarray) -> np.ndarray:
     return array.view(np.dtype(f"uint{8 * array.dtype.itemsize}")) if array.dtype.itemsize in (1, 2, 4, 8) else array
 
 
-def _widest_view(array: np.ndarray, last_bounds: Sequence[int]) -> tuple[np.ndarray, int]:
-    """`array` (C-contiguous) viewed with 8-byte elements along its last axis when every bound in `last_bounds` (of
-    that axis) allows it, else as is; with the factor the bounds shrink by. Copies of blocks cut along the last axis
-    move short rows, and numpy's per-element cost there is what limits them."""
-    widenable = array.itemsize in (1, 2, 4) and array.ndim > 0 and array.flags.c_contiguous
-    factor = 8 // array.itemsize if widenable else 1
-    if factor == 1 or any(b % factor for b in (array.shape[-1], *last_bounds)):
-        return array, 1
-    return array.view(np.uint64), factor
+def _widening(target: np.ndarray, source: np.ndarray, last_bounds: Sequence[int]) -> int:
+    """How many elements of both (C-contiguous, same itemsize) arrays one 8-byte element covers when the copy's
+    last-axis bounds `last_bounds` and both arrays' last dimensions allow it, else 1. Copies of blocks cut along the
+    last axis move short rows, and numpy's per-element cost there is what limits them."""
+    arrays = (target, source)
+    if target.itemsize not in (1, 2, 4) or not all(a.flags.c_contiguous for a in arrays):
+        return 1
+    factor = 8 // target.itemsize
+    return 1 if any(b % factor for b in (*last_bounds, *(a.shape[-1] for a in arrays))) else factor
 
 
 def _fill_block(want: list[tuple[int, int]], pieces: list[tuple[tuple, np.ndarray]], dtype: np.dtype) -> np.ndarray:
@@ -60,11 +60,10 @@ def _fill_block(want: list[tuple[int, int]], pieces: list[tuple[tuple, np.ndarra
             continue
         dst = [slice(lo - w0, hi - w0) for (lo, hi), (w0, _) in zip(overlap, want, strict=True)]
         src = [slice(lo - h0, hi - h0) for (lo, hi), (h0, _) in zip(overlap, have, strict=True)]
-        target, factor = _widest_view(block_bits, (dst[-1].start, dst[-1].stop)) if dst else (block_bits, 1)
-        source, source_factor = _widest_view(data, (src[-1].start, src[-1].stop)) if src else (data, 1)
-        if factor != source_factor:
-            target, source, factor = block_bits, data, 1
+        target, source = block_bits, data
+        factor = _widening(target, source, (dst[-1].start, dst[-1].stop, src[-1].start, src[-1].stop)) if dst else 1
         if factor > 1:
+            target, source = target.view(np.uint64), source.view(np.uint64)
             dst[-1] = slice(dst[-1].start // factor, dst[-1].stop // factor)
             src[-1] = slice(src[-1].start // factor, src[-1].stop // factor)
         target[tuple(dst)] = source[tuple(src)]

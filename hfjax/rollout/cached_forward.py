@@ -72,16 +72,16 @@ def attend_cache(q: jax.Array, cache_keys: jax.Array, cache_values: jax.Array, a
     return jnp.einsum("skgt,sktd->skgd", probs, cache_values).reshape(slots, 1, heads, d)
 
 
-def write_key(cache: jax.Array, key: jax.Array, position: jax.Array) -> jax.Array:
-    """One slot's keys cache [kv_heads, head_dim, T] with `key` [kv_heads, head_dim] at `position` (dropped past
-    the end). Vmapped over slots, the scatter has the slots as a batching dimension, so a slots-sharded cache is
-    written shard by shard (indexing every slot at once makes the partitioner all-gather the updates)."""
-    return cache.at[:, :, position].set(key, mode="drop")
+def write_positions(cache: jax.Array, update: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
+    """`cache` [slots, ...] with each slot's `update` (the cache's shape without `axis`) written at `positions`
+    [slots] along `axis` (dropped past the end). The scatter is vmapped over slots, so the slots are a batching
+    dimension and a slots-sharded cache is written shard by shard (indexing every slot in one scatter makes the
+    partitioner all-gather the updates)."""
 
+    def one(slot_cache: jax.Array, slot_update: jax.Array, position: jax.Array) -> jax.Array:
+        return slot_cache.at[(slice(None),) * (axis - 1) + (position,)].set(slot_update, mode="drop")
 
-def write_value(cache: jax.Array, value: jax.Array, position: jax.Array) -> jax.Array:
-    """One slot's values cache [kv_heads, T, head_dim] with `value` [kv_heads, head_dim] at `position`."""
-    return cache.at[:, position].set(value, mode="drop")
+    return jax.vmap(one)(cache, update.astype(cache.dtype), positions)
 
 
 def decode_forward(
@@ -110,8 +110,8 @@ def decode_forward(
         def attend(
             q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv, allowed=allowed
         ) -> jax.Array:
-            ck = jax.vmap(write_key)(ck, k[:, 0].astype(ck.dtype), lengths)
-            cv = jax.vmap(write_value)(cv, v[:, 0].astype(cv.dtype), lengths)
+            ck = write_positions(ck, k[:, 0], lengths, axis=3)  # keys [S, kv_heads, head_dim, T]
+            cv = write_positions(cv, v[:, 0], lengths, axis=2)  # values [S, kv_heads, T, head_dim]
             new_keys.append(ck)
             new_values.append(cv)
             return attend_cache(q, ck, cv, allowed)

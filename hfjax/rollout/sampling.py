@@ -122,8 +122,8 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: S
         return scaled
     keys = _order_keys(scaled)
     if kind.top_k:
-        k = jnp.clip(top_k, 1, scaled.shape[-1])[:, None]
-        kth = _search_keys(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k[:, 0], largest=True)
+        k = jnp.clip(top_k, 1, scaled.shape[-1])
+        kth = _search_keys(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k, largest=True)
         keep = (top_k[:, None] <= 0) | (keys >= kth[:, None])
         scaled = jnp.where(keep, scaled, NEG_INF)
         keys = jnp.where(keep, keys, 0)
