@@ -13,7 +13,7 @@ profile rank real PPO iterations of a small local model the way they measure, an
    rho >= 0.8 and chosen <= 1.15 x best.
 Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/automap_cpu_check.py`): concurrent load
 changes both the calibration and the measurements. Usage:
-    python scripts/automap_cpu_check.py [--mappings 7] [--steps 3] [--out runs/bench/automap_cpu.json]
+    python scripts/automap_cpu_check.py [--mappings 7] [--steps 7] [--out runs/bench/automap_cpu.json]
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def measure(config: dict[str, Any], warmup: int) -> tuple[float, dict[str, float
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mappings", type=int, default=7, help="mappings to run (at least 6 for the check)")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=7, help="PPO iterations per mapping (median after --warmup)")
     parser.add_argument("--warmup", type=int, default=2, help="first iterations left out (compiles)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")

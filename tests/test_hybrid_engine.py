@@ -98,8 +98,10 @@ def test_round_trip_is_bitwise_and_contained(checkpoint, name):
 
     gen_params = engine.to_gen(params)
     assert all(x.is_deleted() for x in jax.tree.leaves(params))
-    for leaf, want in zip(jax.tree.leaves(gen_params), engine.gen_shardings, strict=True):
+    for leaf, want, value in zip(jax.tree.leaves(gen_params), engine.gen_shardings, before, strict=True):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim)
+        for shard in leaf.addressable_shards:  # each device's own block, replicas included, holds the right values
+            assert np.array_equal(np.asarray(shard.data).view(np.uint8), value[shard.index].view(np.uint8)), name
         # Every device holds its own copy, also of blocks that several devices share (replicated dimensions).
         pointers = [shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards]
         assert len(set(pointers)) == len(pointers), name

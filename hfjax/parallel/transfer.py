@@ -1,7 +1,8 @@
 """Moving arrays to new shardings on the same devices: `reshard(arrays, shardings)`.
 
-GPU/TPU: one batched `jax.device_put` (collectives over NVLink/ICI, pipelined). CPU, one process: each target
-block is assembled on the host from zero-copy views of the source shards (one memcpy per received byte: CPU
+GPU/TPU: one batched `jax.device_put` (collectives over NVLink/ICI, pipelined). CPU, one process: each distinct
+target block is assembled on the host from zero-copy views of the source shards and copied whole to the devices
+that replicate it (one memcpy per received byte: CPU
 "devices" share host memory, and XLA's in-process CPU collectives spin on rendezvous, which on a few cores is slow
 and can deadlock with several resharding programs in flight). CPU, several processes: `jax.device_put` one array
 at a time, each finished before the next starts. Imports nothing from the rest of hfjax.
@@ -84,18 +85,36 @@ def _source_pieces(source: jax.Array) -> list[tuple[tuple, np.ndarray]]:
     return pieces
 
 
+def _copy_block(block: np.ndarray) -> np.ndarray:
+    """A new (aligned) block with the contents of `block` (one contiguous memcpy)."""
+    out = aligned_empty(block.shape, block.dtype)
+    np.copyto(_bits(out), _bits(block))
+    return out
+
+
 def _assemble_on_host(sources: Sequence[jax.Array], targets: Sequence[NamedSharding]) -> list[jax.Array]:
-    """Builds every target block from the source blocks that overlap it (host memcpy on a thread per core, all blocks
-    of all arrays in flight at once; numpy releases the GIL while copying), then places each array zero-copy."""
-    pending = []
+    """Builds each distinct target block once from the source blocks that overlap it, then gives every other device
+    that holds the same block (its replicas along the target's unsharded axes) a contiguous copy of it: a block cut
+    from column shards is gathered with short strided rows once, not once per replica. Copies run on a thread per
+    core with all blocks of all arrays in flight (numpy releases the GIL while copying); each array is then placed
+    zero-copy."""
+    plans = []
     for source, target in zip(sources, targets, strict=True):
         pieces = _source_pieces(source)
         placements = list(target.addressable_devices_indices_map(source.shape).items())
-        fills = [_POOL.submit(_fill_block, block_bounds(i, source.shape), pieces, source.dtype) for _, i in placements]
-        pending.append((placements, fills))
+        bounds = [tuple(block_bounds(index, source.shape)) for _, index in placements]
+        fills = {b: _POOL.submit(_fill_block, list(b), pieces, source.dtype) for b in dict.fromkeys(bounds)}
+        plans.append((placements, bounds, fills))
+    pending = []
+    for _, bounds, fills in plans:
+        blocks, built = [], set()
+        for b in bounds:
+            blocks.append(_POOL.submit(_copy_block, fills[b].result()) if b in built else fills[b])
+            built.add(b)
+        pending.append(blocks)
     return [
-        _place(source.shape, target, placements, [fill.result() for fill in fills])
-        for source, target, (placements, fills) in zip(sources, targets, pending, strict=True)
+        _place(source.shape, target, placements, [block.result() for block in blocks])
+        for source, target, (placements, _, _), blocks in zip(sources, targets, plans, pending, strict=True)
     ]
 
 

@@ -1,18 +1,22 @@
 """Causal-LM forwards with a KV cache: the prefill of a batch of prompts and one decode step over all slots.
 
 A slot's cache is left-aligned with no padding inside it: the prompt's token i sits at cache position i and has rope
-position i, and decoding writes the next token at position `lengths[slot]`. Decode caches keep positions as the
-last axis of the keys ([slots, kv_heads, head_dim, capacity]) and the next-to-last of the values ([slots, kv_heads,
-capacity, head_dim]): both products of decode attention then run along contiguous memory, about 3x faster on CPU
-than the prefill layout [batch, positions, kv_heads, head_dim]. Both forwards run the model's own residual
-blocks (`DecoderLayer.block`) with the attention step replaced, so their numerics are the model's.
-Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache
-(slots x cache length x kv heads x head_dim x 2 per layer).
+position i, and decoding writes the next token at position `lengths[slot]`. The decode cache of a layer is a tuple of
+blocks of consecutive positions, so that a step attends only over the blocks its longest slot has reached (a block
+is its own array: slicing one big cache array would copy it on CPU). Blocks keep positions as the last axis of the
+keys ([slots, kv_heads, head_dim, block]) and the next-to-last of the values ([slots, kv_heads, block, head_dim]):
+both products of decode attention then run along contiguous memory, about 3x faster on CPU than the prefill layout
+[batch, positions, kv_heads, head_dim]. Both forwards run the model's own residual blocks (`DecoderLayer.block`) with
+the attention step replaced, so their numerics are the model's.
+Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
+(slots x positions x kv heads x head_dim x 2 per layer).
 Imports `hfjax.models` only.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -60,23 +64,32 @@ def to_decode_layout(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax
     return keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)
 
 
-def attend_cache(q: jax.Array, cache_keys: jax.Array, cache_values: jax.Array, allowed: jax.Array) -> jax.Array:
-    """Grouped-query attention of one query per slot over its cache, scores in float32: q [S, 1, heads, d], keys
-    [S, kv_heads, d, T], values [S, kv_heads, T, d], allowed [S, T] -> [S, 1, heads, d]."""
+def attend_blocks(
+    q: jax.Array, key_blocks: Sequence[jax.Array], value_blocks: Sequence[jax.Array], allowed: jax.Array
+) -> jax.Array:
+    """Grouped-query attention of one query per slot over its cache blocks, scores in float32: q [S, 1, heads, d],
+    key blocks [S, kv_heads, d, B], value blocks [S, kv_heads, B, d], allowed [S, blocks x B] -> [S, 1, heads, d]."""
     slots, _, heads, d = q.shape
-    kv_heads = cache_keys.shape[1]
+    kv_heads = key_blocks[0].shape[1]
     q = q.reshape(slots, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("skgd,skdt->skgt", q, cache_keys, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = [jnp.einsum("skgd,skdt->skgt", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
+    scores = jnp.concatenate(scores, axis=-1) * (d**-0.5)
     scores = jnp.where(allowed[:, None, None, :], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cache_values.dtype)
-    return jnp.einsum("skgt,sktd->skgd", probs, cache_values).reshape(slots, 1, heads, d)
+    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
+    block = value_blocks[0].shape[2]
+    parts = [
+        jnp.einsum("skgt,sktd->skgd", probs[..., i * block : (i + 1) * block], v) for i, v in enumerate(value_blocks)
+    ]
+    return functools.reduce(jnp.add, parts).reshape(slots, 1, heads, d)
 
 
 def write_positions(cache: jax.Array, update: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
     """`cache` [slots, ...] with each slot's `update` (the cache's shape without `axis`) written at `positions`
-    [slots] along `axis` (dropped past the end). The scatter is vmapped over slots, so the slots are a batching
+    [slots] along `axis` (dropped outside [0, size)). The scatter is vmapped over slots, so the slots are a batching
     dimension and a slots-sharded cache is written shard by shard (indexing every slot in one scatter makes the
     partitioner all-gather the updates)."""
+    size = cache.shape[axis]
+    positions = jnp.where((positions >= 0) & (positions < size), positions, size)  # negative indices would wrap
 
     def one(slot_cache: jax.Array, slot_update: jax.Array, position: jax.Array) -> jax.Array:
         return slot_cache.at[(slice(None),) * (axis - 1) + (position,)].set(slot_update, mode="drop")
@@ -88,33 +101,32 @@ def decode_forward(
     model: CausalLM,
     tokens: jax.Array,
     lengths: jax.Array,
-    cache_keys: tuple[jax.Array, ...],
-    cache_values: tuple[jax.Array, ...],
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """One token per slot: tokens [S] at positions `lengths` [S]; per layer, caches in the decode layout (keys
-    [S, kv_heads, head_dim, T], values [S, kv_heads, T, head_dim]). Writes each slot's key and value at its position
-    (dropped past the cache end) and attends over the cache. Returns (logits [S, vocab] float32, new cache keys,
-    new cache values)."""
-    capacity = cache_keys[0].shape[-1]
+    cache_keys: tuple[tuple[jax.Array, ...], ...],
+    cache_values: tuple[tuple[jax.Array, ...], ...],
+) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], ...], tuple[tuple[jax.Array, ...], ...]]:
+    """One token per slot: tokens [S] at positions `lengths` [S]; per layer, the first cache blocks in the decode
+    layout (keys [S, kv_heads, head_dim, B], values [S, kv_heads, B, head_dim]), enough to hold position
+    `max(lengths)`. Writes each slot's key and value at its position (dropped past the blocks given) and attends over
+    the blocks. Returns (logits [S, vocab] float32, new key blocks, new value blocks)."""
+    block = cache_keys[0][0].shape[-1]
     decoder = model.model
     positions = lengths[:, None]
     cos, sin = decoder.rotary(positions)
     x = decoder.embed(tokens[:, None])
-    key_index = jnp.arange(capacity, dtype=jnp.int32)
+    key_index = jnp.arange(block * len(cache_keys[0]), dtype=jnp.int32)
     new_keys, new_values = [], []
-    for layer, ck, cv in zip(decoder.layers, cache_keys, cache_values, strict=True):
+    for layer, key_blocks, value_blocks in zip(decoder.layers, cache_keys, cache_values, strict=True):
         allowed = key_index[None, :] <= lengths[:, None]
         if layer.window is not None:
             allowed &= lengths[:, None] - key_index[None, :] < layer.window
 
-        def attend(
-            q: jax.Array, k: jax.Array, v: jax.Array, ck: jax.Array = ck, cv: jax.Array = cv, allowed=allowed
-        ) -> jax.Array:
-            ck = write_positions(ck, k[:, 0], lengths, axis=3)  # keys [S, kv_heads, head_dim, T]
-            cv = write_positions(cv, v[:, 0], lengths, axis=2)  # values [S, kv_heads, T, head_dim]
-            new_keys.append(ck)
-            new_values.append(cv)
-            return attend_cache(q, ck, cv, allowed)
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb=key_blocks, vb=value_blocks, allowed=allowed):
+            starts = [i * block for i in range(len(kb))]
+            kb = tuple(write_positions(c, k[:, 0], lengths - s, axis=3) for c, s in zip(kb, starts, strict=True))
+            vb = tuple(write_positions(c, v[:, 0], lengths - s, axis=2) for c, s in zip(vb, starts, strict=True))
+            new_keys.append(kb)
+            new_values.append(vb)
+            return attend_blocks(q, kb, vb, allowed)
 
         x = layer.block(x, cos, sin, attend)
     logits = model.logits(decoder.norm(x[:, 0]))

@@ -2,11 +2,12 @@
 LMs over a generation `Layout`.
 
 The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots over the layout's batch axes
-and kv heads over its tensor axis. `prefill` runs a batch of right-padded prompts (lengths bucketed to powers of two,
-so compiles stay few); `insert` copies prefilled prompts into slots and samples each sample's first token;
-`generate` advances every slot by one token. The jitted steps donate the decode state, and `compiles` counts traces.
-Parameters are passed on every call (JetStream's convention), so new weights of the same shapes and shardings never
-recompile.
+and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of positions per layer. `prefill` runs a batch
+of right-padded prompts (lengths bucketed to powers of two, so compiles stay few); `insert` copies prefilled prompts
+into slots and samples each sample's first token; `generate` advances every slot by one token, attending only over
+the blocks that the longest slot has reached when told its length (one compiled step per block count). The jitted
+steps donate the decode state, and `compiles` counts traces. Parameters are passed on every call (JetStream's
+convention), so new weights of the same shapes and shardings never recompile.
 Imports `hfjax.models`, `hfjax.parallel` and this package's sampling and cached forwards.
 """
 
@@ -28,6 +29,8 @@ from hfjax.rollout.cached_forward import Prefix, decode_forward, prefill_forward
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
 
 MIN_PREFILL_BUCKET = 16
+MAX_KV_BLOCKS = 8  # per layer: decode steps compile once per count of blocks in use
+MIN_KV_BLOCK = 32  # positions
 ALL_FILTERS = SamplerKind(top_k=True, top_p=True)
 
 
@@ -43,12 +46,12 @@ class PrefillResult(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    """All slots: per-layer caches (keys [slots, kv_heads, head_dim, capacity], values [slots, kv_heads, capacity,
-    head_dim]), the tokens in each slot's cache
-    (`lengths`), the next input token, each sample's key and token count (`steps`), and its sampling values."""
+    """All slots: per layer, the cache blocks of consecutive positions (keys [slots, kv_heads, head_dim, block],
+    values [slots, kv_heads, block, head_dim]); the tokens in each slot's cache (`lengths`), the next input token,
+    each sample's key and token count (`steps`), and its sampling values."""
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
+    keys: tuple[tuple[jax.Array, ...], ...]
+    values: tuple[tuple[jax.Array, ...], ...]
     lengths: jax.Array
     tokens: jax.Array
     rng: jax.Array
@@ -99,6 +102,12 @@ def prefill_buckets(max_prefill_length: int) -> tuple[int, ...]:
     return (*out, max_prefill_length)
 
 
+def kv_block_size(capacity: int) -> int:
+    """Positions per decode-cache block for a cache of `capacity` positions: at least `MIN_KV_BLOCK`, a multiple of
+    16, and at most `MAX_KV_BLOCKS` blocks."""
+    return max(MIN_KV_BLOCK, -(-capacity // (16 * MAX_KV_BLOCKS)) * 16)
+
+
 def _batch_sharded(layout: Layout, shape: tuple[int, ...], logical: tuple[str | None, ...]) -> NamedSharding:
     """Sharding by `layout` of each dimension that divides evenly; a dimension that does not is replicated."""
     entries = []
@@ -139,10 +148,12 @@ class JaxEngine:
         self._slots = max_concurrent_decodes
         self._max_prefill = max_prefill_length
         self.capacity = max_prefill_length + max_new_tokens
+        self.block = kv_block_size(self.capacity)
+        self.blocks = -(-self.capacity // self.block)
         self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
         self.compiles: collections.Counter[str] = collections.Counter()
-        self._key_shape = (self._slots, cfg.num_kv_heads, cfg.head_dim, self.capacity)
-        self._value_shape = (self._slots, cfg.num_kv_heads, self.capacity, cfg.head_dim)
+        self._key_shape = (self._slots, cfg.num_kv_heads, cfg.head_dim, self.block)
+        self._value_shape = (self._slots, cfg.num_kv_heads, self.block, cfg.head_dim)
         self._cache_dtype = jnp.dtype(model.dtype)
         key_cache = _batch_sharded(self.layout, self._key_shape, ("batch", "kv_heads", "head_dim", "length"))
         value_cache = _batch_sharded(self.layout, self._value_shape, ("batch", "kv_heads", "length", "head_dim"))
@@ -150,8 +161,8 @@ class JaxEngine:
         rng = _batch_sharded(self.layout, (self._slots, 2), ("batch", None))
         layers = cfg.num_layers
         self.state_sharding = DecodeState(
-            (key_cache,) * layers,
-            (value_cache,) * layers,
+            ((key_cache,) * self.blocks,) * layers,
+            ((value_cache,) * self.blocks,) * layers,
             per_slot,
             per_slot,
             rng,
@@ -163,21 +174,25 @@ class JaxEngine:
         self._prefill = self._jit("prefill", self._prefill_fn)
         self._insert = self._jit("insert", self._insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
         self._generate = self._jit(
-            "generate", self._generate_fn, donate_argnums=1, out_shardings=(self.state_sharding, None)
+            "generate",
+            self._generate_fn,
+            ("kind", "live"),
+            donate_argnums=1,
+            out_shardings=(self.state_sharding, None),
         )
         self._prefill_insert = self._jit(
             "prefill_insert", self._prefill_insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None)
         )
 
-    def _jit(self, name: str, fn: Any, **jit_kwargs: Any) -> Any:
-        """`jax.jit` of fn (with a static `kind`) that counts its traces in `compiles[name]`."""
+    def _jit(self, name: str, fn: Any, static: tuple[str, ...] = ("kind",), **jit_kwargs: Any) -> Any:
+        """`jax.jit` of fn (with `static` argument names) that counts its traces in `compiles[name]`."""
 
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.compiles[name] += 1
             return fn(*args, **kwargs)
 
-        return jax.jit(counted, static_argnames="kind", **jit_kwargs)
+        return jax.jit(counted, static_argnames=static, **jit_kwargs)
 
     # ----------------------------------------------------------------------------------------------- interface
     @property
@@ -198,10 +213,10 @@ class JaxEngine:
 
     def init_decode_state(self) -> DecodeState:
         """Empty slots: zero caches and lengths (an empty slot computes harmlessly until something is inserted)."""
-        layers = self.config.num_layers
+        layers, blocks = self.config.num_layers, range(self.blocks)
         state = DecodeState(
-            tuple(jnp.zeros(self._key_shape, self._cache_dtype) for _ in range(layers)),
-            tuple(jnp.zeros(self._value_shape, self._cache_dtype) for _ in range(layers)),
+            tuple(tuple(jnp.zeros(self._key_shape, self._cache_dtype) for _ in blocks) for _ in range(layers)),
+            tuple(tuple(jnp.zeros(self._value_shape, self._cache_dtype) for _ in blocks) for _ in range(layers)),
             jnp.zeros(self._slots, jnp.int32),
             jnp.zeros(self._slots, jnp.int32),
             jnp.zeros((self._slots, 2), jnp.uint32),
@@ -260,10 +275,13 @@ class JaxEngine:
         return self._insert(prefix, decode_state, slots, rows, samples, kind=ALL_FILTERS)
 
     def generate(
-        self, params: Any, decode_state: DecodeState, kind: SamplerKind = ALL_FILTERS
+        self, params: Any, decode_state: DecodeState, kind: SamplerKind = ALL_FILTERS, context: int | None = None
     ) -> tuple[DecodeState, ResultTokens]:
-        """One token for every slot (`kind` leaves filters that no slot uses out of the compiled step)."""
-        return self._generate(params, decode_state, kind=kind)
+        """One token for every slot (`kind` leaves filters that no slot uses out of the compiled step). `context`, when
+        given, bounds every active slot's cache length after this step: only the blocks up to it are attended over
+        (empty slots may compute garbage)."""
+        live = self.blocks if context is None else min(self.blocks, max(1, -(-context // self.block)))
+        return self._generate(params, decode_state, kind=kind, live=live)
 
     def prefill_insert(
         self,
@@ -314,16 +332,24 @@ class JaxEngine:
         zeros = jnp.zeros_like(slots)
         temperature, top_k, top_p = prefix.temperature[rows], prefix.top_k[rows], prefix.top_p[rows]
         first = sample_tokens(prefix.cache.last_logits[rows], rng, zeros, temperature, top_k, top_p, kind)
-        width = prefix.cache.keys[0].shape[1]
+        width, block = prefix.cache.keys[0].shape[1], self.block
         layers = [
             to_decode_layout(k[rows], v[rows]) for k, v in zip(prefix.cache.keys, prefix.cache.values, strict=True)
         ]
 
-        def put_keys(cache: jax.Array, keys: jax.Array) -> jax.Array:
-            return cache.at[slots, :, :, :width].set(keys.astype(cache.dtype), mode="drop")
+        def put_keys(blocks: tuple[jax.Array, ...], keys: jax.Array) -> tuple[jax.Array, ...]:
+            out = []
+            for i, cache in enumerate(blocks):
+                part = keys[..., i * block : min(width, (i + 1) * block)].astype(cache.dtype)
+                out.append(cache.at[slots, :, :, : part.shape[-1]].set(part, mode="drop") if part.size else cache)
+            return tuple(out)
 
-        def put_values(cache: jax.Array, values: jax.Array) -> jax.Array:
-            return cache.at[slots, :, :width].set(values.astype(cache.dtype), mode="drop")
+        def put_values(blocks: tuple[jax.Array, ...], values: jax.Array) -> tuple[jax.Array, ...]:
+            out = []
+            for i, cache in enumerate(blocks):
+                part = values[:, :, i * block : min(width, (i + 1) * block)].astype(cache.dtype)
+                out.append(cache.at[slots, :, : part.shape[2]].set(part, mode="drop") if part.size else cache)
+            return tuple(out)
 
         def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
             return current.at[slots].set(value, mode="drop")
@@ -341,9 +367,12 @@ class JaxEngine:
         )
         return state, ResultTokens(*first)
 
-    def _generate_fn(self, params, state: DecodeState, *, kind):
+    def _generate_fn(self, params, state: DecodeState, *, kind, live):
         model = self._model(params)
-        logits, keys, values = decode_forward(model, state.tokens, state.lengths, state.keys, state.values)
+        live_keys, live_values = tuple(k[:live] for k in state.keys), tuple(v[:live] for v in state.values)
+        logits, keys, values = decode_forward(model, state.tokens, state.lengths, live_keys, live_values)
+        keys = tuple(new + old[live:] for new, old in zip(keys, state.keys, strict=True))
+        values = tuple(new + old[live:] for new, old in zip(values, state.values, strict=True))
         tokens, logprobs = sample_tokens(
             logits, state.rng, state.steps, state.temperature, state.top_k, state.top_p, kind
         )

@@ -1,8 +1,10 @@
 """`OfflineGenerator`: continuous batching of many prompts over an engine's slots.
 
 A finished sample frees its slot at once; freed slots are refilled in groups of at least `refill_batch` (or whatever
-is left), each group one compiled prefill+insert whose row count is bucketed to a power of two, so compiles stay
-few. Outputs come back in request order, `n` samples per prompt, each with its tokens, logprobs and finish reason.
+is left), each group one compiled prefill+insert per prompt-length bucket (short prompts are not padded to the
+group's longest) whose row count is bucketed to a power of two, so compiles stay few. Each decode step attends over
+the cache blocks that the longest running sample has reached. Outputs come back in request order, `n` samples per
+prompt, each with its tokens, logprobs and finish reason.
 Imports this package's engine and sampling only.
 """
 
@@ -137,7 +139,8 @@ class OfflineGenerator:
                     running[slot] = _Running(r, i, [], [])
                     record(slot, int(token), float(logprob))
             if running:
-                state, out = self.engine.generate(self.params, state, kind)
+                context = max(len(prompts[run.request]) + len(run.tokens) for run in running.values())
+                state, out = self.engine.generate(self.params, state, kind, context)
                 tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
                 steps += 1
                 for slot in list(running):
@@ -160,11 +163,32 @@ class OfflineGenerator:
         targets: list[int],
         sampling: SamplingParams,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
-        """Prefills the distinct prompts of `batch` and inserts every sample into its target slot."""
+        """Prefills the distinct prompts of `batch` and inserts every sample into its target slot, one compiled call
+        per prefill length bucket (a short prompt is not padded to the batch's longest). Returns each sample's first
+        token and logprob, in batch order."""
+        groups: dict[int, list[int]] = {}
+        for j, (r, _) in enumerate(batch):
+            groups.setdefault(self.engine.bucket(len(prompts[r])), []).append(j)
+        tokens, logprobs = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.float32)
+        for length, members in sorted(groups.items()):
+            group = [batch[j] for j in members]
+            state, first = self._fill_bucket(state, prompts, group, [targets[j] for j in members], length, sampling)
+            tokens[members], logprobs[members] = first[0][: len(members)], first[1][: len(members)]
+        return state, (tokens, logprobs)
+
+    def _fill_bucket(
+        self,
+        state: Any,
+        prompts: list[np.ndarray],
+        batch: list[tuple[int, int]],
+        targets: list[int],
+        length: int,
+        sampling: SamplingParams,
+    ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+        """`_fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two."""
         requests = list(dict.fromkeys(r for r, _ in batch))
         rows_of = {r: row for row, r in enumerate(requests)}
         width = _pow2_at_least(len(batch))
-        length = self.engine.bucket(max(len(prompts[r]) for r in requests))
         tokens = np.zeros((width, length), np.int32)
         lengths = np.ones(width, np.int32)
         request_ids = np.zeros(width, np.int32)
