@@ -337,26 +337,21 @@ class JaxEngine:
             to_decode_layout(k[rows], v[rows]) for k, v in zip(prefix.cache.keys, prefix.cache.values, strict=True)
         ]
 
-        def put_keys(blocks: tuple[jax.Array, ...], keys: jax.Array) -> tuple[jax.Array, ...]:
+        def put_blocks(blocks: tuple[jax.Array, ...], rows: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+            """`blocks` with the prefix `rows` (positions along `axis`) written into the slots' first positions."""
             out = []
             for i, cache in enumerate(blocks):
-                part = keys[..., i * block : min(width, (i + 1) * block)].astype(cache.dtype)
-                out.append(cache.at[slots, :, :, : part.shape[-1]].set(part, mode="drop") if part.size else cache)
-            return tuple(out)
-
-        def put_values(blocks: tuple[jax.Array, ...], values: jax.Array) -> tuple[jax.Array, ...]:
-            out = []
-            for i, cache in enumerate(blocks):
-                part = values[:, :, i * block : min(width, (i + 1) * block)].astype(cache.dtype)
-                out.append(cache.at[slots, :, : part.shape[2]].set(part, mode="drop") if part.size else cache)
+                part = jax.lax.slice_in_dim(rows, min(width, i * block), min(width, (i + 1) * block), axis=axis)
+                index = (slots,) + (slice(None),) * (axis - 1) + (slice(0, part.shape[axis]),)
+                out.append(cache.at[index].set(part.astype(cache.dtype), mode="drop") if part.size else cache)
             return tuple(out)
 
         def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
             return current.at[slots].set(value, mode="drop")
 
         state = DecodeState(
-            tuple(put_keys(c, k) for c, (k, _) in zip(state.keys, layers, strict=True)),
-            tuple(put_values(c, v) for c, (_, v) in zip(state.values, layers, strict=True)),
+            tuple(put_blocks(c, k, 3) for c, (k, _) in zip(state.keys, layers, strict=True)),
+            tuple(put_blocks(c, v, 2) for c, (_, v) in zip(state.values, layers, strict=True)),
             set_slots(state.lengths, prefix.cache.lengths[rows]),
             set_slots(state.tokens, first[0]),
             set_slots(state.rng, rng),
