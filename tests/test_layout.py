@@ -99,3 +99,11 @@ def test_sharded_load_gives_single_device_logits(tmp_path, name):
     got = np.asarray(forward(model, jax.device_put(ids, batch), jax.device_put(mask, batch)))
     v = mask.astype(bool)
     assert relative_error(got[v], expected[v]) <= 1e-5
+
+
+def test_device_count_mismatch_is_one_error_for_a_whole_model(tmp_path):
+    _, path = save_hf_model(tmp_path, "llama")
+    devices = jax.device_count()
+    with pytest.raises(LayoutError) as info:
+        load_hf(path, layout={"mesh": {"data": 2 * devices}})
+    assert str(info.value).count(f"but there are {devices} devices") == 1

@@ -78,6 +78,27 @@ def test_update_reusing_its_log_probs_equals_a_recomputed_old_log_prob_pass(inpu
         assert auto["actor/ppo_kl"] == 0.0 and abs(recompute["actor/ppo_kl"]) < 1e-6
 
 
+def test_optimizer_offload_during_generation_trains_identically(inputs, tmp_path, monkeypatch):
+    """`rollout.offload_optimizer`: the actor's optimizer state sits in pinned host memory while it generates and
+    comes back for the update. XLA:CPU has that memory space although it is the same RAM, so the engine is made to
+    use it here; the run must equal one without offload."""
+    import hfjax.parallel.hybrid_engine as hybrid_engine
+
+    moves = []
+    to_memory = hybrid_engine._to_memory
+    monkeypatch.setattr(hybrid_engine, "_has_separate_host_memory", lambda layout: True)
+    monkeypatch.setattr(hybrid_engine, "_to_memory", lambda tree, kind: moves.append(kind) or to_memory(tree, kind))
+    two = {"total_steps": 2}
+    plain = run_rl(load_rl_config(rl_config(inputs, tmp_path / "plain", "grpo", trainer=two)))
+    assert not moves
+    offloaded = run_rl(
+        load_rl_config(rl_config(inputs, tmp_path / "offload", "grpo", trainer=two, rollout={"offload_optimizer": True}))
+    )
+    assert len(moves) >= 4 and moves == ["pinned_host", "device"] * (len(moves) // 2)  # a round trip per rollout
+    for got, want in zip(offloaded, plain, strict=True):
+        assert _deterministic(got) == _deterministic(want)
+
+
 def test_resume_equals_uninterrupted_and_damaged_latest_falls_back(inputs, tmp_path, caplog):
     two = {"total_steps": 2, "save_freq": 1}
     full = run_rl(load_rl_config(rl_config(inputs, tmp_path / "full", "ppo", trainer=two)))

@@ -254,11 +254,11 @@ class HybridEngine:
 
     def offload(self, tree: Any) -> Any:
         """Moves a tree (e.g. optimizer state) to pinned host memory during generation, when enabled and the
-        backend has it; otherwise returns it unchanged."""
+        backend has it, and frees its device buffers (keep using what it returns); otherwise returns it unchanged."""
         return _to_memory(tree, "pinned_host") if self.offload_optimizer else tree
 
     def reload(self, tree: Any) -> Any:
-        """Brings an offloaded tree back to device memory."""
+        """Brings an offloaded tree back to device memory and frees the host copies."""
         return _to_memory(tree, "device") if self.offload_optimizer else tree
 
 
@@ -281,9 +281,14 @@ def _has_separate_host_memory(layout: Layout) -> bool:
 
 
 def _to_memory(tree: Any, kind: str) -> Any:
-    def move(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
-            return x
-        return jax.device_put(x, x.sharding.with_memory_kind(kind))
-
-    return jax.tree.map(move, tree)
+    """The tree's arrays copied to memory `kind`; the sources are deleted once the copies exist."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    moved = jax.device_put([leaves[i] for i in arrays], [leaves[i].sharding.with_memory_kind(kind) for i in arrays])
+    jax.block_until_ready(moved)
+    out = list(leaves)
+    for i, copy in zip(arrays, moved, strict=True):
+        if copy is not leaves[i]:
+            leaves[i].delete()
+        out[i] = copy
+    return jax.tree.unflatten(treedef, out)

@@ -180,6 +180,7 @@ class Layout:
         """Maps a tree of `nnx.Variable`s (abstract or concrete) to `NamedSharding`s from their `logical_axes`
         metadata (replicated when absent). Raises one error naming every parameter whose sharded dimension does not
         divide by its mesh axes."""
+        _ = self.mesh  # a device-count mismatch is one error, not one per parameter
         problems: list[str] = []
 
         def leaf_sharding(path: tuple[Any, ...], leaf: Any) -> NamedSharding | None:

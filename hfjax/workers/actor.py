@@ -76,7 +76,13 @@ class ActorRolloutRefWorker(TrainedRole):
         info: dict[str, Any] = {"train_layout": layout.describe(), "params": self.policy.config.num_params}
         if self.has_rollout:
             gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
-            self.hybrid = HybridEngine(layout, gen, self.policy.params, mode=rollout.hybrid_engine)
+            self.hybrid = HybridEngine(
+                layout,
+                gen,
+                self.policy.params,
+                mode=rollout.hybrid_engine,
+                offload_optimizer=rollout.offload_optimizer and self.state is not None,
+            )
             self.engine = JaxEngine(
                 self.policy.model,
                 self.hybrid.gen_layout,
@@ -120,6 +126,8 @@ class ActorRolloutRefWorker(TrainedRole):
         `do_sample` (False = greedy), `seed`, `temperature`."""
         sampling = self._sampling(prompts.meta_info)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        if self.hybrid.offload_optimizer:
+            self.state.opt_state = self.hybrid.offload(self.state.opt_state)
         gen_params = self.hybrid.to_gen(self.params)
         try:
             self.generator.update_params(gen_params)
@@ -127,6 +135,8 @@ class ActorRolloutRefWorker(TrainedRole):
         finally:
             self.generator.update_params(None)
             self.params = self.hybrid.to_train(gen_params)
+            if self.hybrid.offload_optimizer:
+                self.state.opt_state = self.hybrid.reload(self.state.opt_state)
         rejected = [o for o in outputs if o.finish_reason == "rejected"]
         if rejected:
             raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")

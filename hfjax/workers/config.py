@@ -30,6 +30,7 @@ class RolloutConfig:
     ignore_eos: bool = False  # benchmarks: every response runs to response_length
     gen_layout: dict[str, Any] | None = None
     hybrid_engine: Literal["zero_redundancy", "naive"] = "zero_redundancy"
+    offload_optimizer: bool = False  # optimizer state in pinned host memory while generating (GPU/TPU)
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.response_length < 1 or self.slots < 1:
