@@ -91,9 +91,8 @@ def test_optimizer_offload_during_generation_trains_identically(inputs, tmp_path
     two = {"total_steps": 2}
     plain = run_rl(load_rl_config(rl_config(inputs, tmp_path / "plain", "grpo", trainer=two)))
     assert not moves
-    offloaded = run_rl(
-        load_rl_config(rl_config(inputs, tmp_path / "offload", "grpo", trainer=two, rollout={"offload_optimizer": True}))
-    )
+    offload = {"offload_optimizer": True}
+    offloaded = run_rl(load_rl_config(rl_config(inputs, tmp_path / "offload", "grpo", trainer=two, rollout=offload)))
     assert len(moves) >= 4 and moves == ["pinned_host", "device"] * (len(moves) // 2)  # a round trip per rollout
     for got, want in zip(offloaded, plain, strict=True):
         assert _deterministic(got) == _deterministic(want)
