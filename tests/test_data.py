@@ -26,7 +26,7 @@ from hfjax.data import (
     write_rows,
 )
 from hfjax.data.gsm8k import INSTRUCTION
-from hfjax.data.synthetic import addition_problems
+from hfjax.data.synthetic import addition_problems, teacher_answers
 from hfjax.models.local_tokenizer import build_bpe_tokenizer
 from hfjax.rewards import compute_score
 
@@ -353,3 +353,27 @@ def test_addition_task(tmp_path):
     assert [p for p in pieces if p in "0123456789+="] == list("907+45=952")  # each digit its own token
     ds = PromptDataset(paths["test"], tok, max_prompt_length=16)
     assert len(ds) == 20 and ds.collate([0]).tensors["input_ids"].shape == (1, 16)
+
+
+def test_sloppy_sft_teacher_forgets_the_carry_only_in_sft_answers(tmp_path):
+    task = AdditionTask(min_digits=1, max_digits=2, num_train=300, num_test=100, num_sft=2000, sft_carry_slip=0.5)
+    paths = write_addition_task(task, tmp_path)
+    slipped = carrying = 0
+    for _, row in read_rows(paths["sft"]):
+        a, b = map(int, row["prompt"][0]["content"][:-1].split("+"))
+        carry = a % 10 + b % 10 >= 10
+        assert int(row["response"]) in ((a + b, a + b - 10) if carry else (a + b,)), row
+        carrying += carry
+        slipped += int(row["response"]) == a + b - 10
+    # about half of the carrying problems slip (binomial, 5 sigma); the RL and held-out answers are the true sums
+    assert carrying > 500 and abs(slipped - carrying / 2) < 5 * (carrying / 4) ** 0.5, (slipped, carrying)
+    for split in ("train", "test"):
+        for _, row in read_rows(paths[split]):
+            a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", row["prompt"][0]["content"]).groups())
+            assert row["reward_model"]["ground_truth"] == str(a + b)
+    always = AdditionTask(max_digits=2, num_train=0, num_test=0, num_sft=4, sft_carry_slip=1.0)
+    assert teacher_answers(always, [(7, 5), (23, 19), (41, 8), (95, 5)]) == [2, 32, 49, 90]
+    never = AdditionTask(max_digits=2, num_train=0, num_test=0, num_sft=4)
+    assert teacher_answers(never, [(7, 5), (23, 19), (41, 8), (95, 5)]) == [12, 42, 49, 100]
+    with pytest.raises(ValueError, match="sft_carry_slip"):
+        AdditionTask(sft_carry_slip=1.5)

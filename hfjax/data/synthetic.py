@@ -22,6 +22,8 @@ SPLITS = ("train", "test", "sft")
 class AdditionTask:
     """Additions of two operands of `min_digits`..`max_digits` digits each; distinct problems, split into
     `num_train` RL prompts, `num_test` held-out prompts and `num_sft` supervised examples (no problem in two splits).
+    The SFT answers come from a teacher that forgets the units carry (writes a + b - 10) on a `sft_carry_slip`
+    fraction of the SFT problems that have one; RL prompts and the held-out split are scored against the true sum.
     """
 
     min_digits: int = 1
@@ -30,12 +32,15 @@ class AdditionTask:
     num_test: int = 256
     num_sft: int = 2048
     seed: int = 0
+    sft_carry_slip: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"expected 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
         if min(self.num_train, self.num_test, self.num_sft) < 0:
             raise ValueError(f"split sizes must be >= 0, got {self.num_train}, {self.num_test}, {self.num_sft}")
+        if not 0.0 <= self.sft_carry_slip <= 1.0:
+            raise ValueError(f"sft_carry_slip: expected a fraction in [0, 1], got {self.sft_carry_slip}")
         if self.num_problems > len(self.operands()) ** 2:
             raise ValueError(
                 f"{self.num_problems} distinct problems requested but operands of {self.min_digits}-"
@@ -72,6 +77,14 @@ def addition_problems(task: AdditionTask) -> dict[str, list[tuple[int, int]]]:
     return {split: pairs[bounds[i] : bounds[i + 1]] for i, split in enumerate(SPLITS)}
 
 
+def teacher_answers(task: AdditionTask, problems: list[tuple[int, int]]) -> list[int]:
+    """The SFT teacher's answers: the true sum, except that a seeded `task.sft_carry_slip` fraction of the problems
+    with a units carry (a % 10 + b % 10 >= 10) get a + b - 10, the sum with that carry forgotten."""
+    slips = np.random.default_rng([task.seed, 1]).random(len(problems)) < task.sft_carry_slip
+    carries = [a % 10 + b % 10 >= 10 for a, b in problems]
+    return [a + b - 10 * int(slip and carry) for (a, b), slip, carry in zip(problems, slips, carries, strict=True)]
+
+
 def question(a: int, b: int) -> str:
     """The prompt text of a problem."""
     return f"{a}+{b}="
@@ -99,8 +112,10 @@ def write_addition_task(task: AdditionTask, out_dir: str | Path) -> dict[str, Pa
         )
         for split in ("train", "test")
     }
+    answers = teacher_answers(task, problems["sft"])
     sft_rows = [
-        {"prompt": [{"role": "user", "content": question(a, b)}], "response": str(a + b)} for a, b in problems["sft"]
+        {"prompt": [{"role": "user", "content": question(a, b)}], "response": str(answer)}
+        for (a, b), answer in zip(problems["sft"], answers, strict=True)
     ]
     paths["sft"] = write_rows(sft_rows, out_dir / "sft.parquet")
     return paths
