@@ -166,6 +166,8 @@ def test_no_training_buffers_alive_during_generation(checkpoint):
     for device_id, nbytes in live.items():
         assert nbytes - baseline.get(device_id, 0) <= gen_bytes + 4096, device_id
     assert max(live[d] - baseline.get(d, 0) for d in live) >= gen_bytes  # the gen copy itself is there
+    shard_bytes = [s.data.nbytes for leaf in jax.tree.leaves(gen_params) for s in leaf.addressable_shards]
+    assert engine.stats()["gen_bytes_total"] == sum(shard_bytes)
     del gen_params
 
 

@@ -243,6 +243,7 @@ class HybridEngine:
             "contained": acc.contained,
             "train_bytes_per_device": acc.max("train_bytes"),
             "gen_bytes_per_device": acc.max("gen_bytes"),
+            "gen_bytes_total": sum(acc.gen_bytes.values()),
             "received_bytes_per_device": acc.max("received_bytes"),
             "received_bytes_total": sum(acc.received_bytes.values()),
             "peak_param_bytes_per_device": acc.max("gen_bytes") + kept,
