@@ -15,8 +15,8 @@ from flax import nnx
 
 from hfjax.models import load_hf
 from hfjax.parallel import Layout
-from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingError, SamplingParams
-from hfjax.rollout.sampling import SamplerKind, filter_logits, sample_key, sample_tokens
+from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingError, SamplingParams, prefill_buckets
+from hfjax.rollout.sampling import SamplerKind, _first_max_index, filter_logits, sample_key, sample_tokens
 
 VOCAB = 96  # divisible by the tensor axis of the sharded layout
 EOS = 7
@@ -139,19 +139,20 @@ def test_filters_match_numpy_reference():
         np.testing.assert_array_equal(np.isfinite(out[row]), expected, err_msg=f"row {row}")
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 1.0), (1.3, 0.8)])
-def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_p):
-    """40,000 draws from one row of logits (vocabulary 300, two tokens at -inf, a block of zeros): counts against
-    softmax(logits / T) after the numpy reference filter, by a chi-square bound far in the tail."""
+@pytest.mark.parametrize(("temperature", "top_p", "vocab"), [(0.7, 1.0, 300), (1.3, 0.8, 300), (1.0, 1.0, 293)])
+def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_p, vocab):
+    """40,000 draws from one row of logits (two tokens at -inf, a block of zeros): counts against softmax(logits / T)
+    after the numpy reference filter, by a chi-square bound far in the tail. A prime vocabulary has no block size
+    that divides it, so its probabilities are padded."""
     rng = np.random.default_rng(1)
-    row = (rng.normal(size=300) * 2).astype(np.float32)
+    row = (rng.normal(size=vocab) * 2).astype(np.float32)
     row[[7, 250]] = -np.inf
     row[100:140] = -30.0  # probabilities that round to tiny values
     draws = 40_000
     requests = np.arange(draws, dtype=np.int32)
     keys = jax.jit(sample_key)(np.zeros(draws, np.int32), requests, np.zeros(draws, np.int32))
     tokens, _ = jax.jit(sample_tokens, static_argnames="kind")(
-        jnp.broadcast_to(row, (draws, 300)),
+        jnp.broadcast_to(row, (draws, vocab)),
         keys,
         jnp.ones(draws, jnp.int32),
         jnp.full(draws, temperature),
@@ -162,13 +163,31 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_p):
     keep = _numpy_filter(row.astype(np.float64) / temperature, 0, top_p)
     probs = np.where(keep, np.exp(row.astype(np.float64) / temperature - row.max() / temperature), 0.0)
     probs /= probs.sum()
-    counts = np.bincount(np.asarray(tokens), minlength=300)
+    counts = np.bincount(np.asarray(tokens), minlength=vocab)
     assert counts[probs == 0].sum() == 0
     expected = draws * probs
     cells = expected > 5
     chi2 = float((((counts - expected) ** 2)[cells] / expected[cells]).sum())
     dof = int(cells.sum()) - 1
     assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)
+
+
+def test_greedy_token_is_the_first_maximum():
+    """The greedy pick equals numpy's argmax (first index of the maximum), with ties and -inf entries."""
+    rng = np.random.default_rng(4)
+    logits = rng.integers(-3, 4, size=(64, 257)).astype(np.float32)  # many ties
+    logits[5] = -np.inf
+    logits[6, :] = -np.inf
+    logits[6, 200] = 1.0
+    tokens = _first_max_index(jnp.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(logits, axis=-1))
+
+
+def test_prefill_buckets_leave_at_most_a_third_of_a_padded_prompt_as_padding():
+    assert prefill_buckets(64) == (16, 24, 32, 48, 64)
+    assert prefill_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
+    buckets = prefill_buckets(4096)
+    assert all(next(b for b in buckets if b >= n) <= max(16, n * 3 / 2) for n in range(1, 4097))
 
 
 def test_top_k_samples_stay_in_top_k(llama):

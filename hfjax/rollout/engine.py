@@ -3,11 +3,11 @@ LMs over a generation `Layout`.
 
 The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots over the layout's batch axes
 and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of positions per layer. `prefill` runs a batch
-of right-padded prompts (lengths bucketed to powers of two, so compiles stay few); `insert` copies prefilled prompts
-into slots and samples each sample's first token; `generate` advances every slot by one token, attending only over
-the blocks that the longest slot has reached when told its length (one compiled step per block count). The jitted
-steps donate the decode state, and `compiles` counts traces. Parameters are passed on every call (JetStream's
-convention), so new weights of the same shapes and shardings never recompile.
+of right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so compiles stay few); `insert`
+copies prefilled prompts into slots and samples each sample's first token; `generate` advances every slot by one
+token, attending only over the blocks that the longest slot has reached when told its length (one compiled step per
+block count). The jitted steps donate the decode state, and `compiles` counts traces. Parameters are passed on every
+call (JetStream's convention), so new weights of the same shapes and shardings never recompile.
 Imports `hfjax.models`, `hfjax.parallel` and this package's sampling and cached forwards.
 """
 
@@ -94,10 +94,13 @@ class Engine(Protocol):
 
 
 def prefill_buckets(max_prefill_length: int) -> tuple[int, ...]:
-    """Powers of two from 16 up to the limit, and the limit itself."""
+    """Padded prompt lengths: 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x powers of two, so at most a third
+    of a padded prompt longer than 16 is padding) up to the limit, and the limit itself."""
     out, size = [], MIN_PREFILL_BUCKET
     while size < max_prefill_length:
         out.append(size)
+        if size * 3 // 2 < max_prefill_length:
+            out.append(size * 3 // 2)
         size *= 2
     return (*out, max_prefill_length)
 

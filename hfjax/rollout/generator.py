@@ -2,9 +2,10 @@
 
 A finished sample frees its slot at once; freed slots are refilled in groups of at least `refill_batch` (or whatever
 is left), each group one compiled prefill+insert per prompt-length bucket (short prompts are not padded to the
-group's longest) whose row count is bucketed to a power of two, so compiles stay few. Each decode step attends over
-the cache blocks that the longest running sample has reached. Outputs come back in request order, `n` samples per
-prompt, each with its tokens, logprobs and finish reason.
+group's longest) whose row count is bucketed to a power of two (a bucket's rows run as the largest power of two
+that fits plus the rest, so fewer than a quarter of the rows are padding), so compiles stay few. Each decode step
+attends over the cache blocks that the longest running sample has reached. Outputs come back in request order, `n`
+samples per prompt, each with its tokens, logprobs and finish reason.
 Imports this package's engine and sampling only.
 """
 
@@ -49,6 +50,13 @@ class _Running:
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _row_chunks(members: list[int]) -> list[list[int]]:
+    """`members` cut into at most two calls whose row counts pad to powers of two with little waste: the largest
+    power of two that fits, then the rest (35 rows run as 32 + 4, not 64)."""
+    head = 1 << (len(members).bit_length() - 1)
+    return [members[:head], members[head:]] if head < len(members) else [members]
 
 
 class OfflineGenerator:
@@ -171,9 +179,10 @@ class OfflineGenerator:
             groups.setdefault(self.engine.bucket(len(prompts[r])), []).append(j)
         tokens, logprobs = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.float32)
         for length, members in sorted(groups.items()):
-            group = [batch[j] for j in members]
-            state, first = self._fill_bucket(state, prompts, group, [targets[j] for j in members], length, sampling)
-            tokens[members], logprobs[members] = first[0][: len(members)], first[1][: len(members)]
+            for chunk in _row_chunks(members):
+                group = [batch[j] for j in chunk]
+                state, first = self._fill_bucket(state, prompts, group, [targets[j] for j in chunk], length, sampling)
+                tokens[chunk], logprobs[chunk] = first[0][: len(chunk)], first[1][: len(chunk)]
         return state, (tokens, logprobs)
 
     def _fill_bucket(

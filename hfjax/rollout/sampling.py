@@ -145,7 +145,7 @@ def inverse_cdf_sample(logits: jax.Array, uniform: jax.Array) -> jax.Array:
     the rest of the sampler on CPU). The cumulative sums run in two levels (block totals, then within the chosen
     block), so each is short. Tokens of probability 0 (-inf logits) are never chosen."""
     rows, vocab = logits.shape
-    per_block = math.ceil(math.sqrt(vocab))
+    per_block = _block_size(vocab)
     blocks = math.ceil(vocab / per_block)
     probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
     probs = jnp.pad(probs, ((0, 0), (0, blocks * per_block - vocab))).reshape(rows, blocks, per_block)
@@ -160,6 +160,22 @@ def inverse_cdf_sample(logits: jax.Array, uniform: jax.Array) -> jax.Array:
     offset = jnp.sum(jnp.cumsum(inside, axis=-1) <= (target - before)[:, None], axis=-1)
     offset = _last_positive_at_most(inside, jnp.minimum(offset, per_block - 1))
     return (block * per_block + offset).astype(jnp.int32)
+
+
+def _block_size(vocab: int) -> int:
+    """Tokens per block of the two-level cumulative sum: about sqrt(vocab), a divisor of it when one lies within a
+    factor of two (then no padding copy of the probabilities is needed)."""
+    root = math.ceil(math.sqrt(vocab))
+    divisors = [d for d in range(max(1, root // 2), 2 * root + 1) if vocab % d == 0]
+    return min(divisors, key=lambda d: abs(d - root)) if divisors else root
+
+
+def _first_max_index(x: jax.Array) -> jax.Array:
+    """`argmax` over the last axis (first index of the maximum) as two plain reductions, which XLA:CPU runs about
+    twice as fast as argmax's paired value-index reduction."""
+    positions = jnp.arange(x.shape[-1])
+    at_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.minimum(jnp.min(jnp.where(at_max, positions, x.shape[-1]), axis=-1), x.shape[-1] - 1)
 
 
 def _last_positive_at_most(values: jax.Array, index: jax.Array) -> jax.Array:
@@ -184,7 +200,7 @@ def sample_tokens(
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
-    tokens = jnp.argmax(logits, axis=-1)
+    tokens = _first_max_index(logits)
     if kind.sampled:
         filtered = filter_logits(scaled, top_k, top_p, kind)
 
