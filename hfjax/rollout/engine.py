@@ -98,9 +98,7 @@ def prefill_buckets(max_prefill_length: int) -> tuple[int, ...]:
     of a padded prompt longer than 16 is padding) up to the limit, and the limit itself."""
     out, size = [], MIN_PREFILL_BUCKET
     while size < max_prefill_length:
-        out.append(size)
-        if size * 3 // 2 < max_prefill_length:
-            out.append(size * 3 // 2)
+        out += [n for n in (size, size * 3 // 2) if n < max_prefill_length]
         size *= 2
     return (*out, max_prefill_length)
 

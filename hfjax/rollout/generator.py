@@ -1,11 +1,11 @@
 """`OfflineGenerator`: continuous batching of many prompts over an engine's slots.
 
-A finished sample frees its slot at once; freed slots are refilled in groups of at least `refill_batch` (or whatever
-is left), each group one compiled prefill+insert per prompt-length bucket (short prompts are not padded to the
-group's longest) whose row count is bucketed to a power of two (a bucket's rows run as the largest power of two
-that fits plus the rest, so fewer than a quarter of the rows are padding), so compiles stay few. Each decode step
-attends over the cache blocks that the longest running sample has reached. Outputs come back in request order, `n`
-samples per prompt, each with its tokens, logprobs and finish reason.
+A finished sample frees its slot at once; freed slots are refilled in groups of at least `refill_batch` (or whatever is
+left), each group one compiled prefill+insert per prompt-length bucket (short prompts are not padded to the group's
+longest). A bucket's rows run as the largest power of two that fits plus the rest, each padded to a power of two, so
+compiles stay few and fewer than a quarter of the rows are padding. Each decode step attends over the cache blocks that
+the longest running sample has reached. Outputs come back in request order, `n` samples per prompt, each with its
+tokens, logprobs and finish reason.
 Imports this package's engine and sampling only.
 """
 
