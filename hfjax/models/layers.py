@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from hfjax.models.config import ModelConfig, RopeConfig
+from hfjax.models.dense import dense
 from hfjax.parallel.layout import LOGICAL_AXES
 
 MASKED_SCORE = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
@@ -163,7 +164,7 @@ class Attention(nnx.Module):
         # kernel on every call, a 2-D one multiplies by its transpose in place.
         heads, head_dim, embed = kernel.shape
         flat = kernel[...].astype(self.dtype).reshape(heads * head_dim, embed)
-        y = jnp.einsum("bte,fe->btf", x, flat).reshape(*x.shape[:2], heads, head_dim)
+        y = dense(x, flat).reshape(*x.shape[:2], heads, head_dim)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -178,7 +179,7 @@ class Attention(nnx.Module):
     def project_out(self, attended: jax.Array) -> jax.Array:
         embed, heads, head_dim = self.o_kernel.shape
         flat = self.o_kernel[...].astype(self.dtype).reshape(embed, heads * head_dim)
-        y = jnp.einsum("btf,ef->bte", attended.reshape(*attended.shape[:2], heads * head_dim), flat)
+        y = dense(attended.reshape(*attended.shape[:2], heads * head_dim), flat)
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
@@ -197,7 +198,7 @@ class MLP(nnx.Module):
         self.dtype = dtype
 
     def _dense(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x, kernel[...].astype(self.dtype))
+        y = dense(x, kernel[...].astype(self.dtype))
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:

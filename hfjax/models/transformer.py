@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hfjax.models.config import ModelConfig
+from hfjax.models.dense import dense
 from hfjax.models.layers import (
     DecoderLayer,
     RMSNorm,
@@ -94,7 +95,7 @@ class _Backbone(nnx.Module):
         return logical_param(rngs, normal_init(std), (out, self.config.hidden_size), (axis, "embed"), self.param_dtype)
 
     def _to_float32(self, hidden: jax.Array, kernel: jax.Array) -> jax.Array:
-        return jnp.einsum("...e,oe->...o", hidden, kernel.astype(self.dtype), preferred_element_type=jnp.float32)
+        return dense(hidden, kernel.astype(self.dtype), jnp.float32)
 
 
 class CausalLM(_Backbone):
