@@ -32,8 +32,13 @@ def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argp
             "micro_batch_size": args.micro_batch,
             "use_kl_loss": algorithm == "grpo",
             "optim": {"lr": 1e-5},
+            "trim_padding": args.trim_padding,
         },
-        "critic": {"ppo_mini_batch_size": args.prompts * 4, "micro_batch_size": args.micro_batch},
+        "critic": {
+            "ppo_mini_batch_size": args.prompts * 4,
+            "micro_batch_size": args.micro_batch,
+            "trim_padding": args.trim_padding,
+        },
         "rollout": {"n": 4, "response_length": 128, "slots": args.prompts * 4, "ignore_eos": True},
         "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
         "algorithm": {"name": algorithm},
@@ -55,6 +60,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument(
+        "--trim-padding",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="actor/critic.trim_padding: micro-batches drop their all-padding columns",
+    )
     parser.add_argument("--algorithms", default="grpo,ppo")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/rl_step.json"))
     args = parser.parse_args()

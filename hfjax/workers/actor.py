@@ -73,6 +73,7 @@ class ActorRolloutRefWorker(TrainedRole):
         if self.has_ref:
             self.ref_params = LoadedModel(cfg.model_path, layout, dtype=cfg.dtype, head="causal_lm").params
         self._logprob = self.policy.rows_fn(self._logprob_rows)
+        self._ref_logprob = self.policy.rows_fn(self._ref_logprob_rows)
         info: dict[str, Any] = {"train_layout": layout.describe(), "params": self.policy.config.num_params}
         if self.has_rollout:
             gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
@@ -151,16 +152,21 @@ class ActorRolloutRefWorker(TrainedRole):
         logp, scaled = _response_logprobs(model, batch, self.rollout_cfg.temperature)
         return {"log_probs": logp, "entropys": entropy_from_logits(scaled)}
 
-    def _log_probs(self, params: Any, data: DataProto) -> dict[str, np.ndarray]:
+    def _ref_logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        # log probs only: the entropy would be one more pass over [rows, response, vocab] logits
+        return {"log_probs": _response_logprobs(model, batch, self.rollout_cfg.temperature)[0]}
+
+    def _log_probs(self, jitted: Any, params: Any, data: DataProto) -> dict[str, np.ndarray]:
         keys = ("input_ids", "attention_mask", "position_ids", "responses")
         arrays = {k: data.batch[k] for k in keys}
-        return self.policy.map_rows(self._logprob, params, arrays, self.cfg.micro_batch_size)
+        trim = data.batch["responses"].shape[1] if self.cfg.trim_padding else None
+        return self.policy.map_rows(jitted, params, arrays, self.cfg.micro_batch_size, trim)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     @reports_seconds
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` and `entropys` [B, R] under the current policy."""
-        out = self._log_probs(self.params, data)
+        out = self._log_probs(self._logprob, self.params, data)
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -169,7 +175,8 @@ class ActorRolloutRefWorker(TrainedRole):
         """`ref_log_prob` [B, R] under the frozen reference policy."""
         if self.ref_params is None:
             raise RuntimeError(f"compute_ref_log_prob: this worker's role {self.role!r} has no reference model")
-        return DataProto.from_dict({"ref_log_prob": self._log_probs(self.ref_params, data)["log_probs"]})
+        out = self._log_probs(self._ref_logprob, self.ref_params, data)
+        return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
 
     def _loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
@@ -221,7 +228,13 @@ class ActorRolloutRefWorker(TrainedRole):
                 f"(ppo_epochs={cfg.ppo_epochs}, {len(data)} rows, ppo_mini_batch_size={cfg.ppo_mini_batch_size})"
             )
         return self.ppo_epochs(
-            arrays, self._loss, cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.micro_batch_size, "actor"
+            arrays,
+            self._loss,
+            cfg.ppo_epochs,
+            cfg.ppo_mini_batch_size,
+            cfg.micro_batch_size,
+            "actor",
+            trim=cfg.trim_padding,
         )
 
     @register(Dispatch.ONE_TO_ALL)

@@ -66,6 +66,9 @@ class ActorConfig:
     # reward, the update's own forward gives the old log probs (detached, so the ratio is exactly 1), saving one
     # forward pass over the batch; "recompute": always a separate pass first (verl's behaviour).
     old_log_prob: Literal["auto", "recompute"] = "auto"
+    # Group rows by length and drop the columns that are padding in a whole micro-batch (prompts and responses, to
+    # padded lengths 16, 24, 32, 48, 64, ...: a few more compiled shapes) in log-prob passes and updates.
+    trim_padding: bool = True
 
     def __post_init__(self) -> None:
         for name in ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size"):
@@ -91,6 +94,7 @@ class CriticConfig:
     ppo_mini_batch_size: int = 16
     micro_batch_size: int = 8
     cliprange_value: float = 0.5
+    trim_padding: bool = True  # as `ActorConfig.trim_padding`
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )

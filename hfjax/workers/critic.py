@@ -54,7 +54,8 @@ class CriticWorker(TrainedRole):
     def compute_values(self, data: DataProto) -> DataProto:
         """`values` [B, R]."""
         arrays = {k: data.batch[k] for k in VALUE_KEYS}
-        out = self.critic.map_rows(self._values, self.state.params, arrays, self.cfg.micro_batch_size)
+        trim = arrays["responses"].shape[1] if self.cfg.trim_padding else None
+        out = self.critic.map_rows(self._values, self.state.params, arrays, self.cfg.micro_batch_size, trim)
         return DataProto.from_dict({"values": out["values"]})
 
     def _loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -78,5 +79,11 @@ class CriticWorker(TrainedRole):
         cfg = self.cfg
         arrays = {k: np.asarray(data.batch[k]) for k in (*VALUE_KEYS, "response_mask", "values", "returns")}
         return self.ppo_epochs(
-            arrays, self._loss, cfg.ppo_epochs, cfg.ppo_mini_batch_size, cfg.micro_batch_size, "critic"
+            arrays,
+            self._loss,
+            cfg.ppo_epochs,
+            cfg.ppo_mini_batch_size,
+            cfg.micro_batch_size,
+            "critic",
+            trim=cfg.trim_padding,
         )

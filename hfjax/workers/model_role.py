@@ -23,6 +23,7 @@ from hfjax.parallel import Layout
 from hfjax.protocol import DataProto
 from hfjax.training.checkpoint import CheckpointManager
 from hfjax.training.train_state import TrainState, place_batch, split_rows
+from hfjax.workers.sequences import length_order, trim_padding
 
 
 def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,14 +58,32 @@ class LoadedModel:
         return jax.jit(lambda params, batch: fn(self.merge(params), batch))
 
     def map_rows(
-        self, jitted: Callable[..., Any], params: Any, arrays: Mapping[str, np.ndarray], micro_batch_size: int
+        self,
+        jitted: Callable[..., Any],
+        params: Any,
+        arrays: Mapping[str, np.ndarray],
+        micro_batch_size: int,
+        response_length: int | None = None,
     ) -> Any:
         """Runs `jitted(params, micro_batch)` over fixed-size micro-batches; concatenates the outputs (numpy),
-        dropping the padding rows of the last micro-batch."""
+        dropping the padding rows of the last micro-batch. With `response_length` (outputs [rows, response columns]),
+        rows of similar lengths share micro-batches, each micro-batch drops its all-padding columns
+        (`trim_padding`), and the outputs come back in row order, zero-padded to `response_length` columns."""
         rows = len(next(iter(arrays.values())))
-        outs = [jitted(params, place_batch(self.layout, chunk)) for chunk in split_rows(arrays, micro_batch_size)]
-        host = jax.device_get(outs)
-        return jax.tree.map(lambda *parts: np.concatenate(parts)[:rows], *host)
+        order = np.arange(rows) if response_length is None else length_order(arrays, response_length)
+        chunks = split_rows({k: np.asarray(v)[order] for k, v in arrays.items()}, micro_batch_size)
+        if response_length is not None:
+            chunks = [trim_padding(chunk, response_length) for chunk in chunks]
+        host = jax.device_get([jitted(params, place_batch(self.layout, chunk)) for chunk in chunks])
+        if response_length is not None:
+            host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
+        joined = jax.tree.map(lambda *parts: np.concatenate(parts)[:rows], *host)
+        return jax.tree.map(lambda x: x[np.argsort(order)], joined)
+
+
+def _pad_columns(array: np.ndarray, columns: int) -> np.ndarray:
+    """[rows, c, ...] zero-padded to [rows, columns, ...]."""
+    return np.pad(array, [(0, 0), (0, columns - array.shape[1])] + [(0, 0)] * (array.ndim - 2))
 
 
 def step_metrics(history: list[tuple[dict[str, float], int]], role: str, skipped_steps: int) -> dict[str, float]:
@@ -90,19 +109,34 @@ class TrainedRole(Worker):
     checkpoints: CheckpointManager | None = None
 
     def ppo_epochs(
-        self, arrays: dict[str, np.ndarray], loss_fn: Callable[..., Any], epochs: int, mini: int, micro: int, role: str
+        self,
+        arrays: dict[str, np.ndarray],
+        loss_fn: Callable[..., Any],
+        epochs: int,
+        mini: int,
+        micro: int,
+        role: str,
+        trim: bool = False,
     ) -> DataProto:
         """`epochs` passes over mini-batches of `mini` rows, each one optimizer step over micro-batches of `micro`
         rows whose losses are normalised by the mini-batch's counts (`global_tokens`, `global_seqs` per row), so
-        accumulation equals the whole mini-batch. Metrics are means over optimizer steps."""
+        accumulation equals the whole mini-batch. With `trim`, a mini-batch's rows are grouped by length and each
+        micro-batch drops its all-padding columns (`trim_padding`); the step is the same sum of per-token terms.
+        Metrics are means over optimizer steps."""
         history = []
+        response_length = arrays["responses"].shape[1]
         for _ in range(epochs):
             for batch in split_rows(arrays, mini):
                 tokens, seqs = mask_counts(batch["response_mask"])
                 rows = len(batch["response_mask"])
                 batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
                 batch["global_seqs"] = np.full(rows, float(seqs), np.float32)
+                if trim:
+                    order = length_order(batch, response_length)
+                    batch = {k: v[order] for k, v in batch.items()}
                 chunks = split_rows(batch, micro)
+                if trim:
+                    chunks = [trim_padding(chunk, response_length) for chunk in chunks]
                 history.append((self.state.update(loss_fn, chunks), len(chunks)))
         return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps)})
 

@@ -2,7 +2,8 @@
 
 `input_ids = [prompt | response]`, `attention_mask` 1 on real tokens, `position_ids = cumsum(mask) - 1`, and
 `response_mask` 1 on real response tokens. The logits that predict response token j sit at sequence index P - 1 + j,
-so every role reads `[:, -R - 1 : -1]` of its per-token outputs.
+so every role reads `[:, -R - 1 : -1]` of its per-token outputs, whatever P and R are: a micro-batch may drop the
+columns that are padding in all of its rows (`trim_padding`) and still be read the same way.
 Imports numpy, `hfjax.data` and `hfjax.rollout` only.
 """
 
@@ -14,7 +15,10 @@ import jax
 import numpy as np
 
 from hfjax.data.tokenize import position_ids
+from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]; `prompts` is [B, P], the rest [B, R]
 
 
 def prompt_token_lists(input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
@@ -72,4 +76,48 @@ def scores_to_token_level(scores: np.ndarray, response_mask: np.ndarray) -> np.n
     rows = np.arange(len(scores))
     has_tokens = response_mask.sum(axis=-1) > 0
     out[rows[has_tokens], last_response_index(response_mask)[has_tokens]] = scores[has_tokens]
+    return out
+
+
+def content_lengths(batch: dict[str, np.ndarray], response_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Real prompt tokens and real response tokens of each row (from `attention_mask`)."""
+    mask = np.asarray(batch["attention_mask"])
+    split = mask.shape[1] - response_length
+    return mask[:, :split].sum(axis=1), mask[:, split:].sum(axis=1)
+
+
+def _padded(length: int, limit: int) -> int:
+    """The shortest padded length (`prefill_buckets`: at most a third of it padding) that holds `length` tokens."""
+    return next(b for b in prefill_buckets(limit) if b >= length)
+
+
+def length_order(batch: dict[str, np.ndarray], response_length: int) -> np.ndarray:
+    """A row order that puts rows of similar lengths next to each other, so that consecutive micro-batches trim well:
+    by padded response length, then by prompt length."""
+    prompts, responses = content_lengths(batch, response_length)
+    padded = np.array([_padded(max(int(n), 1), response_length) for n in responses])
+    return np.lexsort((prompts, padded))
+
+
+def trim_padding(batch: dict[str, np.ndarray], response_length: int) -> dict[str, np.ndarray]:
+    """`batch` without the columns that are padding in every row: the prompts keep the longest real prompt, the
+    responses the longest real response, each rounded up to a padded length (so a few shapes compile). Real tokens
+    keep their positions and attend to the same keys, so per-token results are those of the full width; the
+    response-aligned arrays get the new response width."""
+    prompts, responses = content_lengths(batch, response_length)
+    split = batch["attention_mask"].shape[1] - response_length
+    prompt_width = _padded(max(int(prompts.max()), 1), split)
+    width = _padded(max(int(responses.max()), 1), response_length)
+    out = {}
+    for key, value in batch.items():
+        if key in SEQUENCE_KEYS:
+            out[key] = value[:, split - prompt_width : split + width]
+        elif key == "prompts":
+            out[key] = value[:, split - prompt_width :]
+        elif np.ndim(value) >= 2:
+            if value.shape[1] != response_length:
+                raise ValueError(f"trim_padding: {key} has {value.shape[1]} columns, expected {response_length}")
+            out[key] = value[:, :width]
+        else:
+            out[key] = value
     return out
