@@ -23,7 +23,7 @@ from hfjax.parallel import Layout
 from hfjax.protocol import DataProto
 from hfjax.training.checkpoint import CheckpointManager
 from hfjax.training.train_state import TrainState, place_batch, split_rows
-from hfjax.workers.sequences import length_order, trim_padding
+from hfjax.workers.sequences import trimmed_chunks
 
 
 def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,10 +70,10 @@ class LoadedModel:
         rows of similar lengths share micro-batches, each micro-batch drops its all-padding columns
         (`trim_padding`), and the outputs come back in row order, zero-padded to `response_length` columns."""
         rows = len(next(iter(arrays.values())))
-        order = np.arange(rows) if response_length is None else length_order(arrays, response_length)
-        chunks = split_rows({k: np.asarray(v)[order] for k, v in arrays.items()}, micro_batch_size)
-        if response_length is not None:
-            chunks = [trim_padding(chunk, response_length) for chunk in chunks]
+        if response_length is None:
+            order, chunks = np.arange(rows), split_rows(arrays, micro_batch_size)
+        else:
+            order, chunks = trimmed_chunks(dict(arrays), micro_batch_size, response_length)
         host = jax.device_get([jitted(params, place_batch(self.layout, chunk)) for chunk in chunks])
         if response_length is not None:
             host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
@@ -131,12 +131,7 @@ class TrainedRole(Worker):
                 rows = len(batch["response_mask"])
                 batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
                 batch["global_seqs"] = np.full(rows, float(seqs), np.float32)
-                if trim:
-                    order = length_order(batch, response_length)
-                    batch = {k: v[order] for k, v in batch.items()}
-                chunks = split_rows(batch, micro)
-                if trim:
-                    chunks = [trim_padding(chunk, response_length) for chunk in chunks]
+                chunks = trimmed_chunks(batch, micro, response_length)[1] if trim else split_rows(batch, micro)
                 history.append((self.state.update(loss_fn, chunks), len(chunks)))
         return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps)})
 

@@ -4,7 +4,7 @@
 `response_mask` 1 on real response tokens. The logits that predict response token j sit at sequence index P - 1 + j,
 so every role reads `[:, -R - 1 : -1]` of its per-token outputs, whatever P and R are: a micro-batch may drop the
 columns that are padding in all of its rows (`trim_padding`) and still be read the same way.
-Imports numpy, `hfjax.data` and `hfjax.rollout` only.
+Imports numpy, `hfjax.data`, `hfjax.rollout` and `hfjax.training` only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 from hfjax.data.tokenize import position_ids
 from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
+from hfjax.training.train_state import split_rows
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]; `prompts` is [B, P], the rest [B, R]
 
@@ -86,17 +87,27 @@ def content_lengths(batch: dict[str, np.ndarray], response_length: int) -> tuple
     return mask[:, :split].sum(axis=1), mask[:, split:].sum(axis=1)
 
 
-def _padded(length: int, limit: int) -> int:
-    """The shortest padded length (`prefill_buckets`: at most a third of it padding) that holds `length` tokens."""
-    return next(b for b in prefill_buckets(limit) if b >= length)
+def _padded(lengths: np.ndarray, limit: int) -> np.ndarray:
+    """The shortest padded lengths (`prefill_buckets`: at most a third of one is padding) that hold `lengths` tokens
+    (at least 1)."""
+    buckets = np.asarray(prefill_buckets(limit))
+    return buckets[np.searchsorted(buckets, np.maximum(lengths, 1))]
 
 
 def length_order(batch: dict[str, np.ndarray], response_length: int) -> np.ndarray:
     """A row order that puts rows of similar lengths next to each other, so that consecutive micro-batches trim well:
     by padded response length, then by prompt length."""
     prompts, responses = content_lengths(batch, response_length)
-    padded = np.array([_padded(max(int(n), 1), response_length) for n in responses])
-    return np.lexsort((prompts, padded))
+    return np.lexsort((prompts, _padded(responses, response_length)))
+
+
+def trimmed_chunks(
+    batch: dict[str, np.ndarray], rows: int, response_length: int
+) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
+    """(`length_order` of the rows, `split_rows` chunks of `rows` rows in that order, each `trim_padding`ed)."""
+    order = length_order(batch, response_length)
+    chunks = split_rows({k: np.asarray(v)[order] for k, v in batch.items()}, rows)
+    return order, [trim_padding(chunk, response_length) for chunk in chunks]
 
 
 def trim_padding(batch: dict[str, np.ndarray], response_length: int) -> dict[str, np.ndarray]:
@@ -106,8 +117,8 @@ def trim_padding(batch: dict[str, np.ndarray], response_length: int) -> dict[str
     response-aligned arrays get the new response width."""
     prompts, responses = content_lengths(batch, response_length)
     split = batch["attention_mask"].shape[1] - response_length
-    prompt_width = _padded(max(int(prompts.max()), 1), split)
-    width = _padded(max(int(responses.max()), 1), response_length)
+    prompt_width = int(_padded(prompts.max(), split))
+    width = int(_padded(responses.max(), response_length))
     out = {}
     for key, value in batch.items():
         if key in SEQUENCE_KEYS:
