@@ -4,8 +4,9 @@ A finished sample frees its slot at once; freed slots are refilled in groups of 
 left), each group one compiled prefill+insert per prompt-length bucket (short prompts are not padded to the group's
 longest). A bucket's rows run as the largest power of two that fits plus the rest, each padded to a power of two, so
 compiles stay few and fewer than a quarter of the rows are padding. Each decode step attends over the cache blocks that
-the longest running sample has reached. Outputs come back in request order, `n` samples per prompt, each with its
-tokens, logprobs and finish reason.
+the longest running sample has reached, and is dispatched before the previous step's tokens are read (one step in
+flight), so the host's bookkeeping runs while the device computes. Outputs come back in request order, `n` samples per
+prompt, each with its tokens, logprobs and finish reason.
 Imports this package's engine and sampling only.
 """
 
@@ -138,6 +139,7 @@ class OfflineGenerator:
             elif len(run.tokens) >= sampling.max_new_tokens:
                 finish(slot, FINISH_LENGTH)
 
+        pending: tuple[Any, dict[int, _Running]] | None = None  # the step in flight, and who it ran for
         while queue or running:
             if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
                 batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
@@ -146,13 +148,23 @@ class OfflineGenerator:
                 for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
                     running[slot] = _Running(r, i, [], [])
                     record(slot, int(token), float(logprob))
-            if running:
-                context = max(len(prompts[run.request]) + len(run.tokens) for run in running.values())
+            ahead = int(pending is not None)
+            if any(len(run.tokens) + ahead < sampling.max_new_tokens for run in running.values()):
+                # dispatched before the step in flight is read, so host bookkeeping overlaps device work; a slot that
+                # finishes in the step in flight computes one discarded token here
+                context = max(len(prompts[run.request]) + len(run.tokens) for run in running.values()) + ahead
                 state, out = self.engine.generate(self.params, state, kind, context)
-                tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
                 steps += 1
-                for slot in list(running):
-                    record(slot, int(tokens[slot]), float(logprobs[slot]))
+                dispatched = (out, dict(running))
+            else:
+                dispatched = None
+            if pending is not None:
+                out, ran = pending
+                tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+                for slot, run in ran.items():
+                    if running.get(slot) is run:
+                        record(slot, int(tokens[slot]), float(logprobs[slot]))
+            pending = dispatched
         bar.close()
         self._state = state
         ordered = [results[key] for key in sorted(results)]

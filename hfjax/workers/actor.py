@@ -198,7 +198,8 @@ class ActorRolloutRefWorker(TrainedRole):
             **counts,
         )
         entropy = agg_loss(entropy_from_logits(scaled), mask, cfg.loss_agg_mode, **counts)
-        loss = pg_loss - cfg.entropy_coeff * entropy
+        # at coefficient 0 the entropy is a metric only: no backward pass through it over [rows, response, vocab]
+        loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
         metrics = {
             "actor/pg_loss": pg_loss,
             "actor/pg_clipfrac": clipfrac,
