@@ -1,7 +1,7 @@
 """`dense(x, kernel)`: the model's one matrix product, y[..., o] = sum_i x[..., i] kernel[o, i] (kernels stored
 [out, in], as Hugging Face stores them), with a hand-written backward.
 
-The kernel gradient is grad^T x over all rows. Left to itself, XLA:CPU runs it as a library-less dot on a transposed
+The kernel gradient is grad^T x over all rows. Left to itself, XLA:CPU runs it as an Eigen dot on a transposed
 operand and fuses the elementwise work that produced the output gradient (the SwiGLU and rotary backward) into that
 transposing copy: a strided loop at a fraction of a GB/s (`optimization_barrier` does not stop it: XLA expands the
 barrier into control dependencies before fusing). Here the transpose of the output gradient runs inside a
