@@ -1,0 +1,83 @@
+"""hfjax's model programs compile with `MODEL_COMPILER_OPTIONS`: on CPU, XLA hands only dot products (with the
+elementwise work it fuses into them) to its YNNPACK library, no reductions (slower there than XLA's own loops).
+Checked on the compiled HLO of the engine's decode step and of the training gradient step; the same programs compiled
+with library reductions allowed do contain them, so the check can fail."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hfjax.models import ModelConfig
+from hfjax.models.hf import abstract_model
+from hfjax.rollout import JaxEngine, SamplingParams
+from hfjax.rollout.sampling import SamplerKind
+from hfjax.training.train_state import _Frozen, _loss_and_grad
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU library fusions")
+
+CONFIG = ModelConfig(
+    family="llama",
+    vocab_size=512,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+)
+WITH_REDUCTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+def _model():
+    graphdef, abstract = nnx.split(abstract_model(CONFIG, "causal_lm"))
+    rng = np.random.default_rng(0)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.05, x.shape), x.dtype), abstract))
+
+
+def library_ops(hlo: str) -> list[set[str]]:
+    """The operations inside each fusion that XLA:CPU hands to YNNPACK."""
+    bodies = dict(re.findall(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
+    called = re.findall(r"calls=(%[\w.\-]+)[^\n]*\"kind\":\"__ynn_fusion\"", hlo)
+    return [
+        set(re.findall(r"= \S+ ([a-z][\w-]*)\(", bodies[name])) - {"parameter", "bitcast", "constant"}
+        for name in called
+    ]
+
+
+def _check(lowered) -> None:
+    ours = library_ops(lowered.compile().as_text())
+    assert ours and all("dot" in ops and "reduce" not in ops for ops in ours), ours
+    allowed = library_ops(lowered.compile(compiler_options=WITH_REDUCTIONS).as_text())
+    assert any("reduce" in ops for ops in allowed), allowed
+
+
+def test_decode_step_gives_the_library_dots_only():
+    model = _model()
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    engine = JaxEngine(model, max_concurrent_decodes=8, max_prefill_length=16, max_new_tokens=16)
+    kind = SamplerKind.of(SamplingParams(max_new_tokens=4))
+    _check(engine._generate.lower(params, engine.init_decode_state(), kind=kind, live=engine.blocks))
+
+
+def test_gradient_step_gives_the_library_dots_only():
+    graphdef, params, rest = nnx.split(_model(), nnx.Param, ...)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (8, 16)), jnp.int32)
+
+    def loss(model, batch):
+        logits = model(batch["tokens"][:, :-1])
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), batch["tokens"][:, 1:, None], axis=-1)
+        return -picked.mean(), {}
+
+    shardings = _Frozen.of(jax.tree.map(lambda x: x.sharding, params))
+    _check(
+        _loss_and_grad.lower(
+            params, rest, {"tokens": tokens}, graphdef=graphdef, loss_fn=loss, static=(), shardings=shardings
+        )
+    )
