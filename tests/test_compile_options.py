@@ -5,6 +5,7 @@ with library reductions allowed do contain them, so the check can fail."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -12,33 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_models import TINY, random_model
 
-from hfjax.models import ModelConfig
-from hfjax.models.hf import abstract_model
 from hfjax.rollout import JaxEngine, SamplingParams
 from hfjax.rollout.sampling import SamplerKind
 from hfjax.training.train_state import _Frozen, _loss_and_grad
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU library fusions")
 
-CONFIG = ModelConfig(
-    family="llama",
-    vocab_size=512,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-)
+CONFIG = dataclasses.replace(TINY, vocab_size=512)  # sampler reductions large enough for the library
 WITH_REDUCTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
-
-
-def _model():
-    graphdef, abstract = nnx.split(abstract_model(CONFIG, "causal_lm"))
-    rng = np.random.default_rng(0)
-    return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.05, x.shape), x.dtype), abstract))
 
 
 def library_ops(hlo: str) -> list[set[str]]:
@@ -59,7 +43,7 @@ def _check(lowered) -> None:
 
 
 def test_decode_step_gives_the_library_dots_only():
-    model = _model()
+    model = random_model(CONFIG)
     _, params, _ = nnx.split(model, nnx.Param, ...)
     engine = JaxEngine(model, max_concurrent_decodes=8, max_prefill_length=16, max_new_tokens=16)
     kind = SamplerKind.of(SamplingParams(max_new_tokens=4))
@@ -67,7 +51,8 @@ def test_decode_step_gives_the_library_dots_only():
 
 
 def test_gradient_step_gives_the_library_dots_only():
-    graphdef, params, rest = nnx.split(_model(), nnx.Param, ...)
+    graphdef, params, rest = nnx.split(random_model(CONFIG), nnx.Param, ...)
+    params = jax.tree.map(jnp.asarray, params)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (8, 16)), jnp.int32)
 
     def loss(model, batch):

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_models import TINY, random_model
 
 from hfjax.algos import agg_loss, logprobs_from_logits
-from hfjax.models import CausalLM, ModelConfig
-from hfjax.models.hf import abstract_model
+from hfjax.models import CausalLM
 from hfjax.parallel import Layout
 from hfjax.training import (
     CheckpointError,
@@ -29,17 +29,6 @@ from hfjax.training import (
     read_metrics,
 )
 
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-5,
-)
 TRAIN_LAYOUT = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"}
 OTHER_LAYOUT = {"mesh": {"fsdp": 8}, "rules": "fsdp"}
 # One optimizer for the TrainState tests (equal settings share compiled programs). eps well above the gradients'
@@ -48,15 +37,7 @@ ADAMW = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.05, warmup_steps=3, e
 
 
 def tiny_model(seed: int = 0) -> CausalLM:
-    """The tiny model with random numpy weights (norm weights near 1): no per-shape initialiser compiles."""
-    graphdef, abstract = nnx.split(abstract_model(TINY, "causal_lm"))
-    rng = np.random.default_rng(seed)
-
-    def draw(leaf):
-        values = 1 + 0.1 * rng.standard_normal(leaf.shape) if len(leaf.shape) == 1 else rng.normal(0, 0.05, leaf.shape)
-        return values.astype(leaf.dtype)
-
-    return nnx.merge(graphdef, jax.tree.map(draw, abstract))
+    return random_model(TINY, seed)
 
 
 def _state(optim: OptimConfig, layout=TRAIN_LAYOUT, total_steps=None, seed=0) -> TrainState:

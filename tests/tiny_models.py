@@ -1,0 +1,34 @@
+"""A tiny hfjax model config and random-weight models of it, built without any checkpoint or initialiser compile."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from hfjax.models import CausalLM, ModelConfig
+from hfjax.models.hf import abstract_model
+
+TINY = ModelConfig(
+    family="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+)
+
+
+def random_model(cfg: ModelConfig = TINY, seed: int = 0) -> CausalLM:
+    """A causal LM of `cfg` with random numpy weights (norm weights near 1): no per-shape initialiser compiles."""
+    graphdef, abstract = nnx.split(abstract_model(cfg, "causal_lm"))
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf):
+        values = 1 + 0.1 * rng.standard_normal(leaf.shape) if len(leaf.shape) == 1 else rng.normal(0, 0.05, leaf.shape)
+        return values.astype(leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree.map(draw, abstract))
