@@ -1,7 +1,8 @@
-"""hfjax's model programs compile with `MODEL_COMPILER_OPTIONS`: on CPU, XLA hands only dot products (with the
-elementwise work it fuses into them) to its YNNPACK library, no reductions (slower there than XLA's own loops).
-Checked on the compiled HLO of the engine's decode step and of the training gradient step; the same programs compiled
-with library reductions allowed do contain them, so the check can fail."""
+"""hfjax's model programs compile with its XLA:CPU options (`hfjax.compile_options`): XLA hands only dot products
+to its YNNPACK library, no reductions (slower there than XLA's own loops); in forward programs each library call is a
+single dot. Checked on the compiled HLO of the engine's decode step and of the training gradient step; the same
+programs compiled with library reductions allowed do contain them, and the decode step compiled with the gradient
+step's options has a library call of several operations, so each check can fail."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from flax import nnx
 from tiny_models import TINY, random_model
 
+from hfjax.compile_options import GRADIENT_COMPILER_OPTIONS
 from hfjax.rollout import JaxEngine, SamplingParams
 from hfjax.rollout.sampling import SamplerKind
 from hfjax.training.train_state import _Frozen, _loss_and_grad
@@ -25,29 +27,34 @@ CONFIG = dataclasses.replace(TINY, vocab_size=512)  # sampler reductions large e
 WITH_REDUCTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
 
 
-def library_ops(hlo: str) -> list[set[str]]:
-    """The operations inside each fusion that XLA:CPU hands to YNNPACK."""
+def library_ops(hlo: str) -> list[list[str]]:
+    """The operations inside each fusion that XLA:CPU hands to YNNPACK (sorted, with repeats)."""
     bodies = dict(re.findall(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S))
     called = re.findall(r"calls=(%[\w.\-]+)[^\n]*\"kind\":\"__ynn_fusion\"", hlo)
+    ignored = {"parameter", "bitcast", "constant"}
     return [
-        set(re.findall(r"= \S+ ([a-z][\w-]*)\(", bodies[name])) - {"parameter", "bitcast", "constant"}
-        for name in called
+        sorted(op for op in re.findall(r"= \S+ ([a-z][\w-]*)\(", bodies[name]) if op not in ignored) for name in called
     ]
 
 
-def _check(lowered) -> None:
+def _check_no_library_reductions(lowered) -> list[list[str]]:
     ours = library_ops(lowered.compile().as_text())
     assert ours and all("dot" in ops and "reduce" not in ops for ops in ours), ours
     allowed = library_ops(lowered.compile(compiler_options=WITH_REDUCTIONS).as_text())
     assert any("reduce" in ops for ops in allowed), allowed
+    return ours
 
 
-def test_decode_step_gives_the_library_dots_only():
+def test_decode_step_gives_the_library_single_dots():
     model = random_model(CONFIG)
     _, params, _ = nnx.split(model, nnx.Param, ...)
     engine = JaxEngine(model, max_concurrent_decodes=8, max_prefill_length=16, max_new_tokens=16)
     kind = SamplerKind.of(SamplingParams(max_new_tokens=4))
-    _check(engine._generate.lower(params, engine.init_decode_state(), kind=kind, live=engine.blocks))
+    lowered = engine._generate.lower(params, engine.init_decode_state(), kind=kind, live=engine.blocks)
+    ours = _check_no_library_reductions(lowered)
+    assert all(ops == ["dot"] for ops in ours), ours
+    fused = library_ops(lowered.compile(compiler_options=GRADIENT_COMPILER_OPTIONS).as_text())
+    assert any(len(ops) > 1 for ops in fused), fused
 
 
 def test_gradient_step_gives_the_library_dots_only():
@@ -61,7 +68,7 @@ def test_gradient_step_gives_the_library_dots_only():
         return -picked.mean(), {}
 
     shardings = _Frozen.of(jax.tree.map(lambda x: x.sharding, params))
-    _check(
+    _check_no_library_reductions(
         _loss_and_grad.lower(
             params, rest, {"tokens": tokens}, graphdef=graphdef, loss_fn=loss, static=(), shardings=shardings
         )

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hfjax.compile_options import MODEL_COMPILER_OPTIONS
+from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cached_forward import Prefix, decode_forward, prefill_forward, to_decode_layout
@@ -194,7 +194,7 @@ class JaxEngine:
             self.compiles[name] += 1
             return fn(*args, **kwargs)
 
-        return jax.jit(counted, static_argnames=static, compiler_options=MODEL_COMPILER_OPTIONS, **jit_kwargs)
+        return jax.jit(counted, static_argnames=static, compiler_options=FORWARD_COMPILER_OPTIONS, **jit_kwargs)
 
     # ----------------------------------------------------------------------------------------------- interface
     @property

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hfjax.compile_options import MODEL_COMPILER_OPTIONS
+from hfjax.compile_options import FORWARD_COMPILER_OPTIONS, GRADIENT_COMPILER_OPTIONS
 from hfjax.parallel import Layout, LayoutError
 from hfjax.training.optim import current_learning_rate
 
@@ -66,7 +66,9 @@ class _Frozen:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "loss_fn", "static", "shardings"), compiler_options=MODEL_COMPILER_OPTIONS
+    jax.jit,
+    static_argnames=("graphdef", "loss_fn", "static", "shardings"),
+    compiler_options=GRADIENT_COMPILER_OPTIONS,
 )
 def _loss_and_grad(
     params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, loss_fn: LossFn, static: Any, shardings: Any
@@ -108,7 +110,7 @@ _apply_donating = jax.jit(_apply_gradients, static_argnames=_APPLY_STATIC, donat
 _apply_keeping = jax.jit(_apply_gradients, static_argnames=_APPLY_STATIC)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "fn"), compiler_options=MODEL_COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("graphdef", "fn"), compiler_options=FORWARD_COMPILER_OPTIONS)
 def _forward(params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, fn: Callable[..., Any]) -> Any:
     return fn(nnx.merge(graphdef, params, rest), batch)
 

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from hfjax.algos import mask_counts
-from hfjax.compile_options import MODEL_COMPILER_OPTIONS
+from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.parallel import Layout
@@ -56,7 +56,7 @@ class LoadedModel:
 
     def rows_fn(self, fn: Callable[[nnx.Module, dict[str, jax.Array]], Any]) -> Callable[..., Any]:
         """`fn(model, batch) -> arrays with rows first`, jitted over (params, batch)."""
-        return jax.jit(lambda params, batch: fn(self.merge(params), batch), compiler_options=MODEL_COMPILER_OPTIONS)
+        return jax.jit(lambda params, batch: fn(self.merge(params), batch), compiler_options=FORWARD_COMPILER_OPTIONS)
 
     def map_rows(
         self,
