@@ -15,7 +15,6 @@ from flax import nnx
 from tiny_models import TINY, random_model
 
 from hfjax.algos import agg_loss, logprobs_from_logits
-from hfjax.models import CausalLM
 from hfjax.parallel import Layout
 from hfjax.training import (
     CheckpointError,
@@ -36,12 +35,10 @@ OTHER_LAYOUT = {"mesh": {"fsdp": 8}, "rules": "fsdp"}
 ADAMW = OptimConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.05, warmup_steps=3, eps=1e-4)
 
 
-def tiny_model(seed: int = 0) -> CausalLM:
-    return random_model(TINY, seed)
-
-
 def _state(optim: OptimConfig, layout=TRAIN_LAYOUT, total_steps=None, seed=0) -> TrainState:
-    return TrainState(tiny_model(seed), Layout.from_config(layout), make_optimizer(optim, total_steps), optim.grad_clip)
+    return TrainState(
+        random_model(TINY, seed), Layout.from_config(layout), make_optimizer(optim, total_steps), optim.grad_clip
+    )
 
 
 def token_mean_nll(model, batch):
@@ -121,7 +118,7 @@ def test_one_step_matches_numpy_adamw_with_clipping():
     before = nnx.to_flat_state(state.params)
     before = {path: np.asarray(v[...], np.float64) for path, v in before}
     # Independent gradient: the unsharded model, one whole-batch jax.grad.
-    graphdef, params = nnx.split(tiny_model(0), nnx.Param)
+    graphdef, params = nnx.split(random_model(TINY, 0), nnx.Param)
     grads = jax.jit(jax.grad(lambda p: token_mean_nll(nnx.merge(graphdef, p), batch)[0]))(params)
     grads = {path: np.asarray(v[...], np.float64) for path, v in nnx.to_flat_state(grads)}
     norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
@@ -182,7 +179,7 @@ def test_eval_runs_forward_on_current_params():
     state = _state(ADAMW)
     batch = _batch(np.random.default_rng(4))
     logits = state.eval(_logits, batch)
-    graphdef, params = nnx.split(tiny_model(0))
+    graphdef, params = nnx.split(random_model(TINY, 0))
     reference = jax.jit(lambda p: _logits(nnx.merge(graphdef, p), batch))(params)
     assert isinstance(logits, np.ndarray)
     np.testing.assert_allclose(logits, np.asarray(reference), rtol=1e-5, atol=1e-5)
