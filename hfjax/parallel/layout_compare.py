@@ -52,33 +52,38 @@ def compare_layouts(
     repeats: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per (pair, mode). `pairs`: [{"name", "train", "gen"}]. With `repeats` > 0, runs to_gen/to_train
-    that many times after one warm-up on filler parameters and reports median times."""
+    that many times after one warm-up on filler parameters and reports median times. A pair's modes take turns, one
+    to_gen/to_train cycle each, so that none of them is always the first one timed (in one process the first
+    transitions run slower while the process's memory grows)."""
     total = sum(
         math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         for leaf in jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
     )
     rows = []
     for pair in pairs:
-        for mode in modes:
-            engine = HybridEngine(pair["train"], pair["gen"], abstract_params, mode=mode)
+        engines = [HybridEngine(pair["train"], pair["gen"], abstract_params, mode=mode) for mode in modes]
+        for mode, engine in zip(modes, engines, strict=True):
             stats = engine.stats()
-            row = {
-                "pair": pair.get("name", f"{engine.train_layout.describe()} -> {engine.gen_layout.describe()}"),
-                "mode": mode,
-                "param_bytes": total,
-                **{k: v for k, v in stats.items() if k not in ("to_gen_s", "to_train_s")},
-                "table2_moved_bytes": table2_moved_bytes(total, engine.train_layout, engine.gen_layout),
-                "per_parameter_moved_bytes": per_parameter_moved_bytes(engine) if stats["contained"] else None,
-                "table2_peak_bytes": total
-                // (engine.gen_layout.axis_size("fsdp") * engine.gen_layout.axis_size("tensor")),
-            }
-            if repeats:
-                params = materialize(engine, abstract_params)
-                for _ in range(repeats + 1):
-                    params = engine.to_train(engine.to_gen(params))
+            rows.append(
+                {
+                    "pair": pair.get("name", f"{engine.train_layout.describe()} -> {engine.gen_layout.describe()}"),
+                    "mode": mode,
+                    "param_bytes": total,
+                    **{k: v for k, v in stats.items() if k not in ("to_gen_s", "to_train_s")},
+                    "table2_moved_bytes": table2_moved_bytes(total, engine.train_layout, engine.gen_layout),
+                    "per_parameter_moved_bytes": per_parameter_moved_bytes(engine) if stats["contained"] else None,
+                    "table2_peak_bytes": total
+                    // (engine.gen_layout.axis_size("fsdp") * engine.gen_layout.axis_size("tensor")),
+                }
+            )
+        if repeats:
+            timed = rows[-len(engines) :]
+            params = [materialize(engine, abstract_params) for engine in engines]
+            for _ in range(repeats + 1):
+                params = [engine.to_train(engine.to_gen(p)) for engine, p in zip(engines, params, strict=True)]
+            for row, engine, p in zip(timed, engines, params, strict=True):
                 times = engine.stats()
                 row["to_gen_s"] = statistics.median(times["to_gen_s"][1:])
                 row["to_train_s"] = statistics.median(times["to_train_s"][1:])
-                jax.tree.map(lambda x: x.delete(), params)
-            rows.append(row)
+                jax.tree.map(lambda x: x.delete(), p)
     return rows
