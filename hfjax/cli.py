@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from hfjax.compile_cache import enable_compilation_cache
+
 
 def _parse_mesh(text: str) -> dict[str, int]:
     mesh = {}
@@ -294,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    enable_compilation_cache()
     return args.run(args)
 
 
