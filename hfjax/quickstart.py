@@ -87,6 +87,12 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
     from hfjax.trainer.sft import SFTConfig, run_sft
 
     run_dir = Path(cfg.run_dir)
+    earlier = [part for part in ("sft", "rl") if (run_dir / part).is_dir() and any((run_dir / part).iterdir())]
+    if earlier:
+        raise ValueError(
+            f"run_dir: {run_dir} already holds a quickstart run ({' and '.join(earlier)}), which is never overwritten;"
+            " expected a new or empty directory: pass run_dir=ANOTHER_DIR or remove that one"
+        )
     started = time.perf_counter()
     task = AdditionTask(**cfg.task)
     files = write_addition_task(task, run_dir / "data")

@@ -43,6 +43,11 @@ def test_quickstart_smoke(tmp_path):
     for model_dir in (tmp_path / "base", tmp_path / "sft" / "hf"):
         model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         assert model.config.num_hidden_layers == 1
+    # a second run into the same directory stops before touching the first one
+    written = (tmp_path / "result.json").read_bytes()
+    with pytest.raises(ValueError, match=r"run_dir: .* already holds a quickstart run \(sft and rl\)"):
+        run_quickstart(cfg)
+    assert (tmp_path / "result.json").read_bytes() == written
 
 
 @pytest.mark.slow
