@@ -22,11 +22,11 @@ SETTING = "HFJAX_COMPILATION_CACHE"
 OFF_VALUES = frozenset({"", "0", "off", "false", "none"})
 MAX_BYTES = 4 << 30
 MIN_COMPILE_SECONDS = 0.5  # programs that compile faster are not worth a disk entry
-JAX_VARIABLES = (
-    "JAX_COMPILATION_CACHE_DIR",
-    "JAX_COMPILATION_CACHE_MAX_SIZE",
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-)
+LIMITS = {
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(MAX_BYTES),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(MIN_COMPILE_SECONDS),
+}
+JAX_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", *LIMITS)
 
 
 def cache_directory(environ: Mapping[str, str]) -> Path | None:
@@ -46,11 +46,7 @@ def cache_environment(environ: Mapping[str, str]) -> dict[str, str]:
     directory = cache_directory(environ)
     if directory is None:
         return {}
-    ours = {
-        "JAX_COMPILATION_CACHE_DIR": str(directory),
-        "JAX_COMPILATION_CACHE_MAX_SIZE": str(MAX_BYTES),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(MIN_COMPILE_SECONDS),
-    }
+    ours = {"JAX_COMPILATION_CACHE_DIR": str(directory), **LIMITS}
     return {name: environ.get(name, value) for name, value in ours.items()}
 
 

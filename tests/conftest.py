@@ -3,6 +3,8 @@
 import os
 import tempfile
 
+from hfjax.compile_cache import enable_compilation_cache
+
 # Deterministic GPU reductions, so that bitwise comparisons also hold where the tests run with JAX_PLATFORMS=cuda.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true"
@@ -14,9 +16,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tests build the same small programs many times (each worker, engine and trainer compiles its own): a persistent
 # compilation cache for the session turns repeats into cache hits, here and in Ray worker processes (which inherit
 # this environment).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="hfjax-test-xla-cache-"))
+os.environ.setdefault("HFJAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="hfjax-test-xla-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+enable_compilation_cache()  # the command line's cache settings, in a directory of this session's own
 
-import jax
+import jax  # noqa: E402 (after the environment above)
 
 jax.config.update("jax_default_matmul_precision", "highest")
