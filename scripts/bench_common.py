@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -42,8 +44,27 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")
+
+
+def machine() -> dict[str, Any]:
+    """The CPU a benchmark ran on (model name, cores, vector extensions): ratios against PyTorch move with it (on
+    AVX-512 machines XLA's matmul library gains more over PyTorch's fp32 path than on AVX2 ones)."""
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "vector": []}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return info
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    info["cpu"] = fields.get("model name", info["cpu"])
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    info["vector"] = [f for f in VECTOR_FLAGS if f in flags]
+    return info
+
+
 def report(title: str, columns: list[str], rows: list[list[Any]], out: Path, extra: dict[str, Any]) -> None:
-    """Prints a rich table and writes rows plus `extra` as JSON."""
+    """Prints a rich table and the machine, and writes rows, `extra` and the machine as JSON."""
     from rich.console import Console
     from rich.table import Table
 
@@ -53,7 +74,9 @@ def report(title: str, columns: list[str], rows: list[list[Any]], out: Path, ext
     for row in rows:
         table.add_row(*[f"{v:,.3f}" if isinstance(v, float) else str(v) for v in row])
     Console(width=160).print(table)
+    host = machine()
+    print(f"machine: {host['cpu']}, {host['cores']} cores, {' '.join(host['vector']) or 'no listed vector flags'}")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows_json = [dict(zip(columns, r, strict=True)) for r in rows]
-    out.write_text(json.dumps({"title": title, "rows": rows_json, **extra}, indent=2))
+    out.write_text(json.dumps({"title": title, "rows": rows_json, **extra, "machine": host}, indent=2))
     print(f"wrote {out}")

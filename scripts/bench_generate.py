@@ -1,10 +1,12 @@
 """Generation throughput of hfjax (`OfflineGenerator` over `JaxEngine`) vs transformers `generate` (PyTorch CPU) on
-the reference checkpoint, same process, and the decode step time against its memory floor.
+the reference checkpoint, same process, and the decode step time against its memory and compute floors.
 
 Workload (../shared/bench/README.md): 64 prompts (lengths 16..48, seed 0), 128 new tokens, temperature 1.0 (sampled,
-no top-k/top-p) and greedy; no stop tokens, so every sample has exactly 128 tokens. Floor of a decode step: the bytes it
-must read (every weight but the embedding table, plus the KV cache up to the current length) / the memory bandwidth
-measured here (a large numpy copy). Usage:
+no top-k/top-p) and greedy; no stop tokens, so every sample has exactly 128 tokens. Two floors of a decode step:
+memory, the bytes it must read (every weight but the embedding table, plus the KV cache up to the current length) /
+the memory bandwidth measured here (a large numpy copy); compute, its FLOPs (2 per weight and token, plus attention
+over the mean cache length) / the rate of a jitted fp32 matmul of the decode step's MLP shape, compiled as the engine
+compiles. The step's floor is the larger. Usage:
     python scripts/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json]
 """
 
@@ -32,6 +34,28 @@ def memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - start)
     return 2 * n_bytes / best
+
+
+def matmul_rate(rows: int, inner: int, outer: int, seconds: float = 1.0) -> float:
+    """FLOP/s of a jitted fp32 [rows, inner] x [outer, inner]^T product, compiled with the engine's forward options,
+    best over `seconds` of calls."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((rows, inner), np.float32))
+    w = jnp.asarray(rng.standard_normal((outer, inner), np.float32))
+    product = jax.jit(lambda a, b: a @ b.T).lower(x, w).compile(FORWARD_COMPILER_OPTIONS)
+    product(x, w).block_until_ready()
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        product(x, w).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * inner * outer / best
 
 
 def main() -> None:
@@ -111,7 +135,13 @@ def main() -> None:
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.hidden_size * 4
     mean_cache_len = float(np.mean(lengths)) + args.new_tokens / 2
     kv_bytes = 2 * cfg.num_layers * args.prompts * mean_cache_len * cfg.num_kv_heads * cfg.head_dim * 4
-    floor_step_s = (param_bytes + kv_bytes) / bandwidth
+    memory_floor_s = (param_bytes + kv_bytes) / bandwidth
+    step_flops = (
+        2 * args.prompts * (param_bytes / 4 + 2 * cfg.num_layers * mean_cache_len * cfg.num_heads * cfg.head_dim)
+    )
+    rate = matmul_rate(args.prompts, cfg.hidden_size, cfg.intermediate_size)
+    compute_floor_s = step_flops / rate
+    floor_step_s = max(memory_floor_s, compute_floor_s)
     generator.generate(prompts, sampled)
     decode_steps = generator.last_stats["decode_steps"]
     step_s = medians["hfjax sampled"] / decode_steps  # upper bound: includes prefill and host work
@@ -134,14 +164,19 @@ def main() -> None:
             "decode_steps": decode_steps,
             "step_ms_upper_bound": step_s * 1e3,
             "floor_step_ms": floor_step_s * 1e3,
+            "memory_floor_step_ms": memory_floor_s * 1e3,
+            "compute_floor_step_ms": compute_floor_s * 1e3,
+            "step_gflop": step_flops / 1e9,
+            "matmul_GFLOPps": rate / 1e9,
             "memory_bandwidth_GBps": bandwidth / 1e9,
             "bytes_per_step": param_bytes + kv_bytes,
         },
     )
     print(
         f"decode step: {step_s * 1e3:.2f} ms (whole run / steps, an upper bound) vs floor {floor_step_s * 1e3:.2f} ms "
-        f"({(param_bytes + kv_bytes) / 1e6:.1f} MB per step at {bandwidth / 1e9:.1f} GB/s): "
-        f"{step_s / floor_step_s:.1f}x; "
+        f"= max(memory {memory_floor_s * 1e3:.2f} ms: {(param_bytes + kv_bytes) / 1e6:.1f} MB at "
+        f"{bandwidth / 1e9:.1f} GB/s, compute {compute_floor_s * 1e3:.2f} ms: {step_flops / 1e9:.2f} GFLOP at "
+        f"{rate / 1e9:.0f} GFLOP/s): {step_s / floor_step_s:.1f}x; "
         f"first call with compiles {first_call_s:.1f} s; compiles {dict(engine.compiles)}"
     )
 

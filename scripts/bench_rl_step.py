@@ -4,7 +4,9 @@ outside model compute (controller work, dispatch, data movement, resharding).
 Workload (../shared/bench/README.md): 64 prompts x 4 samples, prompts up to 64 tokens, responses of 128 tokens
 (eos ignored, so the work is fixed), the shared digits reward of scripts/peers/reward.py, a reference model (GRPO:
 KL loss; PPO: a critic). Each algorithm runs `--steps` iterations; the table reports the last one (the first
-includes compiles). Model compute = time inside the workers' methods minus resharding; overhead = step - that.
+includes compiles); the JSON summaries (read by scripts/peers/compare_grpo.py) take, as the TRL peer does, the
+median step time and the tokens per second of the steps after the first. Model compute = time inside the
+workers' methods minus resharding; overhead = step - that.
 Usage:
     python scripts/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json]
 """
@@ -12,6 +14,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +34,7 @@ def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argp
             "ppo_mini_batch_size": args.prompts * 4,
             "micro_batch_size": args.micro_batch,
             "use_kl_loss": algorithm == "grpo",
-            "optim": {"lr": 1e-5},
+            "optim": {"lr": args.lr},
             "trim_padding": args.trim_padding,
         },
         "critic": {
@@ -60,6 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-5, help="actor learning rate (scripts/peers/trl_grpo.py --lr)")
     parser.add_argument(
         "--trim-padding",
         action=argparse.BooleanOptionalAction,
@@ -89,14 +93,24 @@ def main() -> None:
         tokens = last["perf/total_num_tokens"]
         stages = {s: last.get(f"timing_s/{s}", 0.0) for s in STAGES}
         rows.append([algorithm, step, *stages.values(), tokens / step, 100 * overhead])
+        steady = history[1:] or history  # as trl_grpo.py: the steps after the first (compiles), when there are any
+        steady_s = statistics.median(h["timing_s/step"] for h in steady)
+        steady_rate = sum(h["perf/total_num_tokens"] for h in steady) / sum(h["timing_s/step"] for h in steady)
         summaries[algorithm] = {
-            "seconds_per_step": step,
-            "tokens_per_s": tokens / step,
-            "response_tokens_per_s": args.prompts * 4 * 128 / step,
+            "seconds_per_step": steady_s,
+            "tokens_per_s": steady_rate,
+            "response_tokens_per_s": args.prompts * 4 * 128 / steady_s,
             "overhead_share": overhead,
             "first_step_s": history[0]["timing_s/step"],
             "metrics_jsonl": str(run_dir / algorithm / "metrics.jsonl"),
             "steps": args.steps,
+            "workload": {
+                "prompts": args.prompts,
+                "group": 4,
+                "max_prompt_tokens": 64,
+                "max_new_tokens": 128,
+                "lr": args.lr,
+            },
         }
     peak_gib = psutil.Process().memory_info().rss / 2**30
     with open("/proc/self/status") as f:
