@@ -55,8 +55,7 @@ def machine() -> dict[str, Any]:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return info
-    fields = dict(line.split(":", 1) for line in lines if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lines if ":" in line)}
     info["cpu"] = fields.get("model name", info["cpu"])
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
     info["vector"] = [f for f in VECTOR_FLAGS if f in flags]

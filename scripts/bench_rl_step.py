@@ -85,7 +85,8 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="hfjax-bench-rl-"))
     rows, summaries = [], {}
     for algorithm in args.algorithms.split(","):
-        history = run_rl(load_rl_config(config(ckpt, workload, run_dir, algorithm, args)))
+        run_config = config(ckpt, workload, run_dir, algorithm, args)
+        history = run_rl(load_rl_config(run_config))
         last = history[-1]
         step = last["timing_s/step"]
         compute = last.get("perf/worker_seconds", 0.0) - last.get("timing_s/reshard", 0.0)
@@ -93,23 +94,24 @@ def main() -> None:
         tokens = last["perf/total_num_tokens"]
         stages = {s: last.get(f"timing_s/{s}", 0.0) for s in STAGES}
         rows.append([algorithm, step, *stages.values(), tokens / step, 100 * overhead])
+        group, response_length = run_config["rollout"]["n"], run_config["rollout"]["response_length"]
         steady = history[1:] or history  # as trl_grpo.py: the steps after the first (compiles), when there are any
         steady_s = statistics.median(h["timing_s/step"] for h in steady)
         steady_rate = sum(h["perf/total_num_tokens"] for h in steady) / sum(h["timing_s/step"] for h in steady)
         summaries[algorithm] = {
             "seconds_per_step": steady_s,
             "tokens_per_s": steady_rate,
-            "response_tokens_per_s": args.prompts * 4 * 128 / steady_s,
+            "response_tokens_per_s": args.prompts * group * response_length / steady_s,
             "overhead_share": overhead,
             "first_step_s": history[0]["timing_s/step"],
             "metrics_jsonl": str(run_dir / algorithm / "metrics.jsonl"),
             "steps": args.steps,
             "workload": {
                 "prompts": args.prompts,
-                "group": 4,
-                "max_prompt_tokens": 64,
-                "max_new_tokens": 128,
-                "lr": args.lr,
+                "group": group,
+                "max_prompt_tokens": run_config["data"]["max_prompt_length"],
+                "max_new_tokens": response_length,
+                "lr": run_config["actor"]["optim"]["lr"],
             },
         }
     peak_gib = psutil.Process().memory_info().rss / 2**30
