@@ -7,7 +7,8 @@ receives M/t_g - M/(f*t) bytes for a model of M bytes, train layout fsdp f x ten
 the training buffers are deleted, so the peak is M/t_g per device; and `to_train` cuts every training shard out of the
 device's own generation shard (no cross-device traffic, enforced by a transfer guard). `naive` mode keeps the gen mesh
 in its given order and the training buffers alive during generation (HybridFlow-V/DS-Chat-style redundancy), so
-`to_train` is free but memory holds both copies. Imports `hfjax.parallel.layout` and `hfjax.parallel.shard_math`.
+`to_train` is free but memory holds both copies. Imports `hfjax.parallel.layout`, `shard_math`, `transfer` and
+`host_memory`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from hfjax.parallel.host_memory import keep_freed_host_memory
 from hfjax.parallel.layout import Layout, is_param_leaf
 from hfjax.parallel.shard_math import (
     TransitionAccount,
@@ -49,6 +51,8 @@ class HybridEngine:
 
     `abstract_params` carries shapes, dtypes and `logical_axes` metadata (an abstract or concrete tree).
     `to_gen` consumes its input in `zero_redundancy` mode (the buffers are deleted); keep using what it returns.
+    On CPU devices, `keep_host_memory` sets the process's malloc to keep freed memory (`keep_freed_host_memory`), so
+    that transitions reuse it; pass False to leave the allocator as it is.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class HybridEngine:
         mode: str = "zero_redundancy",
         offload_optimizer: bool = False,
         chunk_bytes: int = 64 * 2**20,
+        keep_host_memory: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"HybridEngine(mode={mode!r}): expected one of {MODES}")
@@ -100,6 +105,8 @@ class HybridEngine:
                 "optimizer state stays where it is during generation",
                 jax.default_backend(),
             )
+        platform = self.train_layout.mesh.devices.reshape(-1)[0].platform
+        self.keeps_host_memory = keep_host_memory and platform == "cpu" and keep_freed_host_memory()
         self.times = TransitionTimes()
         self._kept_train: Any = None
 
@@ -241,6 +248,7 @@ class HybridEngine:
             "gen_layout": self.gen_layout.describe(),
             "gen_device_order": list(self.gen_layout.device_ids or ()),
             "contained": acc.contained,
+            "keeps_host_memory": self.keeps_host_memory,
             "train_bytes_per_device": acc.max("train_bytes"),
             "gen_bytes_per_device": acc.max("gen_bytes"),
             "gen_bytes_total": sum(acc.gen_bytes.values()),

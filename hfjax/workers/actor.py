@@ -83,6 +83,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 self.policy.params,
                 mode=rollout.hybrid_engine,
                 offload_optimizer=rollout.offload_optimizer and self.state is not None,
+                keep_host_memory=rollout.keep_host_memory,
             )
             self.engine = JaxEngine(
                 self.policy.model,

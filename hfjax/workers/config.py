@@ -31,6 +31,7 @@ class RolloutConfig:
     gen_layout: dict[str, Any] | None = None
     hybrid_engine: Literal["zero_redundancy", "naive"] = "zero_redundancy"
     offload_optimizer: bool = False  # optimizer state in pinned host memory while generating (GPU/TPU)
+    keep_host_memory: bool = True  # CPU: malloc keeps freed memory, so train <-> gen transitions reuse it
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.response_length < 1 or self.slots < 1:

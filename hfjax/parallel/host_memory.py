@@ -1,0 +1,35 @@
+"""Host allocator policy for CPU devices: keep freed memory in the process, so that each train <-> gen transition
+writes its new buffers into memory the previous one freed instead of into memory the kernel must map (and, on a
+VM, the hypervisor back) page by page. Imports nothing from the rest of hfjax.
+
+glibc's malloc by default gives large blocks their own mappings and returns freed memory at the top of the heap to
+the kernel. Resharding on CPU frees and allocates the same few hundred MiB to GiB every transition; measured on a
+2-core VM, a zero-redundancy `to_gen` of a 207M-parameter model then took 285,000 page faults (1.1 GB) and about
+2.4x the time it takes once the memory is kept. The price: the process's resident size does not shrink below its
+high-water mark, which an RL loop reaches every iteration anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1  # mallopt parameters of glibc's malloc.h
+_M_MMAP_MAX = -4
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """Sets glibc's malloc (for the whole process, once) to serve every block from its heaps (`M_MMAP_MAX` = 0) and
+    never to trim them (`M_TRIM_THRESHOLD` = -1). Returns whether both settings took effect; False where the C
+    library is not glibc."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        log.info("keep_freed_host_memory: this C library has no mallopt; freed host memory may be returned")
+        return False
+    kept = bool(mallopt(_M_TRIM_THRESHOLD, -1)) and bool(mallopt(_M_MMAP_MAX, 0))
+    log.info("keep_freed_host_memory: freed host memory stays in the process (%s)", "set" if kept else "refused")
+    return kept
