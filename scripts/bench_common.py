@@ -44,6 +44,20 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def copy_times(nbytes: int, repeats: int) -> list[float]:
+    """Wall times of `repeats` numpy copies of `nbytes` into an already-touched buffer (memory bandwidth probes)."""
+    import numpy as np
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 VECTOR_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")
 
 

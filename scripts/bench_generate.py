@@ -19,21 +19,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import interleaved_medians, reference_checkpoint, report
+from bench_common import copy_times, interleaved_medians, reference_checkpoint, report
 
 
 def memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes/s moved (read + write) by a large numpy copy, best of `repeats`."""
-    import numpy as np
-
-    src = np.ones(n_bytes // 8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n_bytes / best
+    return 2 * n_bytes / min(copy_times(n_bytes, repeats))
 
 
 def matmul_rate(rows: int, inner: int, outer: int, seconds: float = 1.0) -> float:

@@ -16,14 +16,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import report
+from bench_common import copy_times, report
 
 from hfjax.cli import abstract_params_for
 from hfjax.parallel.layout_compare import compare_layouts
@@ -32,16 +30,8 @@ MIB = 2**20
 
 
 def memcpy_bandwidth(nbytes: int = 256 * MIB, repeats: int = 7) -> float:
-    """Bytes per second of one host memcpy into an already-touched buffer (numpy copyto)."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
-    dst[...] = 0
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times)
+    """Bytes per second of one host memcpy into an already-touched buffer (median of `repeats`)."""
+    return nbytes / statistics.median(copy_times(nbytes, repeats))
 
 
 def main() -> None:
