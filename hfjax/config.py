@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from hfjax.parallel.host_local import check_per_host_generation
+from hfjax.parallel.layout import Layout
 from hfjax.typed_config import load_config
 from hfjax.workers.config import ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 
@@ -73,7 +75,10 @@ class TrainerConfig:
     placement: Literal["colocate", "split", "standalone"] = "colocate"
     backend: Literal["ray", "local"] = "ray"
     device: Literal["cpu", "gpu", "tpu"] = "cpu"
-    devices: int = 8
+    hosts: int = 1
+    devices_per_host: int = 8
+    devices: int | None = None  # replaced by devices_per_host (and hosts); set, it is an error that says so
+    ray_address: str | None = None
     save_freq: int = 0
     test_freq: int = 0
     val_before_train: bool = False
@@ -83,8 +88,36 @@ class TrainerConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.total_steps < 1 or self.devices < 1:
-            raise ValueError("total_steps and devices must be >= 1")
+        if self.devices is not None:
+            raise ValueError(
+                f"trainer.devices={self.devices}: this key was replaced by trainer.devices_per_host (the devices of "
+                "each host) and trainer.hosts (how many hosts, default 1); write "
+                f"trainer.devices_per_host={self.devices} for the old meaning on one host"
+            )
+        for name in ("total_steps", "hosts", "devices_per_host"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.backend == "local" and self.hosts > 1:
+            raise ValueError(
+                f"trainer.hosts={self.hosts}: several hosts need trainer.backend=ray (local is one process)"
+            )
+
+    def group_hosts(self, groups: int) -> tuple[int, int]:
+        """(hosts, devices per host) of each of `groups` worker groups: whole hosts when there are several hosts,
+        a share of the one host's devices otherwise."""
+        if self.hosts == 1:
+            if self.devices_per_host < groups:
+                raise ValueError(
+                    f"trainer.devices_per_host={self.devices_per_host} cannot give each of the {groups} worker groups "
+                    f"of placement {self.placement!r} a device"
+                )
+            return 1, self.devices_per_host // groups
+        if self.hosts % groups:
+            raise ValueError(
+                f"trainer.hosts={self.hosts}: placement {self.placement!r} has {groups} worker groups, each on whole "
+                f"hosts; trainer.hosts must be a multiple of {groups}"
+            )
+        return self.hosts // groups, self.devices_per_host
 
 
 @dataclasses.dataclass
@@ -115,6 +148,70 @@ class RLConfig:
             raise ValueError(
                 f"algorithm.name={self.algorithm.name} compares samples of a prompt: rollout.n must be >= 2"
             )
+
+        self._check_layouts()
+
+    def role_names(self) -> list[str]:
+        """The roles this run needs, in start-up order."""
+        names = ["actor"]
+        names += ["critic"] if self.uses_critic else []
+        names += ["reward_model"] if self.reward.reward_model.enabled else []
+        names += ["cost_model", "cost_critic"] if self.algorithm.name == "safe_rlhf" else []
+        return names
+
+    def worker_groups(self) -> list[list[str]]:
+        """The role names of each worker group of `trainer.placement`."""
+        roles, placement = self.role_names(), self.trainer.placement
+        if placement == "colocate" or len(roles) == 1:
+            return [roles]
+        if placement == "split":
+            return [["actor"], roles[1:]]
+        return [[name] for name in roles]
+
+    def _check_layouts(self) -> None:
+        """Every configured layout has the devices of its role's group; generation over several hosts keeps each
+        data-parallel replica inside one host."""
+        groups = self.worker_groups()
+        hosts, per_host = self.trainer.group_hosts(len(groups))
+        devices = hosts * per_host
+        layouts = {
+            "actor.train_layout": ("actor", self.actor.train_layout),
+            "rollout.gen_layout": ("actor", self.rollout.gen_layout),
+            "critic.layout": ("critic", self.critic.layout),
+            "reward.reward_model.layout": ("reward_model", self.reward.reward_model.layout),
+            "reward.cost_model.layout": ("cost_model", self.reward.cost_model.layout),
+        }
+        roles = {name for group in groups for name in group}
+        shape = f"{hosts} host(s) x {per_host} devices" if hosts > 1 else f"{per_host} devices"
+        for key, (role, config) in layouts.items():
+            if config is None or role not in roles:
+                continue
+            layout = Layout.from_config(config, key)
+            if layout.size != devices:
+                raise ValueError(
+                    f"{key}: {layout.describe()} has {layout.size} devices, but the {role} group has {shape} "
+                    f"(trainer.hosts={self.trainer.hosts}, trainer.devices_per_host={self.trainer.devices_per_host}, "
+                    f"placement {self.trainer.placement!r})"
+                )
+            if key == "rollout.gen_layout" and hosts > 1:
+                check_per_host_generation(layout, hosts, key)
+        sizes = {
+            "actor.micro_batch_size": self.actor.micro_batch_size,
+            "actor.ppo_mini_batch_size": self.actor.ppo_mini_batch_size,
+        }
+        if self.uses_critic:
+            sizes.update(
+                {
+                    "critic.micro_batch_size": self.critic.micro_batch_size,
+                    "critic.ppo_mini_batch_size": self.critic.ppo_mini_batch_size,
+                }
+            )
+        for key, rows in sizes.items():
+            if hosts > 1 and rows % hosts:
+                raise ValueError(
+                    f"{key}={rows}: its group has {hosts} hosts, each taking an equal share of every batch; use a "
+                    f"multiple of {hosts}"
+                )
 
     @property
     def uses_critic(self) -> bool:

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 METRICS_KEY = "metrics"
+ROW_OFFSET = "dp_row_offset"  # meta_info of a DP chunk: the index of its first row in the whole batch
+PADDING_ROWS = "dp_padding_rows"  # meta_info of a DP chunk: how many of its last rows are padding
 
 
 def _values_equal(a: Any, b: Any) -> bool:
@@ -255,6 +257,8 @@ def _merge_meta_info(infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
     metrics: dict[str, list[Any]] = {}
     for i, info in enumerate(infos):
         for k, v in info.items():
+            if k in (ROW_OFFSET, PADDING_ROWS):  # where a chunk sat in its batch: meaningless once joined
+                continue
             if k == METRICS_KEY:
                 for name, value in v.items():
                     metrics.setdefault(name, []).extend(value if isinstance(value, list) else [value])
@@ -279,6 +283,33 @@ def pad_to_divisor(data: DataProto, divisor: int) -> tuple[DataProto, int]:
         return data, 0
     index = np.concatenate([np.arange(len(data)), np.arange(pad_size) % len(data)])
     return data._rows(index), pad_size
+
+
+def placed_chunks(padded: DataProto, chunks: int, pad_size: int) -> list[DataProto]:
+    """`padded.chunk(chunks)`, each chunk's meta_info telling its `ROW_OFFSET` in the batch and how many of its last
+    rows are padding (`PADDING_ROWS`; the batch's last `pad_size` rows are)."""
+    size = len(padded) // chunks
+    real = len(padded) - pad_size
+    out = []
+    for r, part in enumerate(padded.chunk(chunks)):
+        padding = min(size, max(0, (r + 1) * size - real))
+        meta = {**part.meta_info, ROW_OFFSET: r * size, PADDING_ROWS: padding}
+        out.append(DataProto(part.batch, part.non_tensor_batch, meta))
+    return out
+
+
+def unpad_outputs(data: DataProto, padding: int | tuple[int, int]) -> DataProto:
+    """Drops the rows that padding produced: `padding` is `(pad_rows, padded_rows)` of the padded input, whose last
+    `pad_rows` rows were padding (each input row gave `len(data) / padded_rows` output rows, e.g. n samples of a
+    prompt), or a plain count of trailing output rows."""
+    if isinstance(padding, tuple):
+        pad_rows, padded_rows = padding
+        if len(data) % padded_rows:
+            raise ValueError(
+                f"unpad_outputs: {len(data)} output rows are not a whole number per input row ({padded_rows} rows)"
+            )
+        padding = pad_rows * (len(data) // padded_rows)
+    return unpad(data, padding)
 
 
 def unpad(data: DataProto, pad_size: int) -> DataProto:

@@ -51,16 +51,17 @@ def test_gsm8k_configs_cover_algorithms_and_hardware():
 def test_gsm8k_config_validates(path):
     cfg = load_rl_config(path)
     params = nnx.state(abstract_model(named_config(_shape_name(path)), "causal_lm", "bfloat16"), nnx.Param)
-    groups = 2 if cfg.trainer.placement == "split" else 1
-    actor_devices = cfg.trainer.devices // groups
-    _check_layout(cfg.actor.train_layout, actor_devices, params, f"{path.name}: actor.train_layout")
-    _check_layout(cfg.rollout.gen_layout, actor_devices, params, f"{path.name}: rollout.gen_layout")
+    groups = len(cfg.worker_groups())
+    hosts, per_host = cfg.trainer.group_hosts(groups)
+    devices = hosts * per_host  # each group's, the actor's and the critic's alike
+    assert devices * groups <= cfg.trainer.hosts * cfg.trainer.devices_per_host
+    _check_layout(cfg.actor.train_layout, devices, params, f"{path.name}: actor.train_layout")
+    _check_layout(cfg.rollout.gen_layout, devices, params, f"{path.name}: rollout.gen_layout")
     if cfg.uses_critic:
-        critic_devices = cfg.trainer.devices - actor_devices if groups == 2 else cfg.trainer.devices
-        _check_layout(cfg.critic.layout, critic_devices, params, f"{path.name}: critic.layout")
+        _check_layout(cfg.critic.layout, devices, params, f"{path.name}: critic.layout")
     samples = cfg.data.train_batch_size * cfg.rollout.n
     assert samples % cfg.actor.ppo_mini_batch_size == 0
-    assert math.prod(cfg.actor.train_layout["mesh"].values()) == actor_devices
+    assert math.prod(cfg.actor.train_layout["mesh"].values()) == devices
 
 
 def test_other_shipped_configs_load():

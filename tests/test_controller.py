@@ -31,7 +31,7 @@ from hfjax.controller import (
     to_local,
 )
 from hfjax.controller.dispatch import dispatch_mode
-from hfjax.protocol import DataProto
+from hfjax.protocol import PADDING_ROWS, ROW_OFFSET, DataProto, unpad_outputs
 
 pytest_plugins = ["ray_cluster"]  # the session-scoped `ray_cluster` fixture
 
@@ -168,15 +168,23 @@ def test_dp_dispatch_pads_chunks_and_unpads(world_size):
         data, extra = batch(n, seed=n), batch(n, seed=100 + n)
         out = mode.dispatch(world_size, (data,), {"extra": extra})
         size = -(-n // world_size)
-        assert out.pad_size == size * world_size - n
+        pad = size * world_size - n
+        assert out.pad_size == ((pad, size * world_size) if pad else 0)
         for r in range(world_size):
             expected_rows = [i % n for i in range(r * size, (r + 1) * size)]
             assert np.array_equal(out.args[r][0].batch["x"], data.batch["x"][expected_rows])
             assert np.array_equal(out.kwargs[r]["extra"].batch["x"], extra.batch["x"][expected_rows])
-        if out.pad_size == 0:  # no padding needed: the chunks are views, the controller copies nothing
+            meta = out.args[r][0].meta_info
+            padding_rows = sum(1 for i in range(r * size, (r + 1) * size) if i >= n)
+            assert (meta[ROW_OFFSET], meta[PADDING_ROWS]) == (r * size, padding_rows)
+        if pad == 0:  # no padding needed: the chunks are views, the controller copies nothing
             assert all(np.shares_memory(a[0].batch["x"], data.batch["x"]) for a in out.args)
         collected = mode.collect_fn([a[0] for a in out.args])
-        assert np.array_equal(collected.batch["x"][:n], data.batch["x"])
+        assert np.array_equal(unpad_outputs(collected, out.pad_size).batch["x"], data.batch["x"])
+        assert ROW_OFFSET not in collected.meta_info
+        # a method giving 3 rows per input row (rollout.n = 3): the padding rows' outputs go, all of them
+        tripled = mode.collect_fn([a[0].repeat(3) for a in out.args])
+        assert np.array_equal(unpad_outputs(tripled, out.pad_size).batch["x"], data.repeat(3).batch["x"])
 
 
 def test_dispatch_errors():

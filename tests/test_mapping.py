@@ -35,7 +35,14 @@ from hfjax.mapping.cluster import GIB
 from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stage_seconds
 from hfjax.mapping.dataflow import STAGES, model_shape
 from hfjax.mapping.search import allocations, device_counts, train_sizes
-from hfjax.mapping.trainer_runs import trainer_groups
+from hfjax.mapping.trainer_runs import (
+    group_hosts,
+    host_gen_sizes,
+    run_config,
+    trainer_candidates,
+    trainer_groups,
+    trainer_placement,
+)
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.parallel import HybridEngine, Layout, LayoutError
@@ -441,14 +448,61 @@ def test_cpu_calibration_measures_the_local_devices():
 
 
 def test_trainer_groups_follow_the_trainer_placements():
-    """Reference with the actor, the rest split or standalone with the devices divided evenly."""
+    """Reference with the actor, the rest split or standalone: the one host's devices divided evenly, or whole hosts
+    per group on several hosts (placements whose groups do not divide the hosts are not run)."""
     roles = ("actor", "ref", "critic", "reward")
-    assert trainer_groups(roles, 8, "colocate") == ((roles, 8),)
-    assert trainer_groups(roles, 8, "split") == ((("actor", "ref"), 4), (("critic", "reward"), 4))
-    assert trainer_groups(roles, 8, "standalone") == ((("actor", "ref"), 2), (("critic",), 2), (("reward",), 2))
-    assert trainer_groups(("actor", "ref"), 8, "split") == ((("actor", "ref"), 8),)
+    assert trainer_groups(roles, 1, 8, "colocate") == ((roles, 8),)
+    assert trainer_groups(roles, 1, 8, "split") == ((("actor", "ref"), 4), (("critic", "reward"), 4))
+    assert trainer_groups(roles, 1, 8, "standalone") == ((("actor", "ref"), 2), (("critic",), 2), (("reward",), 2))
+    assert trainer_groups(("actor", "ref"), 1, 8, "split") == ((("actor", "ref"), 8),)
+    assert trainer_groups(roles, 2, 4, "colocate") == ((roles, 8),)
+    assert trainer_groups(roles, 2, 4, "split") == ((("actor", "ref"), 4), (("critic", "reward"), 4))
+    assert trainer_groups(roles, 2, 4, "standalone") is None  # 3 groups on 2 hosts
+    assert trainer_groups(roles, 6, 4, "standalone") == ((("actor", "ref"), 8), (("critic",), 8), (("reward",), 8))
+    assert trainer_groups(roles, 1, 2, "standalone") is None  # 3 groups on 2 devices
     with pytest.raises(ValueError, match=r"trainer\.placement"):
-        trainer_groups(roles, 8, "spread")
+        trainer_groups(roles, 1, 8, "spread")
+
+
+def test_group_hosts_match_the_trainer_config():
+    from hfjax.config import TrainerConfig
+
+    for hosts, per_host, groups in itertools.product((1, 2, 3, 4, 6), (1, 2, 4, 8), (1, 2, 3, 5)):
+        trainer = TrainerConfig(hosts=hosts, devices_per_host=per_host)
+        try:
+            expected = trainer.group_hosts(groups)
+        except ValueError:
+            expected = None
+        assert group_hosts(hosts, per_host, groups) == expected, (hosts, per_host, groups)
+
+
+def test_generation_layouts_keep_a_replica_on_one_host():
+    """Several hosts run one generation loop each: data a multiple of the hosts, tensor within a host."""
+    assert host_gen_sizes(1, 8, 8) == Sizes(1, 1, 8)
+    assert host_gen_sizes(2, 4, 4) == Sizes(2, 1, 4)
+    assert host_gen_sizes(2, 4, 8) is None  # a tensor-parallel replica over both hosts
+    assert host_gen_sizes(4, 6, 4) is None  # 24 / 4 = 6 replicas: a replica straddles two hosts
+    assert host_gen_sizes(4, 6, 2) == Sizes(12, 1, 2)
+    assert host_gen_sizes(1, 6, 4) is None  # does not divide
+
+
+def test_trainer_candidates_on_several_hosts_run_one_generation_loop_per_host():
+    """PPO's tiny models on 2 hosts x 4 devices: every candidate has whole hosts per group and, on the colocated
+    group of both hosts, generation replicas inside a host, even where the training layout spans the hosts."""
+    flow = dataflow("ppo")
+    wide = dataclasses.replace(TINY, num_heads=8, num_kv_heads=8, head_dim=8)  # tensor-parallel 8 ways
+    shapes = role_shapes(flow, dict.fromkeys(PPO_ROLES, wide))
+    cluster = ClusterSpec.builtin("h100", 2, 4)
+    workload = Workload(global_batch_prompts=16, prompt_len=32, response_len=32)
+    candidates = trainer_candidates(CostModel(cluster, flow, workload), shapes)
+    placements = {trainer_placement(c.mapping.groups, cluster) for c in candidates}
+    assert placements == {"colocate", "split"}  # standalone: 3 groups on 2 hosts
+    assert any(c.mapping.layouts["actor"].tensor == 8 for c in candidates)
+    for c in candidates:
+        hosts = 2 if len(c.mapping.groups) == 1 else 1
+        gen = c.mapping.gen_layout
+        assert all(n == 4 * hosts for _, n in c.mapping.groups)
+        assert gen.size == 4 * hosts and gen.data % hosts == 0 and 4 % gen.tensor == 0
 
 
 @pytest.mark.ray
@@ -475,11 +529,46 @@ def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
         k: v for k, v in run.items() if k not in ("actor", "rollout", "critic", "trainer")
     }
     cfg = load_rl_config(mapped)
-    assert cfg.trainer.placement in ("colocate", "split", "standalone") and cfg.trainer.devices == 8
+    assert cfg.trainer.placement in ("colocate", "split", "standalone")
+    assert (cfg.trainer.hosts, cfg.trainer.devices_per_host) == (1, 8)
     assert cfg.actor.train_layout and cfg.rollout.gen_layout and cfg.critic.layout
     assert "placements hfjax train runs" in capsys.readouterr().out
     history = run_rl(cfg)
     assert len(history) == 1 and all(np.isfinite(v) for v in history[0].values())
+
+
+def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
+    """`hfjax automap` of a PPO run on 2 CPU hosts x 4 devices: the written config names the hosts (not the old
+    `trainer.devices`, which the input had), and it and the 2-group mapping (a host each) pass the run config's
+    layout checks."""
+    from rl_setup import build_run_inputs, rl_config
+
+    from hfjax.cli import main
+    from hfjax.config import load_rl_config
+    from hfjax.trainer.automap_run import run_models, run_workload
+
+    inputs = build_run_inputs(tmp_path / "inputs")
+    run = rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1, "devices": 8})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 2, "devices_per_host": 4, "profile": "cpu"}))
+    args = ["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")]
+    assert main([*args, "--out", str(tmp_path / "mapped.yaml")]) == 0
+    mapped = yaml.safe_load((tmp_path / "mapped.yaml").read_text())
+    assert "devices" not in mapped["trainer"]
+    cfg = load_rl_config(mapped)
+    assert (cfg.trainer.hosts, cfg.trainer.devices_per_host, cfg.trainer.backend) == (2, 4, "ray")
+
+    cluster = ClusterSpec.from_yaml(tmp_path / "cluster.yaml")
+    flow = dataflow("ppo")
+    model = CostModel(cluster, flow, run_workload(cfg))
+    candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
+    split = next(c for c in candidates if len(c.mapping.groups) == 2)
+    cfg = load_rl_config(run_config(split, run, cluster))
+    assert cfg.trainer.placement == "split" and cfg.trainer.group_hosts(len(cfg.worker_groups())) == (1, 4)
+    for layout in (cfg.actor.train_layout, cfg.rollout.gen_layout, cfg.critic.layout):
+        assert Layout.from_config(layout).size == 4
+    with pytest.raises(ValueError, match="cannot run the placement"):
+        run_config(split, run, dataclasses.replace(cluster, hosts=1, devices_per_host=4))
 
 
 def test_automap_rejects_a_bad_run_config(tmp_path):

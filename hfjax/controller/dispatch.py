@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from hfjax.controller.future import DataProtoFuture
-from hfjax.protocol import DataProto, pad_to_divisor
+from hfjax.protocol import DataProto, pad_to_divisor, placed_chunks
 
 
 class Dispatch(enum.StrEnum):
@@ -23,6 +23,7 @@ class Dispatch(enum.StrEnum):
     ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments; result: list of outputs
     ALL_TO_ALL = "all_to_all"  # each argument is a list with one value per rank; result: list of outputs
     DP_COMPUTE_PROTO = "dp_compute_proto"  # DataProto args padded, chunked by rank; outputs concatenated, unpadded
+    # (each chunk's meta_info names its first row's index in the batch and its padding rows: ROW_OFFSET, PADDING_ROWS)
     DP_COMPUTE_PROTO_WITH_FUNC = "dp_compute_proto_with_func"  # first arg is a function sent to all ranks
     RANK_ZERO = "rank_zero"  # only rank 0 runs; result: its output
 
@@ -117,7 +118,8 @@ def _all_to_all(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def _split_rows(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dispatched:
-    """Pads every DataProto argument to a multiple of world_size and gives rank r its r-th chunk."""
+    """Pads every DataProto argument to a multiple of world_size and gives rank r its r-th chunk (`placed_chunks`);
+    the padding to drop from the outputs is `(pad_rows, padded_rows)` (see `unpad_outputs`)."""
     named = {**{f"argument {i}": a for i, a in enumerate(args)}, **{f"argument {k!r}": v for k, v in kwargs.items()}}
     lengths = {}
     for where, value in named.items():
@@ -136,8 +138,8 @@ def _split_rows(world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     for where, value in named.items():
         if isinstance(value, DataProto):
             padded, pad_size = pad_to_divisor(value, world_size)
-            chunked[where] = padded.chunk(world_size)
-            known_pads.append(pad_size)
+            chunked[where] = placed_chunks(padded, world_size, pad_size)
+            known_pads.append((pad_size, len(padded)) if pad_size else 0)
         else:
             chunked[where], pad_size = value.chunks(world_size)
             future_pads.append(pad_size)

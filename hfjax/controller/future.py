@@ -14,20 +14,20 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from hfjax.protocol import DataProto, pad_to_divisor, unpad
+from hfjax.protocol import DataProto, pad_to_divisor, placed_chunks, unpad_outputs
 
 
-def _merge(collect: Callable[[list[Any]], Any], pad_size: int, *parts: Any) -> Any:
+def _merge(collect: Callable[[list[Any]], Any], padding: Any, *parts: Any) -> Any:
     out = collect(list(parts))
-    return unpad(out, pad_size) if pad_size else out
+    return unpad_outputs(out, padding) if padding else out
 
 
-def _rechunk(collect: Callable[[list[Any]], Any], pad_size: int, chunks: int, *parts: Any) -> tuple[Any, ...]:
-    data = _merge(collect, pad_size, *parts)
+def _rechunk(collect: Callable[[list[Any]], Any], padding: Any, chunks: int, *parts: Any) -> tuple[Any, ...]:
+    data = _merge(collect, padding, *parts)
     if not isinstance(data, DataProto):
         raise TypeError(f"cannot split a {type(data).__name__} into {chunks} row chunks: expected a DataProto")
     padded, new_pad = pad_to_divisor(data, chunks)
-    return (*padded.chunk(chunks), new_pad)
+    return (*placed_chunks(padded, chunks, new_pad), (new_pad, len(padded)))
 
 
 @functools.cache
@@ -42,8 +42,9 @@ class DataProtoFuture:
     """Pending outputs of one group call: `get()` fetches, collects and unpads them.
 
     `parts`: one per executing rank (ObjectRefs when `on_ray`, else values). `collect`: merges the fetched parts.
-    `pad_size`: rows to drop after collecting (an int, or an ObjectRef to one when it was computed in the
-    cluster). `row_chunks`: the parts are consecutive row chunks of one DataProto (the DP dispatch modes).
+    `pad_size`: the padding to drop after collecting (see `unpad_outputs`: `(pad_rows, padded_rows)` of the input
+    or a row count; an ObjectRef to one when it was computed in the cluster). `row_chunks`: the parts are
+    consecutive row chunks of one DataProto (the DP dispatch modes).
     `fetch`: turns parts into values, raising the failing rank's error.
     """
 
@@ -62,15 +63,17 @@ class DataProtoFuture:
             import ray
 
             pad_size = ray.get(pad_size)
-        return unpad(out, pad_size) if pad_size else out
+        return unpad_outputs(out, pad_size) if pad_size else out
 
     def chunks(self, chunks: int) -> tuple[list[Any], Any]:
-        """`chunks` row chunks of the result, padded to equal size, and the pad size; as refs when on Ray."""
-        if self.row_chunks and len(self.parts) == chunks:
+        """`chunks` row chunks of the result, padded to equal size, and the padding; as refs when on Ray. The
+        parts go on as they are only to a single rank: several ranks need chunks that know their place
+        (`placed_chunks`)."""
+        if self.row_chunks and len(self.parts) == chunks == 1:
             return list(self.parts), self.pad_size
         if not self.on_ray:
             padded, pad_size = pad_to_divisor(self.get(), chunks)
-            return padded.chunk(chunks), pad_size
+            return placed_chunks(padded, chunks, pad_size), (pad_size, len(padded))
         refs = (
             _ray_task(_rechunk).options(num_returns=chunks + 1).remote(self.collect, self.pad_size, chunks, *self.parts)
         )

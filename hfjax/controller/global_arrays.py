@@ -2,7 +2,8 @@
 
 With one process per host, each process holds the chunk of the batch its group call received; `to_global` builds
 the global arrays (`jax.make_array_from_process_local_data`, no cross-process traffic) and `to_local` copies this
-process's block of each global array back to numpy. Imports jax and numpy only.
+process's block of each global array back to numpy; `process_reduce` sums or maxes small host values over the
+group's processes (loss normalisers, agreed micro-batch widths). Imports jax and numpy only.
 """
 
 from __future__ import annotations
@@ -49,3 +50,15 @@ def _process_block(array: jax.Array) -> np.ndarray:
 def to_local(tree: Any) -> Any:
     """This process's block of every global array in `tree`, as numpy (the inverse of `to_global`)."""
     return jax.tree.map(_process_block, tree)
+
+
+def process_reduce(values: Any, op: str) -> np.ndarray:
+    """`values` (numbers, the same shape in every process of the group) reduced over the processes with `op`
+    (`sum` or `max`); the values themselves with one process. A small collective: every process must call it."""
+    values = np.asarray(values)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    gathered = np.asarray(multihost_utils.process_allgather(values))
+    return gathered.sum(axis=0) if op == "sum" else gathered.max(axis=0)

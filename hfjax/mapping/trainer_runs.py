@@ -1,14 +1,17 @@
 """The mappings `hfjax train` runs, and the run config each one becomes.
 
-The trainer places its worker groups one of three ways (`trainer.placement`): `colocate` (every role in one group
-on all devices), `split` (the actor on half the devices, every other role on the other half) or `standalone`
-(each role its own group, the devices divided evenly). The reference policy lives in the actor's worker with the
-actor's training layout, and the cost critic shares the critic's settings (`critic.layout`). `trainer_candidates`
-enumerates exactly those mappings (every actor training x generation layout; for the other roles, their own fastest
-layouts on their group) and predicts each with the cost model; `run_config` writes the chosen one into a run config
-(`trainer.placement`, `trainer.devices`, `actor.train_layout`, `rollout.gen_layout`, `critic.layout`,
-`reward.{reward_model,cost_model}.layout`; `trainer.backend: ray` for separate groups).
-Imports `hfjax.parallel` and `hfjax.mapping.{cost,dataflow,search}`.
+The trainer places its worker groups one of three ways (`trainer.placement`): `colocate` (every role in one group),
+`split` (the actor in one group, every other role in another) or `standalone` (each role its own group). On one
+host the groups share its devices evenly; on several hosts each group gets whole hosts (`trainer.hosts` a multiple
+of the group count) with all their devices, as `TrainerConfig.group_hosts` gives them. Generation on a group of
+several hosts runs one loop per host, so its layout's data-parallel replicas must each lie inside a host
+(`hfjax.parallel.host_local`). The reference policy lives in the actor's worker with the actor's training layout,
+and the cost critic shares the critic's settings (`critic.layout`). `trainer_candidates` enumerates exactly those
+mappings (every actor training x generation layout; for the other roles, their own fastest layouts on their group)
+and predicts each with the cost model; `run_config` writes the chosen one into a run config (`trainer.placement`,
+`trainer.hosts`, `trainer.devices_per_host`, `actor.train_layout`, `rollout.gen_layout`, `critic.layout`,
+`reward.{reward_model,cost_model}.layout`; `trainer.backend: ray` for separate groups or several hosts).
+Imports `hfjax.parallel` and `hfjax.mapping.{cluster,cost,dataflow,search}`.
 """
 
 from __future__ import annotations
@@ -17,9 +20,20 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, CostModel, DeviceMapping, InfeasibleError, Sizes, gen_sizes
+from hfjax.mapping.cluster import ClusterSpec
+from hfjax.mapping.cost import (
+    GEN_RULES,
+    TRAIN_RULES,
+    CostModel,
+    DeviceMapping,
+    InfeasibleError,
+    Sizes,
+    gen_sizes,
+    layout_of,
+)
 from hfjax.mapping.dataflow import ModelShape
 from hfjax.mapping.search import Candidate, train_sizes
+from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import LayoutError
 
 PLACEMENTS = ("colocate", "split", "standalone")
@@ -29,21 +43,57 @@ LAYOUT_KEYS = {
     "reward": ("reward", "reward_model", "layout"),
     "cost": ("reward", "cost_model", "layout"),
 }
+TRAINER_KEYS = ("placement", "hosts", "devices_per_host", "devices")  # `devices`: replaced by the two before it
+MAPPED_KEYS = (
+    *(("trainer", key) for key in TRAINER_KEYS),
+    ("actor", "train_layout"),
+    ("rollout", "gen_layout"),
+    *LAYOUT_KEYS.values(),
+)
+Groups = tuple[tuple[tuple[str, ...], int], ...]
 
 
-def trainer_groups(roles: tuple[str, ...], devices: int, placement: str) -> tuple[tuple[tuple[str, ...], int], ...]:
-    """The worker groups (roles, devices each) of `placement` for `roles` on `devices` devices."""
+def group_hosts(hosts: int, devices_per_host: int, groups: int) -> tuple[int, int] | None:
+    """(hosts, devices per host) of each of `groups` worker groups, as `TrainerConfig.group_hosts` gives them: a
+    share of the one host's devices, or whole hosts each; None where the trainer cannot place that many groups."""
+    if hosts == 1:
+        return (1, devices_per_host // groups) if devices_per_host >= groups else None
+    return None if hosts % groups else (hosts // groups, devices_per_host)
+
+
+def placement_roles(roles: tuple[str, ...], placement: str) -> tuple[tuple[str, ...], ...]:
+    """The roles of each worker group of `placement` (the reference policy with the actor)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"trainer.placement: expected one of {PLACEMENTS}, got {placement!r}")
     workers = [r for r in roles if r != "ref"]
     ref = ("ref",) if "ref" in roles else ()
     if placement == "colocate" or len(workers) == 1:
-        groups = [tuple(roles)]
-    elif placement == "split":
-        groups = [("actor", *ref), tuple(r for r in workers if r != "actor")]
-    else:
-        groups = [(r, *ref) if r == "actor" else (r,) for r in workers]
-    return tuple((g, devices // len(groups)) for g in groups)
+        return (tuple(roles),)
+    if placement == "split":
+        return (("actor", *ref), tuple(r for r in workers if r != "actor"))
+    return tuple((r, *ref) if r == "actor" else (r,) for r in workers)
+
+
+def trainer_groups(roles: tuple[str, ...], hosts: int, devices_per_host: int, placement: str) -> Groups | None:
+    """The worker groups (roles, devices each) of `placement` for `roles` on `hosts` x `devices_per_host`
+    devices, or None where the trainer cannot run that placement there."""
+    names = placement_roles(roles, placement)
+    shape = group_hosts(hosts, devices_per_host, len(names))
+    return None if shape is None else tuple((g, shape[0] * shape[1]) for g in names)
+
+
+def host_gen_sizes(hosts: int, devices_per_host: int, tensor: int) -> Sizes | None:
+    """The generation layout of `tensor`-way replicas on a group of `hosts` x `devices_per_host` devices, or None
+    where it does not divide or (several hosts: one generation loop each) a replica would span hosts."""
+    devices = hosts * devices_per_host
+    if devices % tensor:
+        return None
+    sizes = gen_sizes(devices, tensor)
+    try:
+        check_per_host_generation(layout_of(sizes, GEN_RULES), hosts)  # data a multiple of hosts: t divides a host
+    except LayoutError:
+        return None
+    return sizes
 
 
 def _fastest_layouts(model: CostModel, role: str, shape: ModelShape, devices: int) -> list[Sizes]:
@@ -57,15 +107,18 @@ def _fastest_layouts(model: CostModel, role: str, shape: ModelShape, devices: in
     return [sizes for _, sizes in sorted(timed)]
 
 
-def trainer_candidates(model: CostModel, shapes: Mapping[str, ModelShape], devices: int) -> list[Candidate]:
-    """Every mapping the trainer runs for the roles of `shapes` on `devices` devices that fits, fastest first."""
+def trainer_candidates(model: CostModel, shapes: Mapping[str, ModelShape]) -> list[Candidate]:
+    """Every mapping the trainer runs for the roles of `shapes` on the model's cluster that fits, fastest first."""
     roles = tuple(r for r in model.flow.roles if r in shapes)
+    hosts, per_host = model.cluster.hosts, model.cluster.devices_per_host
     seen, out = set(), []
     for placement in PLACEMENTS:
-        groups = trainer_groups(roles, devices, placement)
-        if groups in seen or any(n < 1 for _, n in groups):
+        names = placement_roles(roles, placement)
+        shape = group_hosts(hosts, per_host, len(names))
+        if shape is None or names in seen:
             continue
-        seen.add(groups)
+        seen.add(names)
+        groups = tuple((g, shape[0] * shape[1]) for g in names)
         group_devices = {r: n for g, n in groups for r in g}
         others = {
             r: _fastest_layouts(model, r, shapes[r], group_devices[r])
@@ -74,12 +127,13 @@ def trainer_candidates(model: CostModel, shapes: Mapping[str, ModelShape], devic
         }
         for actor in train_sizes(group_devices["actor"]):
             for tensor in (2**i for i in range(actor.tensor.bit_length())):
-                if actor.tensor % tensor:
+                gen = host_gen_sizes(*shape, tensor) if actor.tensor % tensor == 0 else None
+                if gen is None:
                     continue
                 for rank in range(max((len(v) for v in others.values()), default=1)):
                     layouts = {"actor": actor, **{r: v[min(rank, len(v) - 1)] for r, v in others.items() if v}}
                     layouts.update({r: layouts[of] for r, of in SHARED_LAYOUT.items() if r in roles and of in layouts})
-                    mapping = DeviceMapping(groups, layouts, gen_sizes(group_devices["actor"], tensor))
+                    mapping = DeviceMapping(groups, layouts, gen)
                     try:
                         out.append(Candidate(mapping, model.predict(shapes, mapping)))
                         break  # the other roles' fastest layouts that fit
@@ -88,22 +142,43 @@ def trainer_candidates(model: CostModel, shapes: Mapping[str, ModelShape], devic
     return sorted(out, key=lambda c: c.iteration_seconds)
 
 
-def run_config(candidate: Candidate, base: Mapping[str, Any]) -> dict[str, Any]:
-    """`base` (a run config dict) with the candidate's placement, devices and layouts filled in."""
-    mapping = candidate.mapping
-    roles = tuple(r for g, _ in mapping.groups for r in g)
-    devices = sum(n for _, n in mapping.groups)
-    placement = next(
-        (
-            p
-            for p in PLACEMENTS
-            if {frozenset(g) for g, _ in trainer_groups(roles, devices, p)} == {frozenset(g) for g, _ in mapping.groups}
-        ),
-        None,
-    )
-    if placement is None:
-        raise ValueError(f"the trainer cannot run the placement {mapping.groups}; use trainer_candidates")
+def trainer_placement(groups: Groups, cluster: ClusterSpec) -> str | None:
+    """The `trainer.placement` whose worker groups on `cluster` are `groups` (roles and devices), or None."""
+    roles = tuple(r for g, _ in groups for r in g)
+    wanted = {(frozenset(g), n) for g, n in groups}
+    for placement in PLACEMENTS:
+        found = trainer_groups(roles, cluster.hosts, cluster.devices_per_host, placement)
+        if found is not None and {(frozenset(g), n) for g, n in found} == wanted:
+            return placement
+    return None
+
+
+def without_mapping(base: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `base` (a run config dict) without the keys `run_config` writes, nor `trainer.devices`: what is
+    left loads whichever cluster the original was written for."""
     out = copy.deepcopy(dict(base))
+    for keys in MAPPED_KEYS:
+        node = out
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(keys[-1], None)
+    return out
+
+
+def run_config(candidate: Candidate, base: Mapping[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
+    """`base` (a run config dict) with the candidate's placement and layouts on `cluster` filled in (its hosts and
+    devices per host as `trainer.hosts` and `trainer.devices_per_host`; a `trainer.devices` key removed)."""
+    mapping = candidate.mapping
+    placement = trainer_placement(mapping.groups, cluster)
+    if placement is None:
+        raise ValueError(
+            f"the trainer cannot run the placement {mapping.groups} on {cluster.hosts} host(s) x "
+            f"{cluster.devices_per_host} devices; use trainer_candidates"
+        )
+    out = copy.deepcopy(dict(base))
+    if isinstance(out.get("trainer"), dict):
+        out["trainer"].pop("devices", None)  # replaced by hosts and devices_per_host: loading it is an error
 
     def put(keys: tuple[str, ...], value: Any) -> None:
         node = out
@@ -114,9 +189,10 @@ def run_config(candidate: Candidate, base: Mapping[str, Any]) -> dict[str, Any]:
         node[keys[-1]] = value
 
     put(("trainer", "placement"), placement)
-    put(("trainer", "devices"), devices)
-    if placement != "colocate":
-        put(("trainer", "backend"), "ray")  # the in-process backend runs colocated roles only
+    put(("trainer", "hosts"), cluster.hosts)
+    put(("trainer", "devices_per_host"), cluster.devices_per_host)
+    if placement != "colocate" or cluster.hosts > 1:
+        put(("trainer", "backend"), "ray")  # the in-process backend runs colocated roles on one host only
     put(("actor", "train_layout"), mapping.layouts["actor"].config(TRAIN_RULES))
     put(("rollout", "gen_layout"), mapping.gen_layout.config(GEN_RULES))
     for role, keys in LAYOUT_KEYS.items():

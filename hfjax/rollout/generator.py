@@ -92,10 +92,13 @@ class OfflineGenerator:
             return f"prompt of {len(prompt)} tokens exceeds max_prefill_length {self.engine.max_prefill_length}"
         return None
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[SampleOutput]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, first_request: int = 0
+    ) -> list[SampleOutput]:
         """Samples `sampling.n` responses per prompt; returns them request-major (prompt 0's samples first).
         A prompt that cannot run (empty, too long) gives `rejected` samples with the reason instead of failing the
-        batch."""
+        batch. Prompt i samples with the keys of request `first_request + i` (its index in a larger batch, so that a
+        batch split over several generators samples what one generator would)."""
         capacity = self.engine.capacity - self.engine.max_prefill_length
         if sampling.max_new_tokens > capacity:
             raise SamplingError(
@@ -144,7 +147,7 @@ class OfflineGenerator:
             if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
                 batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
                 targets = [free.pop(0) for _ in batch]
-                state, first = self._fill(state, prompts, batch, targets, sampling)
+                state, first = self._fill(state, prompts, batch, targets, sampling, first_request)
                 for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
                     running[slot] = _Running(r, i, [], [])
                     record(slot, int(token), float(logprob))
@@ -182,6 +185,7 @@ class OfflineGenerator:
         batch: list[tuple[int, int]],
         targets: list[int],
         sampling: SamplingParams,
+        first_request: int,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
         """Prefills the distinct prompts of `batch` and inserts every sample into its target slot, one compiled call
         per prefill length bucket (a short prompt is not padded to the batch's longest). Returns each sample's first
@@ -193,7 +197,8 @@ class OfflineGenerator:
         for length, members in sorted(groups.items()):
             for chunk in _row_chunks(members):
                 group = [batch[j] for j in chunk]
-                state, first = self._fill_bucket(state, prompts, group, [targets[j] for j in chunk], length, sampling)
+                slots = [targets[j] for j in chunk]
+                state, first = self._fill_bucket(state, prompts, group, slots, length, sampling, first_request)
                 tokens[chunk], logprobs[chunk] = first[0][: len(chunk)], first[1][: len(chunk)]
         return state, (tokens, logprobs)
 
@@ -205,6 +210,7 @@ class OfflineGenerator:
         targets: list[int],
         length: int,
         sampling: SamplingParams,
+        first_request: int,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
         """`_fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two."""
         requests = list(dict.fromkeys(r for r, _ in batch))
@@ -216,7 +222,7 @@ class OfflineGenerator:
         for row, r in enumerate(requests):
             tokens[row, : len(prompts[r])] = prompts[r]
             lengths[row] = len(prompts[r])
-            request_ids[row] = r
+            request_ids[row] = first_request + r
         slot_ids = np.full(width, self.engine.max_concurrent_decodes, np.int32)  # out of range: dropped
         rows = np.zeros(width, np.int32)
         sample_ids = np.zeros(width, np.int32)

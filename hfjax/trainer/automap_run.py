@@ -1,8 +1,11 @@
 """`hfjax automap`: the auto-mapper (`hfjax.mapping`) applied to an RL run config.
 
-The run config (the one `hfjax train` reads) gives the algorithm, the models of each role and the workload; the
-search covers the mappings the trainer runs (`hfjax.mapping.trainer_candidates`); the best is written as the same
-run config with its placement, device count and layouts filled in, so `hfjax train MAPPED.yaml` runs it as is.
+The run config (the one `hfjax train` reads) gives the algorithm, the models of each role and the workload (its own
+placement, hosts, devices and layouts are ignored: they may be another cluster's); the search covers the mappings
+the trainer runs on the cluster's hosts (`hfjax.mapping.trainer_runs.trainer_candidates`: whole hosts per worker
+group on several hosts, one generation loop per host); the best is written as the same run config with its
+placement, the cluster as `trainer.hosts` and `trainer.devices_per_host` (an old `trainer.devices` removed) and its
+layouts filled in, checked as `hfjax train` checks it, so `hfjax train MAPPED.yaml` runs it as is.
 Imports `hfjax.config` and `hfjax.mapping`.
 """
 
@@ -17,7 +20,7 @@ import yaml
 
 from hfjax.config import RLConfig, load_rl_config
 from hfjax.mapping import ClusterSpec, CostModel, CostOptions, Workload, dataflow, print_candidates, role_shapes
-from hfjax.mapping.trainer_runs import run_config, trainer_candidates
+from hfjax.mapping.trainer_runs import run_config, trainer_candidates, without_mapping
 
 
 def run_workload(cfg: RLConfig) -> Workload:
@@ -55,12 +58,12 @@ def automap_run(cluster_path: str, config_path: str, out: str | None, top: int =
     if out and Path(out).resolve() == Path(config_path).resolve():
         raise ValueError(f"--out {out}: would overwrite the run config it is computed from; choose another path")
     raw: dict[str, Any] = yaml.safe_load(Path(config_path).read_text()) or {}
-    cfg = load_rl_config(raw)
+    cfg = load_rl_config(without_mapping(raw))  # its layouts and devices may be another cluster's
     cluster = ClusterSpec.from_yaml(cluster_path)
     flow = dataflow(cfg.algorithm.name)
     float32 = (cfg.actor.param_dtype or cfg.actor.dtype) == "float32"
     model = CostModel(cluster, flow, run_workload(cfg), CostOptions(param_bytes=4 if float32 else 2))
-    candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)), cluster.num_devices)
+    candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
     title = f"{cfg.algorithm.name} on {cluster.hosts}x{cluster.devices_per_host} devices (placements hfjax train runs)"
     print_candidates(candidates, title, top)
     if not candidates:
@@ -72,7 +75,9 @@ def automap_run(cluster_path: str, config_path: str, out: str | None, top: int =
             f"# hfjax automap of {config_path} on {cluster_path}: predicted {best.iteration_seconds:.3f} s per "
             "iteration (" + ", ".join(f"{s} {v:.3f} s" for s, v in best.prediction.stage_seconds.items()) + ")\n"
         )
-        text = header + yaml.safe_dump(run_config(best, raw), sort_keys=False)
+        mapped = run_config(best, raw, cluster)
+        load_rl_config(mapped)  # what `hfjax train` checks first, before anything is written
+        text = header + yaml.safe_dump(mapped, sort_keys=False)
         target = Path(out)
         with tempfile.NamedTemporaryFile("w", dir=target.parent or ".", delete=False, suffix=".yaml") as f:
             f.write(text)

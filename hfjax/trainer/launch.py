@@ -4,6 +4,7 @@ Imports `hfjax.config`, `hfjax.workers` and this package."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -13,16 +14,25 @@ from hfjax.trainer.rl import RLTrainer
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 
-def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
-    """Trains; starts a local Ray instance for `backend: ray` unless one is running (RAY_ADDRESS or ray.init)."""
-    started_ray = False
-    if cfg.trainer.backend == "ray":
-        import ray
+def connect_ray(cfg: RLConfig) -> bool:
+    """Joins the Ray cluster at `trainer.ray_address` (else `RAY_ADDRESS`) or, with neither, starts a local Ray
+    bound to 127.0.0.1; returns whether this call connected (False when Ray was already initialised)."""
+    import ray
 
-        if not ray.is_initialized():
-            temp = os.environ.get("HFJAX_RAY_TMPDIR") or tempfile.mkdtemp(prefix="hfjax-ray-")
-            ray.init(include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-            started_ray = True
+    if ray.is_initialized():
+        return False
+    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        temp = os.environ.get("HFJAX_RAY_TMPDIR") or tempfile.mkdtemp(prefix="hfjax-ray-")
+        ray.init(include_dashboard=False, _temp_dir=temp, log_to_driver=False, _node_ip_address="127.0.0.1")
+    return True
+
+
+def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
+    """Trains; for `backend: ray` connects to Ray first (`connect_ray`) unless this process already has."""
+    started_ray = cfg.trainer.backend == "ray" and connect_ray(cfg)
     trainer = RLTrainer(cfg)
     try:
         return trainer.fit()
@@ -37,7 +47,9 @@ def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
 def export_run(run_dir: str | Path, step: int | None, out_dir: str | Path) -> int:
     """Writes the actor of `run_dir` at `step` (default: the latest) as a Hugging Face checkpoint; returns the step."""
     cfg = load_rl_config(Path(run_dir) / "config.yaml")
-    worker = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor", max_prompt_length=cfg.data.max_prompt_length)
+    # this process's devices, whatever hosts and layout trained it: the checkpoint restores into any sharding
+    actor = dataclasses.replace(cfg.actor, train_layout=None)
+    worker = ActorRolloutRefWorker(actor, cfg.rollout, "actor", max_prompt_length=cfg.data.max_prompt_length)
     worker.init_model()
     restored = worker.load_checkpoint(str(Path(run_dir) / "checkpoints" / "actor"), step)
     worker.export_hf(str(out_dir))

@@ -18,10 +18,10 @@ from hfjax.workers.reward_model import RewardModelWorker
 
 
 def role_workers(cfg: RLConfig) -> dict[str, functools.partial]:
-    """The worker of each role this run needs."""
+    """The worker of each role this run needs (`cfg.role_names()`)."""
     steps = cfg.trainer.total_steps
     actor_role = "actor_rollout_ref" if cfg.uses_ref else "actor_rollout"
-    roles = {
+    workers = {
         "actor": functools.partial(
             ActorRolloutRefWorker,
             cfg.actor,
@@ -29,45 +29,47 @@ def role_workers(cfg: RLConfig) -> dict[str, functools.partial]:
             actor_role,
             total_steps=steps,
             max_prompt_length=cfg.data.max_prompt_length,
-        )
+        ),
+        "critic": functools.partial(CriticWorker, cfg.critic, total_steps=steps),
+        "reward_model": functools.partial(RewardModelWorker, cfg.reward.reward_model, output_key="rm_scores"),
+        "cost_model": functools.partial(RewardModelWorker, cfg.reward.cost_model, output_key="cost_scores"),
+        "cost_critic": functools.partial(CriticWorker, cfg.critic, total_steps=steps),
     }
-    if cfg.uses_critic:
-        roles["critic"] = functools.partial(CriticWorker, cfg.critic, total_steps=steps)
-    if cfg.reward.reward_model.enabled:
-        roles["reward_model"] = functools.partial(RewardModelWorker, cfg.reward.reward_model, output_key="rm_scores")
-    if cfg.algorithm.name == "safe_rlhf":
-        roles["cost_model"] = functools.partial(RewardModelWorker, cfg.reward.cost_model, output_key="cost_scores")
-        roles["cost_critic"] = functools.partial(CriticWorker, cfg.critic, total_steps=steps)
-    return roles
+    return {name: workers[name] for name in cfg.role_names()}
 
 
-def _groups(cfg: RLConfig, roles: dict[str, functools.partial]) -> list[dict[str, functools.partial]]:
-    placement = cfg.trainer.placement
-    if placement == "colocate" or len(roles) == 1:
-        return [roles]
-    if placement == "split":
-        return [{"actor": roles["actor"]}, {k: v for k, v in roles.items() if k != "actor"}]
-    return [{name: worker} for name, worker in roles.items()]
+def group_pools(cfg: RLConfig, groups: int) -> list[ResourcePool]:
+    """One resource pool per worker group: whole hosts each when `trainer.hosts` > 1 (bundles strictly spread, one
+    process per host), else a share of the one host's devices (`TrainerConfig.group_hosts`)."""
+    trainer = cfg.trainer
+    hosts, per_host = trainer.group_hosts(groups)
+    if trainer.hosts > 1:
+        import ray
+
+        nodes = sum(1 for node in ray.nodes() if node["Alive"])
+        if nodes < trainer.hosts:
+            raise ValueError(
+                f"trainer.hosts={trainer.hosts}, but the Ray cluster has {nodes} node(s): start Ray on every host "
+                "(`ray start --head` on the first, `ray start --address=HEAD:6379` on the others) and point hfjax at "
+                "it with RAY_ADDRESS or trainer.ray_address"
+            )
+    strategy = "STRICT_SPREAD" if hosts > 1 else "PACK"
+    return [ResourcePool([per_host] * hosts, device=trainer.device, strategy=strategy) for _ in range(groups)]
 
 
 def spawn_roles(cfg: RLConfig) -> tuple[dict[str, Any], list[ResourcePool]]:
-    """Starts the worker groups; returns a handle per role and the resource pools (release them at the end).
-    Devices: `trainer.devices` per host, divided evenly between the groups of a split placement."""
+    """Starts the worker groups; returns a handle per role and the resource pools (release them at the end)."""
     trainer = cfg.trainer
-    groups = _groups(cfg, role_workers(cfg))
+    workers = role_workers(cfg)
+    groups = [{name: workers[name] for name in names} for names in cfg.worker_groups()]
     if trainer.backend == "local":
         if len(groups) > 1:
             raise ValueError(
                 f"trainer.placement={trainer.placement!r} runs roles on separate devices; it needs trainer.backend=ray"
             )
         return colocate(groups[0]).spawn(None), []
-    per_group = trainer.devices // len(groups)
-    if per_group < 1:
-        raise ValueError(f"trainer.devices={trainer.devices} cannot give each of {len(groups)} groups a device")
     handles: dict[str, Any] = {}
-    pools = []
-    for group in groups:
-        pool = ResourcePool([per_group], device=trainer.device)
-        pools.append(pool)
+    pools = group_pools(cfg, len(groups))
+    for group, pool in zip(groups, pools, strict=True):
         handles.update(colocate(group).spawn(pool))
     return handles, pools

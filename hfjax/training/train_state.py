@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,8 +46,29 @@ def batch_sharding(layout: Layout, shape: Sequence[int]) -> NamedSharding:
 
 
 def place_batch(layout: Layout, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Host arrays put on the layout's devices with `batch_sharding`."""
-    return {k: jax.device_put(np.asarray(v), batch_sharding(layout, np.shape(v))) for k, v in batch.items()}
+    """Host arrays put on the layout's devices with `batch_sharding`. In a group of several processes each process
+    passes its own rows: the global arrays have `processes` times as many rows, split over the batch mesh axes
+    (which must divide them: a replicated batch would need every process's rows everywhere)."""
+    processes = jax.process_count()
+    if processes == 1:
+        return {k: jax.device_put(np.asarray(v), batch_sharding(layout, np.shape(v))) for k, v in batch.items()}
+    out = {}
+    for key, value in batch.items():
+        value = np.asarray(value)
+        if value.ndim == 0:  # the same scalar in every process
+            out[key] = jax.make_array_from_process_local_data(layout.sharding(()), value)
+            continue
+        shape = (value.shape[0] * processes, *value.shape[1:])
+        sharding = batch_sharding(layout, shape)
+        if not sharding.spec or sharding.spec[0] is None:
+            parts = math.prod(layout.axis_size(a) for a in dict(layout.rules).get("batch", ()))
+            raise LayoutError(
+                f"place_batch: a micro-batch of {shape[0]} rows ({value.shape[0]} per process) cannot be split over "
+                f"the batch mesh axes of {layout.describe()} ({parts} parts); with several hosts make micro-batch "
+                f"sizes a multiple of {parts}"
+            )
+        out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

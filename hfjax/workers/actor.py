@@ -18,12 +18,13 @@ import numpy as np
 from hfjax.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
 from hfjax.controller import Dispatch, register
 from hfjax.parallel import HybridEngine, layout_or_default
-from hfjax.protocol import DataProto
+from hfjax.parallel.host_local import local_view, process_layout
+from hfjax.protocol import ROW_OFFSET, DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import ActorConfig, RolloutConfig
-from hfjax.workers.model_role import LoadedModel, TrainedRole, reports_seconds
+from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
 from hfjax.workers.sequences import assemble, prompt_token_lists, response_slice
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -85,9 +86,11 @@ class ActorRolloutRefWorker(TrainedRole):
                 offload_optimizer=rollout.offload_optimizer and self.state is not None,
                 keep_host_memory=rollout.keep_host_memory,
             )
+            # one continuous-batching loop per process, over its own replicas of the generation layout
+            self.local_gen_layout = process_layout(self.hybrid.gen_layout)
             self.engine = JaxEngine(
                 self.policy.model,
-                self.hybrid.gen_layout,
+                self.local_gen_layout,
                 max_concurrent_decodes=rollout.slots,
                 max_prefill_length=self.max_prompt_length,
                 max_new_tokens=rollout.response_length,
@@ -125,15 +128,18 @@ class ActorRolloutRefWorker(TrainedRole):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts (left-padded `input_ids`, `attention_mask`) -> n responses each, interleaved: prompts, responses,
         input_ids, attention_mask, position_ids, response_mask, rollout_log_probs. `meta_info` may set `n`,
-        `do_sample` (False = greedy), `seed`, `temperature`."""
+        `do_sample` (False = greedy), `seed`, `temperature`. In a group of several processes each process generates
+        its own prompts in its own loop (no cross-host traffic per decode step; hosts finish when they finish)."""
         sampling = self._sampling(prompts.meta_info)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
         if self.hybrid.offload_optimizer:
             self.state.opt_state = self.hybrid.offload(self.state.opt_state)
         gen_params = self.hybrid.to_gen(self.params)
         try:
-            self.generator.update_params(gen_params)
-            outputs = self.generator.generate(prompt_token_lists(ids, mask), sampling)
+            self.generator.update_params(local_view(gen_params, self.local_gen_layout))
+            # sample keys follow each prompt's index in the whole batch, so samples do not depend on placement
+            first = int(prompts.meta_info.get(ROW_OFFSET, 0))
+            outputs = self.generator.generate(prompt_token_lists(ids, mask), sampling, first_request=first)
         finally:
             self.generator.update_params(None)
             self.params = self.hybrid.to_train(gen_params)
@@ -223,8 +229,10 @@ class ActorRolloutRefWorker(TrainedRole):
         cfg = self.cfg
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
         keys += [k for k in ("old_log_probs", "ref_log_prob") if k in data.batch]
-        arrays = {k: np.asarray(data.batch[k]) for k in keys}
-        if "old_log_probs" not in arrays and (cfg.ppo_epochs > 1 or len(data) > cfg.ppo_mini_batch_size):
+        arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
+        if "old_log_probs" not in arrays and (
+            cfg.ppo_epochs > 1 or len(data) * jax.process_count() > cfg.ppo_mini_batch_size
+        ):
             raise ValueError(
                 "update_actor: no old_log_probs, but this update makes several optimizer steps "
                 f"(ppo_epochs={cfg.ppo_epochs}, {len(data)} rows, ppo_mini_batch_size={cfg.ppo_mini_batch_size})"

@@ -19,7 +19,7 @@ from hfjax.protocol import DataProto
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import CriticConfig
-from hfjax.workers.model_role import LoadedModel, TrainedRole, reports_seconds
+from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
 from hfjax.workers.sequences import response_slice
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -77,7 +77,8 @@ class CriticWorker(TrainedRole):
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss epochs over mini-batches (micro-batch accumulation normalised by mini-batch counts)."""
         cfg = self.cfg
-        arrays = {k: np.asarray(data.batch[k]) for k in (*VALUE_KEYS, "response_mask", "values", "returns")}
+        keys = (*VALUE_KEYS, "response_mask", "values", "returns")
+        arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
         return self.ppo_epochs(
             arrays,
             self._loss,

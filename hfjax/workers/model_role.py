@@ -19,11 +19,12 @@ from flax import nnx
 from hfjax.algos import mask_counts
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
+from hfjax.controller.global_arrays import process_reduce, to_local
 from hfjax.models import load_hf
 from hfjax.parallel import Layout
-from hfjax.protocol import DataProto
+from hfjax.protocol import PADDING_ROWS, DataProto
 from hfjax.training.checkpoint import CheckpointManager
-from hfjax.training.train_state import TrainState, place_batch, split_rows
+from hfjax.training.train_state import TrainState, batch_sharding, place_batch, split_rows
 from hfjax.workers.sequences import trimmed_chunks
 
 
@@ -55,8 +56,16 @@ class LoadedModel:
         return nnx.merge(self.graphdef, params, self.rest)
 
     def rows_fn(self, fn: Callable[[nnx.Module, dict[str, jax.Array]], Any]) -> Callable[..., Any]:
-        """`fn(model, batch) -> arrays with rows first`, jitted over (params, batch)."""
-        return jax.jit(lambda params, batch: fn(self.merge(params), batch), compiler_options=FORWARD_COMPILER_OPTIONS)
+        """`fn(model, batch) -> arrays with rows first`, jitted over (params, batch); the outputs keep the batch's
+        row sharding (so each process of a group holds the rows it passed in)."""
+
+        def rows(params: Any, batch: dict[str, jax.Array]) -> Any:
+            out = fn(self.merge(params), batch)
+            return jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(self.layout, x.shape)), out
+            )
+
+        return jax.jit(rows, compiler_options=FORWARD_COMPILER_OPTIONS)
 
     def map_rows(
         self,
@@ -69,17 +78,38 @@ class LoadedModel:
         """Runs `jitted(params, micro_batch)` over fixed-size micro-batches; concatenates the outputs (numpy),
         dropping the padding rows of the last micro-batch. With `response_length` (outputs [rows, response columns]),
         rows of similar lengths share micro-batches, each micro-batch drops its all-padding columns
-        (`trim_padding`), and the outputs come back in row order, zero-padded to `response_length` columns."""
+        (`trim_padding`), and the outputs come back in row order, zero-padded to `response_length` columns.
+        In a group of several processes, `arrays` are this process's rows, `micro_batch_size` counts the rows of
+        the whole group (each process gives its share) and only this process's rows come back."""
         rows = len(next(iter(arrays.values())))
+        local_rows = process_share(micro_batch_size, "micro_batch_size")
         if response_length is None:
-            order, chunks = np.arange(rows), split_rows(arrays, micro_batch_size)
+            order, chunks = np.arange(rows), split_rows(arrays, local_rows)
         else:
-            order, chunks = trimmed_chunks(dict(arrays), micro_batch_size, response_length)
-        host = jax.device_get([jitted(params, place_batch(self.layout, chunk)) for chunk in chunks])
+            order, chunks = trimmed_chunks(dict(arrays), local_rows, response_length)
+        host = [to_local(jitted(params, place_batch(self.layout, chunk))) for chunk in chunks]
         if response_length is not None:
             host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
         joined = jax.tree.map(lambda *parts: np.concatenate(parts)[:rows], *host)
         return jax.tree.map(lambda x: x[np.argsort(order)], joined)
+
+
+def process_share(rows: int, name: str) -> int:
+    """This process's rows of a batch of `rows` rows split over the group's processes."""
+    processes = jax.process_count()
+    if rows % processes:
+        raise ValueError(f"{name}={rows}: a group of {processes} processes needs a multiple of {processes}")
+    return rows // processes
+
+
+def padding_masked(arrays: dict[str, np.ndarray], data: DataProto) -> dict[str, np.ndarray]:
+    """`arrays` with `response_mask` zero on the rows that DP dispatch added as padding (`PADDING_ROWS`), so that
+    they count in no loss and no normaliser."""
+    padding = int(data.meta_info.get(PADDING_ROWS, 0))
+    if padding:
+        arrays["response_mask"] = arrays["response_mask"].copy()
+        arrays["response_mask"][-padding:] = 0
+    return arrays
 
 
 def _pad_columns(array: np.ndarray, columns: int) -> np.ndarray:
@@ -121,14 +151,17 @@ class TrainedRole(Worker):
     ) -> DataProto:
         """`epochs` passes over mini-batches of `mini` rows, each one optimizer step over micro-batches of `micro`
         rows whose losses are normalised by the mini-batch's counts (`global_tokens`, `global_seqs` per row), so
-        accumulation equals the whole mini-batch. With `trim`, a mini-batch's rows are grouped by length and each
+        accumulation equals the whole mini-batch. In a group of several processes `arrays` are this process's rows and
+        `mini`, `micro` count the group's rows: each process takes its share of every mini- and micro-batch, and the
+        counts are the group's. With `trim`, a mini-batch's rows are grouped by length and each
         micro-batch drops its all-padding columns (`trim_padding`); the step is the same sum of per-token terms.
         Metrics are means over optimizer steps."""
         history = []
         response_length = arrays["responses"].shape[1]
+        mini, micro = process_share(mini, "ppo_mini_batch_size"), process_share(micro, "micro_batch_size")
         for _ in range(epochs):
             for batch in split_rows(arrays, mini):
-                tokens, seqs = mask_counts(batch["response_mask"])
+                tokens, seqs = process_reduce(mask_counts(batch["response_mask"]), "sum")
                 rows = len(batch["response_mask"])
                 batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
                 batch["global_seqs"] = np.full(rows, float(seqs), np.float32)

@@ -4,7 +4,7 @@
 `response_mask` 1 on real response tokens. The logits that predict response token j sit at sequence index P - 1 + j,
 so every role reads `[:, -R - 1 : -1]` of its per-token outputs, whatever P and R are: a micro-batch may drop the
 columns that are padding in all of its rows (`trim_padding`) and still be read the same way.
-Imports numpy, `hfjax.data`, `hfjax.rollout` and `hfjax.training` only.
+Imports numpy, `hfjax.controller.global_arrays`, `hfjax.data`, `hfjax.rollout` and `hfjax.training` only.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from hfjax.controller.global_arrays import process_reduce
 from hfjax.data.tokenize import position_ids
 from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
@@ -104,21 +105,31 @@ def length_order(batch: dict[str, np.ndarray], response_length: int) -> np.ndarr
 def trimmed_chunks(
     batch: dict[str, np.ndarray], rows: int, response_length: int
 ) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
-    """(`length_order` of the rows, `split_rows` chunks of `rows` rows in that order, each `trim_padding`ed)."""
+    """(`length_order` of the rows, `split_rows` chunks of `rows` rows in that order, each `trim_padding`ed). In a
+    group of several processes the k-th chunks of all processes are one global micro-batch: their widths are agreed
+    (the widest) so that every process runs the same shapes."""
     order = length_order(batch, response_length)
     chunks = split_rows({k: np.asarray(v)[order] for k, v in batch.items()}, rows)
-    return order, [trim_padding(chunk, response_length) for chunk in chunks]
+    widths = process_reduce([trimmed_widths(chunk, response_length) for chunk in chunks], "max")
+    return order, [trim_padding(chunk, response_length, tuple(w)) for chunk, w in zip(chunks, widths, strict=True)]
 
 
-def trim_padding(batch: dict[str, np.ndarray], response_length: int) -> dict[str, np.ndarray]:
-    """`batch` without the columns that are padding in every row: the prompts keep the longest real prompt, the
-    responses the longest real response, each rounded up to a padded length (so a few shapes compile). Real tokens
-    keep their positions and attend to the same keys, so per-token results are those of the full width; the
-    response-aligned arrays get the new response width."""
+def trimmed_widths(batch: dict[str, np.ndarray], response_length: int) -> tuple[int, int]:
+    """(prompt columns, response columns) that `trim_padding` keeps: the longest real prompt and the longest real
+    response, each rounded up to a padded length (so a few shapes compile)."""
     prompts, responses = content_lengths(batch, response_length)
     split = batch["attention_mask"].shape[1] - response_length
-    prompt_width = int(_padded(prompts.max(), split))
-    width = int(_padded(responses.max(), response_length))
+    return int(_padded(prompts.max(), split)), int(_padded(responses.max(), response_length))
+
+
+def trim_padding(
+    batch: dict[str, np.ndarray], response_length: int, widths: tuple[int, int] | None = None
+) -> dict[str, np.ndarray]:
+    """`batch` without the columns that are padding in every row: `widths` (default `trimmed_widths`) prompt and
+    response columns are kept. Real tokens keep their positions and attend to the same keys, so per-token results
+    are those of the full width; the response-aligned arrays get the new response width."""
+    split = batch["attention_mask"].shape[1] - response_length
+    prompt_width, width = widths or trimmed_widths(batch, response_length)
     out = {}
     for key, value in batch.items():
         if key in SEQUENCE_KEYS:
