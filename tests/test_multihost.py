@@ -5,13 +5,23 @@ what one host generates, dispatch padding never reaches a loss, and bad host/dev
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from rl_setup import build_run_inputs, rl_config
 from safetensors.numpy import load_file
 
 from hfjax.config import load_rl_config
+from hfjax.controller import LocalWorkerGroup, RayWorkerGroup, ResourcePool
+from hfjax.data import BatchLoader, PromptDataset
+from hfjax.models import load_tokenizer
+from hfjax.protocol import DataProto
 from hfjax.trainer.launch import export_run, run_rl
+from hfjax.trainer.rl import RLTrainer
+from hfjax.typed_config import ConfigError
+from hfjax.workers.actor import ActorRolloutRefWorker
 
 pytest_plugins = ["ray_cluster"]
 VARIABLE = ("timing_s/", "perf/throughput", "perf/worker_seconds")
@@ -64,3 +74,131 @@ def test_two_hosts_equal_one_host(ray_cluster, inputs, tmp_path, algorithm):
     assert w1.keys() == w2.keys()
     for name in w1:
         np.testing.assert_allclose(w2[name], w1[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def _actor_group(inputs, hosts, policy=None, **actor):
+    config = rl_config(inputs, "unused", "grpo", **{**LAYOUTS, "actor": {**LAYOUTS["actor"], **actor}})
+    config["model_path"] = policy or inputs["policy"]
+    cfg = load_rl_config(config)
+    cfg.rollout.response_length = 16
+    if hosts == 0:  # in this process
+        group = LocalWorkerGroup(ActorRolloutRefWorker, cfg.actor, cfg.rollout, "actor_rollout", max_prompt_length=16)
+        group.init_model()
+        return group, None
+    pool = ResourcePool([8 // hosts] * hosts, strategy="STRICT_SPREAD")
+    group = RayWorkerGroup(pool, ActorRolloutRefWorker, cfg.actor, cfg.rollout, "actor_rollout", max_prompt_length=16)
+    group.init_model()
+    return group, pool
+
+
+def _prompts(inputs, rows, meta):
+    data = PromptDataset([inputs["train"]], load_tokenizer(inputs["policy"]), max_prompt_length=16)
+    batch = next(iter(BatchLoader(data, 8, shuffle=False)))
+    return DataProto.from_dict({k: v[rows] for k, v in batch.tensors.items()}, meta_info=meta)
+
+
+def _early_stop_policy(inputs, tmp_path):
+    """(a copy of the policy whose end-of-sequence token ends prompt 0's greedy response after 2 tokens but not
+    prompt b's within 8, b). One host gets prompt 0 only, the other prompt b: they finish at different steps."""
+    group, _ = _actor_group(inputs, 0)
+    greedy = group.generate_sequences(_prompts(inputs, list(range(8)), {"do_sample": False})).batch["responses"]
+    stop = int(greedy[0, 1])
+    other = next(b for b in range(1, 8) if stop not in greedy[b, :8] and stop not in greedy[0, :1])
+    policy = tmp_path / "early_stop_policy"
+    shutil.copytree(inputs["policy"], policy)
+    config = json.loads((policy / "config.json").read_text())
+    (policy / "config.json").write_text(json.dumps({**config, "eos_token_id": stop}))
+    return str(policy), other
+
+
+@pytest.mark.ray
+def test_generation_per_host_and_padding_rows(ray_cluster, inputs, tmp_path):
+    """Sampled: 7 prompts x 2 samples, so dispatch pads one prompt for 2 hosts and its 2 samples are dropped; the
+    samples equal one host's. Greedy: host 0 holds prompts that stop after 2 tokens, host 1 prompts that run longer;
+    each host runs its own loop (fewer decode steps on host 0) and the responses equal one host's. Log probs and an
+    update over 13 rows (one padding row on host 1) equal one host's: the padding row is in no loss or normaliser."""
+    policy, other = _early_stop_policy(inputs, tmp_path)
+    sampled = _prompts(inputs, list(range(7)), {"n": 2, "seed": 3})
+    greedy = _prompts(inputs, [0, 0, 0, 0, other, other, other, other], {"do_sample": False})
+    outs, updates, pids = {}, {}, {}
+    for hosts in (1, 2):
+        group, pool = _actor_group(inputs, hosts, policy, ppo_mini_batch_size=16, use_kl_loss=False)
+        try:
+            pids[hosts] = group.pids
+            outs[hosts] = (group.generate_sequences(sampled), group.generate_sequences(greedy))
+            rollout = outs[1][0]
+            rows = rollout.select(batch_keys=["input_ids", "attention_mask", "position_ids", "responses"])[:13]
+            rows.batch["response_mask"] = rollout.batch["response_mask"][:13]
+            rows.batch["advantages"] = np.random.default_rng(0).normal(size=rows.batch["response_mask"].shape)
+            logp = group.compute_log_prob(rows).batch["old_log_probs"]
+            updates[hosts] = (logp, group.update_actor(rows).meta_info["metrics"])
+        finally:
+            group.shutdown()
+            pool.release()
+    assert len(set(pids[2])) == 2
+    for one, two in zip(outs[1], outs[2], strict=True):
+        assert len(one) == len(two)
+        for key in ("responses", "response_mask", "input_ids", "position_ids"):
+            np.testing.assert_array_equal(two.batch[key], one.batch[key], err_msg=key)
+        mask = one.batch["response_mask"].astype(bool)
+        np.testing.assert_allclose(
+            two.batch["rollout_log_probs"][mask], one.batch["rollout_log_probs"][mask], atol=1e-5
+        )
+    assert len(outs[1][0]) == 14
+    lengths = outs[2][1].batch["response_mask"].sum(axis=1)
+    assert set(lengths[:4]) == {2} and min(lengths[4:]) > 8
+    steps = outs[2][1].meta_info["metrics"]["gen_decode_steps"]
+    assert steps[0] < steps[1], steps  # host 0 finished first, without waiting for host 1
+    np.testing.assert_allclose(updates[2][0], updates[1][0], atol=1e-5)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert updates[2][1][key] == [pytest.approx(updates[1][1][key], rel=1e-4, abs=1e-6)] * 2, key
+
+
+def test_bad_host_and_device_combinations_are_clear_errors(inputs, tmp_path):
+    def load(algorithm="grpo", **sections):
+        return load_rl_config(rl_config(inputs, tmp_path, algorithm, **sections))
+
+    with pytest.raises(ConfigError, match=r"trainer.devices=8: this key was replaced by trainer.devices_per_host"):
+        load(trainer={"devices": 8})
+    with pytest.raises(ConfigError, match=r"trainer.hosts=3: placement 'split' has 2 worker groups.*multiple of 2"):
+        load("ppo", trainer={"backend": "ray", "hosts": 3, "placement": "split"})
+    with pytest.raises(ConfigError, match=r"trainer.hosts=2: several hosts need trainer.backend=ray"):
+        load(trainer={"hosts": 2})
+    with pytest.raises(ConfigError, match=r"rollout.gen_layout: mesh\(tensor=8\) has data=1, which 2 hosts cannot"):
+        load(
+            trainer={"backend": "ray", "hosts": 2, "devices_per_host": 4},
+            rollout={"gen_layout": {"mesh": {"tensor": 8}}},
+        )
+    with pytest.raises(
+        ConfigError, match=r"actor.train_layout: mesh\(fsdp=4\) has 4 devices, but the actor group has 2"
+    ):
+        load(
+            trainer={"backend": "ray", "hosts": 2, "devices_per_host": 4}, actor={"train_layout": {"mesh": {"fsdp": 4}}}
+        )
+    with pytest.raises(ConfigError, match=r"actor.micro_batch_size=3: its group has 2 hosts"):
+        load(trainer={"backend": "ray", "hosts": 2}, actor={"micro_batch_size": 3, "ppo_mini_batch_size": 3})
+
+
+@pytest.mark.ray
+def test_more_hosts_than_ray_nodes_is_a_clear_error(ray_cluster, inputs, tmp_path):
+    trainer = {"backend": "ray", "hosts": 8, "devices_per_host": 1}
+    sizes = {"micro_batch_size": 8, "ppo_mini_batch_size": 8}
+    cfg = load_rl_config(rl_config(inputs, tmp_path, "grpo", actor=sizes, trainer=trainer))
+    with pytest.raises(ValueError, match=r"trainer.hosts=8, but the Ray cluster has 4 node\(s\)"):
+        run_rl(cfg)
+
+
+@pytest.mark.ray
+def test_split_placement_with_two_hosts_per_group(ray_cluster, inputs, tmp_path):
+    """PPO split on 4 hosts x 2 devices: the actor group and the critic group each span 2 hosts (2 processes each),
+    distinct processes (so split equals standalone for PPO's two trained roles)."""
+    trainer = {"backend": "ray", "placement": "split", "hosts": 4, "devices_per_host": 2, "total_steps": 2}
+    trainer_run = RLTrainer(load_rl_config(rl_config(inputs, tmp_path / "run", "ppo", trainer=trainer)))
+    try:
+        actor, critic = trainer_run.roles["actor"].group, trainer_run.roles["critic"].group
+        assert len(set(actor.pids)) == 2 and len(set(critic.pids)) == 2 and not set(actor.pids) & set(critic.pids)
+        history = trainer_run.fit()
+    finally:
+        trainer_run.close()
+    assert len(history) == 2 and all(np.isfinite(v) for m in history for v in m.values())
+    assert "critic/vf_loss" in history[-1]

@@ -59,7 +59,7 @@ class DataProtoFuture:
         """Fetches the parts to the caller and returns the collected, unpadded result."""
         out = self.collect(self.fetch(self.parts))
         pad_size = self.pad_size
-        if self.on_ray and not isinstance(pad_size, int):
+        if self.on_ray and not isinstance(pad_size, (int, tuple)):  # a ref, computed in the cluster
             import ray
 
             pad_size = ray.get(pad_size)

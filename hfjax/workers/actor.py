@@ -150,7 +150,11 @@ class ActorRolloutRefWorker(TrainedRole):
             raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")
         batch = assemble(ids, mask, outputs, sampling.n, sampling.max_new_tokens, self.pad_id)
         stats = self.generator.last_stats
-        timing = {"gen_tokens": stats["response_tokens"], "gen_seconds": stats["seconds"]}
+        timing = {
+            "gen_tokens": stats["response_tokens"],
+            "gen_seconds": stats["seconds"],
+            "gen_decode_steps": stats["decode_steps"],
+        }
         transitions = self.hybrid.stats()
         timing["reshard_seconds"] = transitions["to_gen_s"][-1] + transitions["to_train_s"][-1]
         return DataProto.from_dict(batch, meta_info={"metrics": timing})
