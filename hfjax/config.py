@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from hfjax.controller.resource_pool import group_hosts
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import Layout
 from hfjax.typed_config import load_config
@@ -104,20 +105,19 @@ class TrainerConfig:
 
     def group_hosts(self, groups: int) -> tuple[int, int]:
         """(hosts, devices per host) of each of `groups` worker groups: whole hosts when there are several hosts,
-        a share of the one host's devices otherwise."""
+        a share of the one host's devices otherwise (`hfjax.controller.resource_pool.group_hosts`)."""
+        shape = group_hosts(self.hosts, self.devices_per_host, groups)
+        if shape is not None:
+            return shape
         if self.hosts == 1:
-            if self.devices_per_host < groups:
-                raise ValueError(
-                    f"trainer.devices_per_host={self.devices_per_host} cannot give each of the {groups} worker groups "
-                    f"of placement {self.placement!r} a device"
-                )
-            return 1, self.devices_per_host // groups
-        if self.hosts % groups:
             raise ValueError(
-                f"trainer.hosts={self.hosts}: placement {self.placement!r} has {groups} worker groups, each on whole "
-                f"hosts; trainer.hosts must be a multiple of {groups}"
+                f"trainer.devices_per_host={self.devices_per_host} cannot give each of the {groups} worker groups "
+                f"of placement {self.placement!r} a device"
             )
-        return self.hosts // groups, self.devices_per_host
+        raise ValueError(
+            f"trainer.hosts={self.hosts}: placement {self.placement!r} has {groups} worker groups, each on whole "
+            f"hosts; trainer.hosts must be a multiple of {groups}"
+        )
 
 
 @dataclasses.dataclass

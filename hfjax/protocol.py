@@ -111,6 +111,10 @@ class DataProto:
                 return value.shape[0]
         return 0
 
+    def nbytes(self) -> int:
+        """Bytes of the numeric arrays in `batch` (what a dispatch moves, strings aside)."""
+        return sum(value.nbytes for value in self.batch.values())
+
     def __repr__(self) -> str:
         def shapes(arrays: dict[str, np.ndarray]) -> str:
             return "{" + ", ".join(f"{k}: {v.dtype}{list(v.shape)}" for k, v in arrays.items()) + "}"

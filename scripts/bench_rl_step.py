@@ -7,8 +7,13 @@ KL loss; PPO: a critic). Each algorithm runs `--steps` iterations; the table rep
 includes compiles); the JSON summaries (read by scripts/peers/compare_grpo.py) take, as the TRL peer does, the
 median step time and the tokens per second of the steps after the first. Model compute = time inside the
 workers' methods minus resharding; overhead = step - that.
+With `--hosts 1,2` each algorithm runs once per host count on a Ray cluster of simulated hosts on this machine
+(one raylet and one JAX process per host, `--devices` fake devices in all, gloo collectives between the processes),
+side by side in one run, and the table adds each host's share of the bytes the controller sent to and received
+from the worker groups per step.
 Usage:
     python scripts/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json]
+    python scripts/bench_rl_step.py --hosts 1,2 [--devices 8]
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from bench_common import reference_checkpoint, report  # noqa: E402
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "reshard")
 
 
-def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argparse.Namespace) -> dict:
+def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argparse.Namespace, hosts: int) -> dict:
     return {
         "model_path": str(ckpt),
         "data": {"train_files": [str(workload)], "max_prompt_length": 64, "train_batch_size": args.prompts},
@@ -46,12 +51,13 @@ def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argp
         "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
         "algorithm": {"name": algorithm},
         "trainer": {
-            "run_dir": str(run_dir / algorithm),
+            "run_dir": str(run_dir / f"{algorithm}-{hosts}"),
             "total_steps": args.steps,
-            "backend": args.backend,
+            "backend": "ray" if args.hosts else args.backend,
             "resume": "never",
             "tensorboard": False,
-            "devices": 1,
+            "hosts": hosts,
+            "devices_per_host": args.devices // hosts,
         },
     }
 
@@ -71,8 +77,14 @@ def main() -> None:
         help="actor/critic.trim_padding: micro-batches drop their all-padding columns",
     )
     parser.add_argument("--algorithms", default="grpo,ppo")
+    parser.add_argument("--hosts", help="host counts to compare on simulated hosts, e.g. 1,2 (default: one process)")
+    parser.add_argument("--devices", type=int, help="devices in all (default: 8 with --hosts, else 1)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/rl_step.json"))
     args = parser.parse_args()
+    args.devices = args.devices or (8 if args.hosts else 1)
+    host_counts = [int(h) for h in args.hosts.split(",")] if args.hosts else [1]
+    if args.hosts:
+        simulated_cluster(max(host_counts))
     ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
 
     import psutil
@@ -84,8 +96,8 @@ def main() -> None:
     workload = write_workload(ckpt, ROOT / "runs" / "peers" / "workload.parquet", n=args.prompts)
     run_dir = Path(tempfile.mkdtemp(prefix="hfjax-bench-rl-"))
     rows, summaries = [], {}
-    for algorithm in args.algorithms.split(","):
-        run_config = config(ckpt, workload, run_dir, algorithm, args)
+    for algorithm, hosts in [(a, h) for a in args.algorithms.split(",") for h in host_counts]:
+        run_config = config(ckpt, workload, run_dir, algorithm, args, hosts)
         history = run_rl(load_rl_config(run_config))
         last = history[-1]
         step = last["timing_s/step"]
@@ -93,18 +105,29 @@ def main() -> None:
         overhead = (step - compute) / step
         tokens = last["perf/total_num_tokens"]
         stages = {s: last.get(f"timing_s/{s}", 0.0) for s in STAGES}
-        rows.append([algorithm, step, *stages.values(), tokens / step, 100 * overhead])
+        moved = [last[f"perf/dispatch_bytes_{d}"] / hosts / 2**20 for d in ("sent", "received")]
+        rows.append(
+            [
+                algorithm,
+                f"{hosts}x{args.devices // hosts}",
+                step,
+                *stages.values(),
+                tokens / step,
+                100 * overhead,
+                *moved,
+            ]
+        )
         group, response_length = run_config["rollout"]["n"], run_config["rollout"]["response_length"]
         steady = history[1:] or history  # as trl_grpo.py: the steps after the first (compiles), when there are any
         steady_s = statistics.median(h["timing_s/step"] for h in steady)
         steady_rate = sum(h["perf/total_num_tokens"] for h in steady) / sum(h["timing_s/step"] for h in steady)
-        summaries[algorithm] = {
+        summaries[f"{algorithm}-{hosts}x{args.devices // hosts}" if args.hosts else algorithm] = {
             "seconds_per_step": steady_s,
             "tokens_per_s": steady_rate,
             "response_tokens_per_s": args.prompts * group * response_length / steady_s,
             "overhead_share": overhead,
             "first_step_s": history[0]["timing_s/step"],
-            "metrics_jsonl": str(run_dir / algorithm / "metrics.jsonl"),
+            "metrics_jsonl": str(Path(run_config["trainer"]["run_dir"]) / "metrics.jsonl"),
             "steps": args.steps,
             "workload": {
                 "prompts": args.prompts,
@@ -120,11 +143,35 @@ def main() -> None:
     report(
         f"one RL iteration: {args.prompts} prompts x 4 samples x 128 tokens, {args.backend} backend "
         f"(peak host memory of this process {hwm:.2f} GiB, now {peak_gib:.2f} GiB)",
-        ["algorithm", "step s", *[f"{s} s" for s in STAGES], "tokens/s", "outside model compute %"],
+        [
+            "algorithm",
+            "hosts x devices",
+            "step s",
+            *[f"{s} s" for s in STAGES],
+            "tokens/s",
+            "outside model compute %",
+            "MiB sent/host",
+            "MiB received/host",
+        ],
         rows,
         args.out,
-        {"summaries": summaries, "peak_host_gib": hwm, "backend": args.backend},
+        {"summaries": summaries, "peak_host_gib": hwm, "backend": "ray" if args.hosts else args.backend},
     )
+
+
+def simulated_cluster(hosts: int) -> None:
+    """A Ray cluster of `hosts` nodes on this machine (each its own raylet), connected to as the driver."""
+    import os
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    Path(tempfile.gettempdir(), "ray").mkdir(exist_ok=True)  # Cluster writes its address file there
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"host0": 1}})
+    for host in range(1, hosts):
+        cluster.add_node(num_cpus=1, resources={f"host{host}": 1})
+    os.environ["RAY_ADDRESS"] = cluster.address
+    ray.init(address=cluster.address, log_to_driver=False)
 
 
 if __name__ == "__main__":

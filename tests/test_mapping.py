@@ -14,6 +14,7 @@ import pytest
 import yaml
 from flax import nnx
 
+from hfjax.controller.resource_pool import group_hosts
 from hfjax.mapping import (
     ClusterSpec,
     CostModel,
@@ -36,7 +37,6 @@ from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stag
 from hfjax.mapping.dataflow import STAGES, model_shape
 from hfjax.mapping.search import allocations, device_counts, train_sizes
 from hfjax.mapping.trainer_runs import (
-    group_hosts,
     host_gen_sizes,
     run_config,
     trainer_candidates,
@@ -464,15 +464,10 @@ def test_trainer_groups_follow_the_trainer_placements():
         trainer_groups(roles, 1, 8, "spread")
 
 
-def test_group_hosts_match_the_trainer_config():
-    from hfjax.config import TrainerConfig
-
-    for hosts, per_host, groups in itertools.product((1, 2, 3, 4, 6), (1, 2, 4, 8), (1, 2, 3, 5)):
-        trainer = TrainerConfig(hosts=hosts, devices_per_host=per_host)
-        try:
-            expected = trainer.group_hosts(groups)
-        except ValueError:
-            expected = None
+def test_group_hosts_give_whole_hosts_or_a_share_of_one():
+    cases = {(1, 8, 2): (1, 4), (1, 8, 3): (1, 2), (1, 2, 3): None, (2, 4, 1): (2, 4), (4, 2, 2): (2, 2)}
+    cases |= {(3, 8, 2): None, (6, 4, 3): (2, 4), (2, 4, 3): None}
+    for (hosts, per_host, groups), expected in cases.items():
         assert group_hosts(hosts, per_host, groups) == expected, (hosts, per_host, groups)
 
 

@@ -56,24 +56,38 @@ def _weights(run_dir, out):
     return load_file(str(next(out.glob("*.safetensors"))))
 
 
+def _deterministic(history):
+    return [{k: v for k, v in m.items() if not k.startswith(VARIABLE)} for m in history]
+
+
+def _assert_same_metrics(got, want, where):
+    assert got.keys() == want.keys(), where
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (where, key)
+
+
 @pytest.mark.ray
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_two_hosts_equal_one_host(ray_cluster, inputs, tmp_path, algorithm):
-    runs = {}
-    for hosts in (1, 2):
-        history = run_rl(_config(inputs, tmp_path / f"h{hosts}", algorithm, hosts))
-        runs[hosts] = ([{k: v for k, v in m.items() if not k.startswith(VARIABLE)} for m in history], hosts)
-    one, two = runs[1][0], runs[2][0]
+def test_two_hosts_equal_one_host_and_resume_across_host_counts(ray_cluster, inputs, tmp_path, algorithm):
+    """3 steps on 2 hosts x 4 devices equal 1 x 8 (metrics, exported weights). Then a run stopped after step 2 on
+    one host count resumes on the other (GRPO: 2 x 4 -> 1 x 8, PPO: 1 x 8 -> 2 x 4) and logs step 3 as before."""
+    runs = {
+        hosts: _deterministic(run_rl(_config(inputs, tmp_path / f"h{hosts}", algorithm, hosts))) for hosts in (1, 2)
+    }
+    one, two = runs[1], runs[2]
     assert len(one) == len(two) == 3
     assert one[0]["critic/advantages/max"] > 0  # the updates learn something, so equal weights mean equal updates
     for step, (a, b) in enumerate(zip(one, two, strict=True)):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (step, key)
+        _assert_same_metrics(b, a, f"step {step + 1}")
     w1, w2 = _weights(tmp_path / "h1", tmp_path / "hf1"), _weights(tmp_path / "h2", tmp_path / "hf2")
     assert w1.keys() == w2.keys()
     for name in w1:
         np.testing.assert_allclose(w2[name], w1[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    first, then = (2, 1) if algorithm == "grpo" else (1, 2)
+    run_rl(_config(inputs, tmp_path / "resumed", algorithm, first, total_steps=2))
+    resumed = _deterministic(run_rl(_config(inputs, tmp_path / "resumed", algorithm, then)))
+    assert len(resumed) == 1
+    _assert_same_metrics(resumed[0], runs[then][2], f"step 3 resumed on {then} host(s)")
 
 
 def _actor_group(inputs, hosts, policy=None, **actor):

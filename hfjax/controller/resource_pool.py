@@ -18,6 +18,14 @@ PLACEMENT_TIMEOUT_S = 120
 _FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
+def group_hosts(hosts: int, devices_per_host: int, groups: int) -> tuple[int, int] | None:
+    """(hosts, devices per host) of each of `groups` worker groups on `hosts` x `devices_per_host` devices: an equal
+    share of the one host's devices, or whole hosts each when there are several; None where that cannot be."""
+    if hosts == 1:
+        return (1, devices_per_host // groups) if devices_per_host >= groups else None
+    return None if hosts % groups else (hosts // groups, devices_per_host)
+
+
 class ResourcePool:
     """Hosts for worker groups: `devices_per_host[i]` devices of kind `device` for the process on host i.
 

@@ -20,6 +20,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from hfjax.controller.resource_pool import group_hosts
 from hfjax.mapping.cluster import ClusterSpec
 from hfjax.mapping.cost import (
     GEN_RULES,
@@ -51,14 +52,6 @@ MAPPED_KEYS = (
     *LAYOUT_KEYS.values(),
 )
 Groups = tuple[tuple[tuple[str, ...], int], ...]
-
-
-def group_hosts(hosts: int, devices_per_host: int, groups: int) -> tuple[int, int] | None:
-    """(hosts, devices per host) of each of `groups` worker groups, as `TrainerConfig.group_hosts` gives them: a
-    share of the one host's devices, or whole hosts each; None where the trainer cannot place that many groups."""
-    if hosts == 1:
-        return (1, devices_per_host // groups) if devices_per_host >= groups else None
-    return None if hosts % groups else (hosts // groups, devices_per_host)
 
 
 def placement_roles(roles: tuple[str, ...], placement: str) -> tuple[tuple[str, ...], ...]:

@@ -46,8 +46,11 @@ class Step:
     def _call(self, role: str, method: str, data: DataProto) -> tuple[DataProto, dict[str, float]]:
         """A role's group method: its rows (without `meta_info`, so that they union with the batch) and its metrics.
         The time the worker spent inside it goes to `perf/worker_seconds` (the slowest rank's: ranks run in
-        parallel)."""
+        parallel); the array bytes of its rows in and out to `perf/dispatch_bytes_sent` / `_received` (the
+        controller sends each process of a group its own rows, so a host's share is that over the hosts)."""
         out = getattr(self.roles[role], method)(data)
+        for key, proto in (("perf/dispatch_bytes_sent", data), ("perf/dispatch_bytes_received", out)):
+            self.metrics[key] = self.metrics.get(key, 0.0) + float(proto.nbytes())
         seconds = out.meta_info.get("metrics", {}).get("worker_seconds")
         if seconds is not None:
             self.metrics["perf/worker_seconds"] = self.metrics.get("perf/worker_seconds", 0.0) + float(np.max(seconds))
