@@ -93,7 +93,7 @@ def base_config(inputs: dict[str, str], args: argparse.Namespace) -> dict[str, A
             "resume": "never",
             "tensorboard": False,
             "progress": False,
-            "devices": DEVICES,
+            "devices_per_host": DEVICES,
         },
     }
 
@@ -166,7 +166,7 @@ def main() -> int:
     model = CostModel(cluster, flow, workload, CostOptions(param_bytes=4))  # as `hfjax automap` for float32 runs
     shapes = role_shapes(flow, run_models(cfg))
     searched = MappingSearch(model, shapes).run()
-    ranked = trainer_candidates(model, shapes, DEVICES)  # what `hfjax automap` ranks; its first is what it writes
+    ranked = trainer_candidates(model, shapes)  # what `hfjax automap` ranks; its first is what it writes
     print(f"profile: {cluster.profile}")
     print(
         f"search: best of {len(searched.candidates)} candidates {searched.candidates[0].iteration_seconds:.3f} s; "
@@ -184,7 +184,7 @@ def main() -> int:
     try:
         for index in pick(ranked, args.mappings):
             candidate = ranked[index]
-            config = run_config(candidate, base)
+            config = run_config(candidate, base, cluster)
             config["trainer"]["run_dir"] = str(work / f"run-{index}")
             seconds, stages = measure(config, args.warmup)
             results.append((index, candidate, seconds, stages))

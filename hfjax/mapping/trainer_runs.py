@@ -3,7 +3,7 @@
 The trainer places its worker groups one of three ways (`trainer.placement`): `colocate` (every role in one group),
 `split` (the actor in one group, every other role in another) or `standalone` (each role its own group). On one
 host the groups share its devices evenly; on several hosts each group gets whole hosts (`trainer.hosts` a multiple
-of the group count) with all their devices, as `TrainerConfig.group_hosts` gives them. Generation on a group of
+of the group count) with all their devices (`hfjax.controller.resource_pool.group_hosts`). Generation on a group of
 several hosts runs one loop per host, so its layout's data-parallel replicas must each lie inside a host
 (`hfjax.parallel.host_local`). The reference policy lives in the actor's worker with the actor's training layout,
 and the cost critic shares the critic's settings (`critic.layout`). `trainer_candidates` enumerates exactly those
@@ -11,7 +11,7 @@ mappings (every actor training x generation layout; for the other roles, their o
 and predicts each with the cost model; `run_config` writes the chosen one into a run config (`trainer.placement`,
 `trainer.hosts`, `trainer.devices_per_host`, `actor.train_layout`, `rollout.gen_layout`, `critic.layout`,
 `reward.{reward_model,cost_model}.layout`; `trainer.backend: ray` for separate groups or several hosts).
-Imports `hfjax.parallel` and `hfjax.mapping.{cluster,cost,dataflow,search}`.
+Imports `hfjax.controller.resource_pool`, `hfjax.parallel` and `hfjax.mapping.{cluster,cost,dataflow,search}`.
 """
 
 from __future__ import annotations

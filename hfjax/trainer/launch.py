@@ -15,8 +15,8 @@ from hfjax.workers.actor import ActorRolloutRefWorker
 
 
 def connect_ray(cfg: RLConfig) -> bool:
-    """Joins the Ray cluster at `trainer.ray_address` (else `RAY_ADDRESS`) or, with neither, starts a local Ray
-    bound to 127.0.0.1; returns whether this call connected (False when Ray was already initialised)."""
+    """Joins the Ray cluster at `trainer.ray_address` (else `RAY_ADDRESS`) or, with neither, starts a local Ray;
+    returns whether this call connected (False when Ray was already initialised)."""
     import ray
 
     if ray.is_initialized():
@@ -26,7 +26,7 @@ def connect_ray(cfg: RLConfig) -> bool:
         ray.init(address=address, log_to_driver=False)
     else:
         temp = os.environ.get("HFJAX_RAY_TMPDIR") or tempfile.mkdtemp(prefix="hfjax-ray-")
-        ray.init(include_dashboard=False, _temp_dir=temp, log_to_driver=False, _node_ip_address="127.0.0.1")
+        ray.init(include_dashboard=False, _temp_dir=temp, log_to_driver=False)
     return True
 
 
