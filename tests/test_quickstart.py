@@ -58,9 +58,10 @@ def test_quickstart_smoke(tmp_path):
 @pytest.mark.ray
 def test_quickstart_learns_on_one_host_and_on_two(ray_cluster, tmp_path):
     """The learning claim (+20 points after RL), then the same RL from the same SFT checkpoint on 2 simulated hosts
-    x 1 device instead of 1 x 2, with the same seeds and layouts, makes the same claim. (Over 150 sampled steps the
-    two runs are not bitwise equal: micro-batches sum in another order, and a last-bit difference can flip a sampled
-    token; tests/test_multihost.py checks 3-step runs equal to float tolerance.)"""
+    x 1 device instead of 1 x 2, with the same seeds and layouts, ends at the same held-out accuracy, up to what the
+    test set can tell apart (two standard errors of the difference of two accuracies over its problems). Over 150
+    sampled steps the runs are not bitwise equal: micro-batches sum in another order, and a last-bit difference can
+    flip a sampled token; tests/test_multihost.py checks 3-step runs equal to float tolerance."""
     cfg = load_config(QuickstartConfig, "configs/quickstart.yaml", [f"run_dir={tmp_path}"])
     result = run_quickstart(cfg)
     assert result["gain_points"] >= 20, result
@@ -68,4 +69,5 @@ def test_quickstart_learns_on_one_host_and_on_two(ray_cluster, tmp_path):
     history = run_rl(load_rl_config(tmp_path / "rl" / "config.yaml", two_hosts))
     accuracy = history[-1][ACCURACY_KEY]
     print(f"held-out accuracy after RL: 1 x 2 devices {result['rl_accuracy']:.4f}, 2 x 1 devices {accuracy:.4f}")
-    assert 100 * (accuracy - result["sft_accuracy"]) >= 20, (accuracy, result)
+    mean, problems = (accuracy + result["rl_accuracy"]) / 2, cfg.task["num_test"]
+    assert abs(accuracy - result["rl_accuracy"]) <= 2 * math.sqrt(2 * mean * (1 - mean) / problems), (accuracy, result)
