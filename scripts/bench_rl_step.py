@@ -41,11 +41,13 @@ def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argp
             "use_kl_loss": algorithm == "grpo",
             "optim": {"lr": args.lr},
             "trim_padding": args.trim_padding,
+            "train_layout": train_layout(args.train_mesh),
         },
         "critic": {
             "ppo_mini_batch_size": args.prompts * 4,
             "micro_batch_size": args.micro_batch,
             "trim_padding": args.trim_padding,
+            "layout": train_layout(args.train_mesh),
         },
         "rollout": {"n": 4, "response_length": 128, "slots": args.prompts * 4, "ignore_eos": True},
         "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
@@ -60,6 +62,13 @@ def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argp
             "devices_per_host": args.devices // hosts,
         },
     }
+
+
+def train_layout(mesh: str | None) -> dict | None:
+    """`data=2,fsdp=4` as a training layout config (`fsdp` rules); None keeps the default."""
+    if not mesh:
+        return None
+    return {"mesh": {axis: int(size) for axis, size in (item.split("=") for item in mesh.split(","))}, "rules": "fsdp"}
 
 
 def main() -> None:
@@ -79,6 +88,10 @@ def main() -> None:
     parser.add_argument("--algorithms", default="grpo,ppo")
     parser.add_argument("--hosts", help="host counts to compare on simulated hosts, e.g. 1,2 (default: one process)")
     parser.add_argument("--devices", type=int, help="devices in all (default: 8 with --hosts, else 1)")
+    parser.add_argument(
+        "--train-mesh",
+        help="training mesh of actor, reference and critic, e.g. data=2,fsdp=4 (default: fsdp over all devices)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench/rl_step.json"))
     args = parser.parse_args()
     args.devices = args.devices or (8 if args.hosts else 1)
