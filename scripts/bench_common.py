@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts: the reference checkpoint of ../shared/bench, timing, table and JSON."""
+"""Shared pieces of the benchmark scripts: the reference checkpoint (25.8M-parameter Llama), timing, table and JSON."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Generation throughput of hfjax (`OfflineGenerator` over `JaxEngine`) vs transformers `generate` (PyTorch CPU) on
 the reference checkpoint, same process, and the decode step time against its memory and compute floors.
 
-Workload (../shared/bench/README.md): 64 prompts (lengths 16..48, seed 0), 128 new tokens, temperature 1.0 (sampled,
+Workload (standard): 64 prompts (lengths 16..48, seed 0), 128 new tokens, temperature 1.0 (sampled,
 no top-k/top-p) and greedy; no stop tokens, so every sample has exactly 128 tokens. Two floors of a decode step:
 memory, the bytes it must read (every weight but the embedding table, plus the KV cache up to the current length) /
 the memory bandwidth measured here (a large numpy copy); compute, its FLOPs (2 per weight and token, plus attention

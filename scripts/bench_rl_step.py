@@ -1,7 +1,7 @@
 """Time of one GRPO and one PPO iteration on the reference checkpoint, per stage, with the share of time spent
 outside model compute (controller work, dispatch, data movement, resharding).
 
-Workload (../shared/bench/README.md): 64 prompts x 4 samples, prompts up to 64 tokens, responses of 128 tokens
+Workload (standard RL step): 64 prompts x 4 samples, prompts up to 64 tokens, responses of 128 tokens
 (eos ignored, so the work is fixed), the shared digits reward of scripts/peers/reward.py, a reference model (GRPO:
 KL loss; PPO: a critic). Each algorithm runs `--steps` iterations; the table reports the last one (the first
 includes compiles); the JSON summaries (read by scripts/peers/compare_grpo.py) take, as the TRL peer does, the

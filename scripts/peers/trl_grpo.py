@@ -1,6 +1,6 @@
 """TRL's `GRPOTrainer` on CPU with the workload of hfjax's GRPO benchmark: the peer side of the side-by-side.
 
-Workload (../shared/bench/README.md, "one RL step"): the reference checkpoint (fp32), the 64 prompts of
+Workload (the project's standard "one RL step"): the reference checkpoint (fp32), the 64 prompts of
 `workload.py` (<= 64 tokens, seed 0), 4 samples per prompt (group size 4), responses of exactly 128 tokens
 (`--min-new-tokens` defaults to the maximum, so every step does the same work whatever the random model samples),
 temperature 1.0 with no top-k/top-p, the rule reward of `reward.py` (fraction of digits), a reference model with
