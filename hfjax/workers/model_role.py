@@ -87,7 +87,8 @@ class LoadedModel:
             order, chunks = np.arange(rows), split_rows(arrays, local_rows)
         else:
             order, chunks = trimmed_chunks(dict(arrays), local_rows, response_length)
-        host = [to_local(jitted(params, place_batch(self.layout, chunk))) for chunk in chunks]
+        outputs = [jitted(params, place_batch(self.layout, chunk)) for chunk in chunks]  # all dispatched, then read
+        host = [to_local(out) for out in outputs]
         if response_length is not None:
             host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
         joined = jax.tree.map(lambda *parts: np.concatenate(parts)[:rows], *host)
