@@ -196,4 +196,6 @@ class TrainedRole(Worker):
 def _manager(manager: CheckpointManager | None, directory: str) -> CheckpointManager:
     if manager is not None and manager.directory == Path(directory).absolute():
         return manager
-    return CheckpointManager(directory)
+    # several processes: synchronous saves, since two roles' async finalize threads in one process race on orbax's
+    # cross-process barrier (seen once: "Barrier ... set_value_start is already ongoing")
+    return CheckpointManager(directory, async_save=jax.process_count() == 1)
