@@ -75,7 +75,7 @@ class TrainerConfig:
     critic_warmup: int = 0
     placement: Literal["colocate", "split", "standalone"] = "colocate"
     backend: Literal["ray", "local"] = "ray"
-    device: Literal["cpu", "gpu", "tpu"] = "cpu"
+    device: Literal["auto", "cpu", "gpu", "tpu"] = "auto"  # auto: the cluster's accelerator if it has one, else cpu
     hosts: int = 1
     devices_per_host: int = 8
     devices: int | None = None  # replaced by devices_per_host (and hosts); set, it is an error that says so

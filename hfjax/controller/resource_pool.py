@@ -10,12 +10,27 @@ Imports nothing from hfjax; ray is imported where a reservation is made.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 DEVICES = ("cpu", "gpu", "tpu")
 PLACEMENT_TIMEOUT_S = 120
 _FAKE_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def resolve_device(requested: str, resources: Mapping[str, float], where: str = "trainer.device") -> str:
+    """The device kind workers run on: `requested`, or for `auto` the accelerator the cluster's `resources` (Ray's
+    `cluster_resources()`) offer (GPU, else TPU), else cpu. An accelerator the cluster lacks is an error."""
+    if requested == "auto":
+        return next((kind for kind in ("gpu", "tpu") if resources.get(kind.upper(), 0) > 0), "cpu")
+    if requested not in DEVICES:
+        raise ValueError(f"{where}: expected auto or one of {DEVICES}, got {requested!r}")
+    if requested != "cpu" and not resources.get(requested.upper(), 0) > 0:
+        raise ValueError(
+            f"{where}={requested}: the Ray cluster has no {requested.upper()} resources (it has "
+            f"{dict(sorted(resources.items()))}); start Ray on hosts with {requested}s, or use {where}=auto"
+        )
+    return requested
 
 
 def group_hosts(hosts: int, devices_per_host: int, groups: int) -> tuple[int, int] | None:

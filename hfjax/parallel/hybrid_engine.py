@@ -7,8 +7,12 @@ receives M/t_g - M/(f*t) bytes for a model of M bytes, train layout fsdp f x ten
 the training buffers are deleted, so the peak is M/t_g per device; and `to_train` cuts every training shard out of the
 device's own generation shard (no cross-device traffic, enforced by a transfer guard). `naive` mode keeps the gen mesh
 in its given order and the training buffers alive during generation (HybridFlow-V/DS-Chat-style redundancy), so
-`to_train` is free but memory holds both copies. Imports `hfjax.parallel.layout`, `shard_math`, `transfer` and
-`host_memory`.
+`to_train` is free but memory holds both copies.
+Mixed precision (`gen_dtype` below the parameters' dtype, e.g. float32 master weights and bfloat16 compute): `to_gen`
+casts each training shard where it lies, then moves the cast copy (half the bytes of float32), and the master copy
+stays in its training layout during generation (it cannot be cut back out of a rounded copy); `to_train` frees the
+generation copy and returns the master, with no traffic. Imports `hfjax.parallel.layout`, `shard_math`, `transfer`
+and `host_memory`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class HybridEngine:
 
     `abstract_params` carries shapes, dtypes and `logical_axes` metadata (an abstract or concrete tree).
     `to_gen` consumes its input in `zero_redundancy` mode (the buffers are deleted); keep using what it returns.
+    `gen_dtype` (default: each parameter's own dtype) is the dtype of the generation copy; a cast keeps the input.
+    `kv_cache_bytes_per_device` is set by the owner of the generation engine, for `stats()`.
     On CPU devices, `keep_host_memory` sets the process's malloc to keep freed memory (`keep_freed_host_memory`), so
     that transitions reuse it; pass False to leave the allocator as it is.
     """
@@ -64,6 +70,7 @@ class HybridEngine:
         offload_optimizer: bool = False,
         chunk_bytes: int = 64 * 2**20,
         keep_host_memory: bool = True,
+        gen_dtype: Any = None,
     ):
         if mode not in MODES:
             raise ValueError(f"HybridEngine(mode={mode!r}): expected one of {MODES}")
@@ -78,7 +85,13 @@ class HybridEngine:
             )
         leaves = jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
         self.shapes = [tuple(leaf.shape) for leaf in leaves]
-        self.itemsizes = [np.dtype(leaf.dtype).itemsize for leaf in leaves]
+        self.dtypes = [np.dtype(leaf.dtype) for leaf in leaves]
+        self.gen_dtypes = [d if gen_dtype is None else np.dtype(gen_dtype) for d in self.dtypes]
+        self.casts = self.gen_dtypes != self.dtypes
+        self.keeps_train = mode == "naive" or self.casts
+        self.itemsizes = [d.itemsize for d in self.dtypes]
+        self.gen_itemsizes = [d.itemsize for d in self.gen_dtypes]
+        self.kv_cache_bytes_per_device = 0
         self.train_shardings: list[NamedSharding] = jax.tree.leaves(self.train_layout.shardings(abstract_params))
         train_specs = [
             tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
@@ -89,13 +102,13 @@ class HybridEngine:
         )
         self.gen_shardings: list[NamedSharding] = jax.tree.leaves(self.gen_layout.shardings(abstract_params))
         if self.account is None:
-            self.account = account(self.shapes, self.itemsizes, self.train_shardings, self.gen_shardings)
+            self.account = self._account(self.gen_shardings)
         self._local_slices = (
             [
                 None if t.is_equivalent_to(g, len(shape)) else local_train_bounds(shape, t, g)
                 for shape, t, g in zip(self.shapes, self.train_shardings, self.gen_shardings, strict=True)
             ]
-            if mode == "zero_redundancy" and self.account.contained
+            if not self.keeps_train and self.account.contained
             else None
         )
         self.offload_optimizer = offload_optimizer and _has_separate_host_memory(self.train_layout)
@@ -124,9 +137,7 @@ class HybridEngine:
         best = None
         for candidate in orders:
             layout = dataclasses.replace(gen, device_ids=tuple(candidate))
-            acc = account(
-                self.shapes, self.itemsizes, self.train_shardings, jax.tree.leaves(layout.shardings(abstract_params))
-            )
+            acc = self._account(jax.tree.leaves(layout.shardings(abstract_params)))
             if best is None or acc.max("received_bytes") < best[1].max("received_bytes"):
                 best = (layout, acc)
         if not best[1].contained:
@@ -138,6 +149,10 @@ class HybridEngine:
                 best[1].max("uncontained_bytes"),
             )
         return best
+
+    def _account(self, gen_shardings: list[NamedSharding], cast: bool = True) -> TransitionAccount:
+        gen_itemsizes = self.gen_itemsizes if cast else self.itemsizes
+        return account(self.shapes, self.itemsizes, self.train_shardings, gen_shardings, gen_itemsizes)
 
     def _flatten(self, params: Any, what: str) -> list[jax.Array]:
         leaves = jax.tree.leaves(params)
@@ -162,41 +177,48 @@ class HybridEngine:
         return [c for c in chunks if c]
 
     def to_gen(self, train_params: Any) -> Any:
-        """Parameters in the generation layout, moved a chunk of parameters at a time. Zero-redundancy
-        mode deletes a chunk's training buffers once its gen copies exist, so only one chunk (`chunk_bytes` per
-        device) is ever held twice."""
+        """Parameters in the generation layout (and `gen_dtype`), moved a chunk of parameters at a time.
+        Zero-redundancy mode without a cast deletes a chunk's training buffers once its gen copies exist, so only
+        one chunk (`chunk_bytes` per device) is ever held twice; naive mode and a cast keep the training arrays."""
         start = time.perf_counter()
-        out = list(self._flatten(train_params, "to_gen"))
+        train = self._flatten(train_params, "to_gen")
+        out = list(train)
         moving = [
-            i for i, leaf in enumerate(out) if not leaf.sharding.is_equivalent_to(self.gen_shardings[i], leaf.ndim)
+            i
+            for i, leaf in enumerate(out)
+            if self.gen_dtypes[i] != leaf.dtype or not leaf.sharding.is_equivalent_to(self.gen_shardings[i], leaf.ndim)
         ]
         for chunk in self._chunks(moving):
             sources = [out[i] for i in chunk]
+            if self.casts:
+                sources = _cast(tuple(sources), tuple(self.gen_dtypes[i].name for i in chunk))
             moved = reshard(sources, [self.gen_shardings[i] for i in chunk])
-            if self.mode == "zero_redundancy":
-                for source in sources:
+            for source, array in zip(sources, moved, strict=True):
+                if source is not array and (self.casts or not self.keeps_train):  # a cast copy, or zero redundancy
                     source.delete()
             for i, array in zip(chunk, moved, strict=True):
                 out[i] = array
         jax.block_until_ready(out)
         self.times.to_gen_s.append(time.perf_counter() - start)
-        self._kept_train = train_params if self.mode == "naive" else None
+        self._kept_train = train_params if self.keeps_train else None
         return self._unflatten(train_params, out)
 
     def to_train(self, gen_params: Any) -> Any:
         """Parameters back in the training layout. Zero-redundancy mode with containment cuts each device's train
         shard out of its own gen shard (one compiled multi-slice per device and chunk; a transfer guard forbids any
         cross-device copy) and frees the gen buffers; without containment it device_puts back. Naive mode returns
-        the training arrays it kept (the gen ones are dropped)."""
+        the training arrays it kept (the gen ones are dropped), and so does a cast (the gen copies are freed)."""
         start = time.perf_counter()
         leaves = self._flatten(gen_params, "to_train")
-        if self.mode == "naive":
+        if self.keeps_train:
             if self._kept_train is None:
-                raise RuntimeError(
-                    "HybridEngine(mode='naive').to_train: no training parameters kept; call to_gen first"
-                )
+                raise RuntimeError("HybridEngine.to_train: no training parameters kept; call to_gen first")
             result = self._kept_train
             self._kept_train = None
+            if self.casts:  # the generation copies are ours alone: free them now
+                for leaf, kept in zip(leaves, jax.tree.leaves(result), strict=True):
+                    if leaf is not kept:
+                        leaf.delete()
         else:
             out = list(leaves)
             moving = [
@@ -241,9 +263,12 @@ class HybridEngine:
     def stats(self) -> dict[str, Any]:
         """Per-device bytes (max over devices) of the layouts and transitions, and transition wall times."""
         acc = self.account
-        kept = acc.max("train_bytes") if self.mode == "naive" else 0
+        kept = acc.max("train_bytes") if self.keeps_train else 0
+        redundant = kept if self.mode == "naive" and not self.casts else 0
         return {
             "mode": self.mode,
+            "param_dtype": "/".join(sorted({d.name for d in self.dtypes})),
+            "gen_dtype": "/".join(sorted({d.name for d in self.gen_dtypes})),
             "train_layout": self.train_layout.describe(),
             "gen_layout": self.gen_layout.describe(),
             "gen_device_order": list(self.gen_layout.device_ids or ()),
@@ -254,8 +279,12 @@ class HybridEngine:
             "gen_bytes_total": sum(acc.gen_bytes.values()),
             "received_bytes_per_device": acc.max("received_bytes"),
             "received_bytes_total": sum(acc.received_bytes.values()),
+            "uncast_received_bytes_per_device": self._account(self.gen_shardings, cast=False).max("received_bytes"),
+            "master_bytes_per_device": kept if self.casts else 0,
+            "kv_cache_bytes_per_device": self.kv_cache_bytes_per_device,
             "peak_param_bytes_per_device": acc.max("gen_bytes") + kept,
-            "redundant_bytes_per_device": kept,
+            "peak_gen_bytes_per_device": acc.max("gen_bytes") + kept + self.kv_cache_bytes_per_device,
+            "redundant_bytes_per_device": redundant,
             "uncontained_bytes_per_device": acc.max("uncontained_bytes"),
             "to_gen_s": list(self.times.to_gen_s),
             "to_train_s": list(self.times.to_train_s),
@@ -269,6 +298,12 @@ class HybridEngine:
     def reload(self, tree: Any) -> Any:
         """Brings an offloaded tree back to device memory and frees the host copies."""
         return _to_memory(tree, "device") if self.offload_optimizer else tree
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(arrays: tuple[jax.Array, ...], dtypes: tuple[str, ...]) -> list[jax.Array]:
+    """Each array in its dtype, where it lies (elementwise: the output keeps the input's sharding)."""
+    return [x.astype(d) for x, d in zip(arrays, dtypes, strict=True)]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -49,22 +49,25 @@ def account(
     itemsizes: Sequence[int],
     train: Sequence[NamedSharding],
     gen: Sequence[NamedSharding],
+    gen_itemsizes: Sequence[int] | None = None,
 ) -> TransitionAccount:
-    """Counts, from the shardings' index maps, what each device holds and receives when params move train -> gen."""
+    """Counts, from the shardings' index maps, what each device holds and receives when params move train -> gen
+    (gen and received bytes at `gen_itemsizes` when the generation copy is cast, e.g. float32 -> bfloat16)."""
     totals = {name: {} for name in ("train", "gen", "received", "uncontained")}
-    for shape, itemsize, ts, gs in zip(shapes, itemsizes, train, gen, strict=True):
+    gen_itemsizes = itemsizes if gen_itemsizes is None else gen_itemsizes
+    for shape, itemsize, gen_itemsize, ts, gs in zip(shapes, itemsizes, gen_itemsizes, train, gen, strict=True):
         train_map, gen_map = ts.devices_indices_map(tuple(shape)), gs.devices_indices_map(tuple(shape))
         for device, train_index in train_map.items():
             t_block = block_bounds(train_index, shape)
             g_block = block_bounds(gen_map[device], shape)
             overlap = _size(_intersection(t_block, g_block))
-            for name, elems in (
-                ("train", _size(t_block)),
-                ("gen", _size(g_block)),
-                ("received", _size(g_block) - overlap),
-                ("uncontained", _size(t_block) - overlap),
+            for name, nbytes in (
+                ("train", _size(t_block) * itemsize),
+                ("gen", _size(g_block) * gen_itemsize),
+                ("received", (_size(g_block) - overlap) * gen_itemsize),
+                ("uncontained", (_size(t_block) - overlap) * itemsize),
             ):
-                totals[name][device.id] = totals[name].get(device.id, 0) + elems * itemsize
+                totals[name][device.id] = totals[name].get(device.id, 0) + nbytes
     return TransitionAccount(totals["train"], totals["gen"], totals["received"], totals["uncontained"])
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -228,6 +229,18 @@ class JaxEngine:
             jnp.ones(self._slots, jnp.float32),
         )
         return jax.device_put(state, self.state_sharding)
+
+    def kv_cache_bytes_per_device(self) -> int:
+        """Bytes of the decode state's KV cache on each device (its largest shard per block, summed)."""
+        layers = self.config.num_layers * self.blocks
+        per_block = sum(
+            math.prod(sharding.shard_shape(shape)) * self._cache_dtype.itemsize
+            for sharding, shape in (
+                (self.state_sharding.keys[0][0], self._key_shape),
+                (self.state_sharding.values[0][0], self._value_shape),
+            )
+        )
+        return layers * per_block
 
     def bucket(self, length: int) -> int:
         """The padded prefill length for a prompt of `length` tokens."""

@@ -6,7 +6,8 @@ longest). A bucket's rows run as the largest power of two that fits plus the res
 compiles stay few and fewer than a quarter of the rows are padding. Each decode step attends over the cache blocks that
 the longest running sample has reached, and is dispatched before the previous step's tokens are read (one step in
 flight), so the host's bookkeeping runs while the device computes. Outputs come back in request order, `n` samples per
-prompt, each with its tokens, logprobs and finish reason.
+prompt, each with its tokens, logprobs and finish reason. The KV cache lives only inside `generate`: allocated when it
+starts, freed when it returns (or fails), so it never sits beside the training step's memory.
 Imports this package's engine and sampling only.
 """
 
@@ -49,6 +50,13 @@ class _Running:
     logprobs: list[float]
 
 
+def free_decode_state(state: Any) -> None:
+    """Deletes the decode state's buffers (those not already donated to a step)."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -78,7 +86,6 @@ class OfflineGenerator:
         self.eos_token_ids = tuple(engine.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.refill_batch = refill_batch or max(1, engine.max_concurrent_decodes // 8)
         self.progress = progress
-        self._state = None
         self.last_stats: dict[str, float] = {}
 
     def update_params(self, params: Any) -> None:
@@ -104,7 +111,6 @@ class OfflineGenerator:
             raise SamplingError(
                 f"sampling.max_new_tokens: {sampling.max_new_tokens} exceeds the engine's max_new_tokens {capacity}"
             )
-        stops = sampling.stops(self.eos_token_ids)
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         results: dict[tuple[int, int], SampleOutput] = {}
         queue: deque[tuple[int, int]] = deque()
@@ -116,11 +122,29 @@ class OfflineGenerator:
                 else:
                     empty_tokens, empty_logprobs = np.zeros(0, np.int32), np.zeros(0, np.float32)
                     results[r, i] = SampleOutput(r, i, empty_tokens, empty_logprobs, FINISH_REJECTED, error)
+        ordered, steps, seconds = self._run(prompts, queue, results, sampling, first_request)
+        self.last_stats = {
+            "decode_steps": steps,
+            "seconds": seconds,
+            "response_tokens": sum(len(o.tokens) for o in ordered),
+            "kv_cache_bytes_per_device": self.engine.kv_cache_bytes_per_device(),
+        }
+        return ordered
+
+    def _run(
+        self,
+        prompts: list[np.ndarray],
+        queue: deque[tuple[int, int]],
+        results: dict[tuple[int, int], SampleOutput],
+        sampling: SamplingParams,
+        first_request: int,
+    ) -> tuple[list[SampleOutput], int, float]:
+        """The continuous-batching loop over `queue`, from a new empty decode state (donated step by step; the last
+        one is freed when this returns or fails). Returns the outputs in request order, decode steps and seconds."""
+        stops = sampling.stops(self.eos_token_ids)
         slots = self.engine.max_concurrent_decodes
         free = list(range(slots))
         running: dict[int, _Running] = {}
-        state = self._state if self._state is not None else self.engine.init_decode_state()
-        self._state = None  # donated below; a failure midway must not leave a deleted state behind
         kind = SamplerKind.of(sampling)
         steps, started = 0, time.perf_counter()
         bar = tqdm(total=len(queue), desc="generate", unit="sample", disable=not self.progress, leave=False)
@@ -142,41 +166,38 @@ class OfflineGenerator:
             elif len(run.tokens) >= sampling.max_new_tokens:
                 finish(slot, FINISH_LENGTH)
 
-        pending: tuple[Any, dict[int, _Running]] | None = None  # the step in flight, and who it ran for
-        while queue or running:
-            if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
-                batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-                targets = [free.pop(0) for _ in batch]
-                state, first = self._fill(state, prompts, batch, targets, sampling, first_request)
-                for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
-                    running[slot] = _Running(r, i, [], [])
-                    record(slot, int(token), float(logprob))
-            ahead = int(pending is not None)
-            if any(len(run.tokens) + ahead < sampling.max_new_tokens for run in running.values()):
-                # dispatched before the step in flight is read, so host bookkeeping overlaps device work; a slot that
-                # finishes in the step in flight computes one discarded token here
-                context = max(len(prompts[run.request]) + len(run.tokens) for run in running.values()) + ahead
-                state, out = self.engine.generate(self.params, state, kind, context)
-                steps += 1
-                dispatched = (out, dict(running))
-            else:
-                dispatched = None
-            if pending is not None:
-                out, ran = pending
-                tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
-                for slot, run in ran.items():
-                    if running.get(slot) is run:
-                        record(slot, int(tokens[slot]), float(logprobs[slot]))
-            pending = dispatched
-        bar.close()
-        self._state = state
-        ordered = [results[key] for key in sorted(results)]
-        self.last_stats = {
-            "decode_steps": steps,
-            "seconds": time.perf_counter() - started,
-            "response_tokens": sum(len(o.tokens) for o in ordered),
-        }
-        return ordered
+        state = self.engine.init_decode_state()
+        try:
+            pending: tuple[Any, dict[int, _Running]] | None = None  # the step in flight, and who it ran for
+            while queue or running:
+                if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
+                    batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                    targets = [free.pop(0) for _ in batch]
+                    state, first = self._fill(state, prompts, batch, targets, sampling, first_request)
+                    for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
+                        running[slot] = _Running(r, i, [], [])
+                        record(slot, int(token), float(logprob))
+                ahead = int(pending is not None)
+                if any(len(run.tokens) + ahead < sampling.max_new_tokens for run in running.values()):
+                    # dispatched before the step in flight is read, so host bookkeeping overlaps device work; a slot
+                    # that finishes in the step in flight computes one discarded token here
+                    context = max(len(prompts[run.request]) + len(run.tokens) for run in running.values()) + ahead
+                    state, out = self.engine.generate(self.params, state, kind, context)
+                    steps += 1
+                    dispatched = (out, dict(running))
+                else:
+                    dispatched = None
+                if pending is not None:
+                    out, ran = pending
+                    tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+                    for slot, run in ran.items():
+                        if running.get(slot) is run:
+                            record(slot, int(tokens[slot]), float(logprobs[slot]))
+                pending = dispatched
+        finally:
+            bar.close()
+            free_decode_state(state)
+        return [results[key] for key in sorted(results)], steps, time.perf_counter() - started
 
     def _fill(
         self,

@@ -61,7 +61,7 @@ def automap_run(cluster_path: str, config_path: str, out: str | None, top: int =
     cfg = load_rl_config(without_mapping(raw))  # its layouts and devices may be another cluster's
     cluster = ClusterSpec.from_yaml(cluster_path)
     flow = dataflow(cfg.algorithm.name)
-    float32 = (cfg.actor.param_dtype or cfg.actor.dtype) == "float32"
+    float32 = cfg.actor.dtype == "float32"
     model = CostModel(cluster, flow, run_workload(cfg), CostOptions(param_bytes=4 if float32 else 2))
     candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
     title = f"{cfg.algorithm.name} on {cluster.hosts}x{cluster.devices_per_host} devices (placements hfjax train runs)"

@@ -5,6 +5,7 @@ Imports `hfjax.config`, `hfjax.workers` and this package."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 from hfjax.config import RLConfig, load_rl_config
 from hfjax.trainer.rl import RLTrainer
 from hfjax.workers.actor import ActorRolloutRefWorker
+
+log = logging.getLogger(__name__)
 
 
 def connect_ray(cfg: RLConfig) -> bool:
@@ -30,8 +33,28 @@ def connect_ray(cfg: RLConfig) -> bool:
     return True
 
 
+def pin_controller_to_cpu() -> None:
+    """Keeps this (the controller's) process's JAX on the host CPU: its own computations are small (advantages, KL,
+    masked means), and on a GPU host it would otherwise open every GPU and preallocate most of their memory beside
+    the workers (on a TPU VM the chips belong to the worker process). Warns when JAX already started elsewhere."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+    elif jax.default_backend() != "cpu":
+        log.warning(
+            "the controller's JAX already runs on %s (initialised before the run started); its arrays take "
+            "accelerator memory beside the workers'. Set JAX_PLATFORMS=cpu in the driver to avoid it",
+            jax.default_backend(),
+        )
+
+
 def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
-    """Trains; for `backend: ray` connects to Ray first (`connect_ray`) unless this process already has."""
+    """Trains; for `backend: ray` connects to Ray first (`connect_ray`) unless this process already has, and keeps
+    the controller's JAX on the CPU (`pin_controller_to_cpu`)."""
+    if cfg.trainer.backend == "ray":
+        pin_controller_to_cpu()
     started_ray = cfg.trainer.backend == "ray" and connect_ray(cfg)
     trainer = RLTrainer(cfg)
     try:

@@ -12,6 +12,7 @@ from typing import Any
 
 from hfjax.config import RLConfig
 from hfjax.controller import ResourcePool, colocate
+from hfjax.controller.resource_pool import resolve_device
 from hfjax.workers.actor import ActorRolloutRefWorker
 from hfjax.workers.critic import CriticWorker
 from hfjax.workers.reward_model import RewardModelWorker
@@ -40,12 +41,14 @@ def role_workers(cfg: RLConfig) -> dict[str, functools.partial]:
 
 def group_pools(cfg: RLConfig, groups: int) -> list[ResourcePool]:
     """One resource pool per worker group: whole hosts each when `trainer.hosts` > 1 (bundles strictly spread, one
-    process per host), else a share of the one host's devices (`TrainerConfig.group_hosts`)."""
+    process per host), else a share of the one host's devices (`TrainerConfig.group_hosts`); devices of the kind
+    `trainer.device` resolves to on the connected Ray cluster (`resolve_device`)."""
+    import ray
+
     trainer = cfg.trainer
     hosts, per_host = trainer.group_hosts(groups)
+    device = resolve_device(trainer.device, ray.cluster_resources())
     if trainer.hosts > 1:
-        import ray
-
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
         if nodes < trainer.hosts:
             raise ValueError(
@@ -54,7 +57,7 @@ def group_pools(cfg: RLConfig, groups: int) -> list[ResourcePool]:
                 "it with RAY_ADDRESS or trainer.ray_address"
             )
     strategy = "STRICT_SPREAD" if hosts > 1 else "PACK"
-    return [ResourcePool([per_host] * hosts, device=trainer.device, strategy=strategy) for _ in range(groups)]
+    return [ResourcePool([per_host] * hosts, device=device, strategy=strategy) for _ in range(groups)]
 
 
 def spawn_roles(cfg: RLConfig) -> tuple[dict[str, Any], list[ResourcePool]]:

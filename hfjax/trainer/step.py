@@ -61,6 +61,7 @@ class Step:
         request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
         out, gen_metrics = self._call("actor", "generate_sequences", request)
         self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + gen_metrics["reshard_seconds"]
+        self.metrics["perf/kv_cache_bytes"] = gen_metrics["gen_kv_cache_bytes"]
         return out
 
     def generate(self) -> None:

@@ -28,8 +28,8 @@ from hfjax.parallel import layout_or_default
 from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
 from hfjax.training.train_state import split_rows
 from hfjax.typed_config import ConfigError, dump_yaml, load_config, to_dict
+from hfjax.workers.config import Dtype, warn_low_precision_master
 
-Dtype = Literal["float32", "bfloat16", "float16"]
 CHECKPOINT_DIR = "checkpoints"
 EXPORT_DIR = "hf"
 ROW_WEIGHT = "row_weight"  # 1 on real rows of an evaluation batch, 0 on the padding rows that fill it
@@ -42,9 +42,12 @@ class ModelSection:
 
     path: str
     tokenizer_path: str | None = None
-    dtype: Dtype = "float32"
-    param_dtype: Dtype | None = None
+    dtype: Dtype = "float32"  # compute
+    param_dtype: Dtype = "float32"  # storage of the trained master copy (optimizer state is always float32)
     layout: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        warn_low_precision_master("model", self.param_dtype)
 
 
 @dataclasses.dataclass

@@ -8,6 +8,8 @@ update at all when the norm is not finite (the step is counted in `skipped_steps
 Compilation: the programs are module-level and keyed by the model's graph, the loss function, the shardings, the
 optimizer and the input shapes, so they compile once per distinct micro-batch shape and are shared by every
 `TrainState` with the same keys (callers pad micro-batches to fixed shapes). `compile_counts()` reports them.
+Precision: parameters are the master copy in their stored dtype (float32 by default; the model computes in its own
+`dtype`), gradients arrive in that dtype, and the optimizer state is float32 whatever the parameters are.
 Memory: parameters and optimizer state are donated to the apply program (one copy, not two), so arrays taken from
 `params` or from the model passed in are invalid after an `update` (read `params` again), unless `donate=False`.
 Imports `hfjax.parallel` and `hfjax.training.optim`; must not import workers or trainers.
@@ -148,6 +150,12 @@ def compile_counts() -> dict[str, int]:
     }
 
 
+def _init_float32(optimizer: optax.GradientTransformation, params: Any) -> Any:
+    """Optimizer state in float32 whatever the parameters are stored in (moments of bf16 weights would lose the
+    small gradients that a float32 master copy keeps)."""
+    return optimizer.init(jax.tree.map(lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32)), params))
+
+
 def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
@@ -175,14 +183,15 @@ class TrainState:
         self.params = jax.device_put(params, layout.shardings(params))
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
         replicated = NamedSharding(layout.mesh, PartitionSpec())
+        init = functools.partial(_init_float32, optimizer)
         self.opt_shardings = optax.tree_utils.tree_map_params(
             optimizer,
             lambda _, sharding: sharding,
-            jax.eval_shape(optimizer.init, self.params),
+            jax.eval_shape(init, self.params),
             self.param_shardings,
             transform_non_params=lambda _: replicated,
         )
-        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        self.opt_state = jax.jit(init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
         self.skipped_steps = 0
         self._grad_shardings = _Frozen.of(self.param_shardings)

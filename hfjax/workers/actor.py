@@ -2,8 +2,10 @@
 HybridEngine and the `OfflineGenerator`), `ref` (frozen reference log probs) — or any `actor_rollout[_ref]` mix
 sharing one process and its devices.
 
-Generation: `HybridEngine.to_gen` moves the training parameters to the generation layout (zero-redundancy: the
-training buffers are released), the generator runs, and `to_train` cuts the training shards back out locally.
+Generation: `HybridEngine.to_gen` moves the training parameters to the generation layout in the compute `dtype`
+(zero-redundancy: the training buffers are released; with float32 master weights and a lower compute dtype the
+master stays and the cast copy moves), the generator runs with a KV cache that lives only while it runs, and
+`to_train` brings the training parameters back (cut out locally, or the master kept).
 Log probs follow the engine's convention: log-softmax of logits / rollout temperature at the response tokens.
 Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.rollout`, `hfjax.parallel`, `hfjax.protocol`.
 """
@@ -85,6 +87,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 mode=rollout.hybrid_engine,
                 offload_optimizer=rollout.offload_optimizer and self.state is not None,
                 keep_host_memory=rollout.keep_host_memory,
+                gen_dtype=cfg.dtype,
             )
             # one continuous-batching loop per process, over its own replicas of the generation layout
             self.local_gen_layout = process_layout(self.hybrid.gen_layout)
@@ -96,7 +99,9 @@ class ActorRolloutRefWorker(TrainedRole):
                 max_new_tokens=rollout.response_length,
             )
             self.generator = OfflineGenerator(self.engine, None, progress=False)
+            self.hybrid.kv_cache_bytes_per_device = self.engine.kv_cache_bytes_per_device()
             info["gen_layout"] = self.hybrid.gen_layout.describe()
+            info["gen_memory"] = {k: v for k, v in self.hybrid.stats().items() if k.endswith("bytes_per_device")}
         return info
 
     @property
@@ -154,6 +159,7 @@ class ActorRolloutRefWorker(TrainedRole):
             "gen_tokens": stats["response_tokens"],
             "gen_seconds": stats["seconds"],
             "gen_decode_steps": stats["decode_steps"],
+            "gen_kv_cache_bytes": stats["kv_cache_bytes_per_device"],
         }
         transitions = self.hybrid.stats()
         timing["reshard_seconds"] = transitions["to_gen_s"][-1] + transitions["to_train_s"][-1]

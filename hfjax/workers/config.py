@@ -9,11 +9,23 @@ Imports `hfjax.training.optim` only.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Literal
 
 from hfjax.training.optim import OptimConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+def warn_low_precision_master(section: str, param_dtype: str) -> None:
+    """Warns when a trained role keeps its master weights below float32: an update smaller than half a unit in the
+    last place of a weight (2^-9 of it in bfloat16; a 1e-6 step on a weight of 0.02) rounds to nothing."""
+    if param_dtype != "float32":
+        warnings.warn(
+            f"{section}.param_dtype={param_dtype}: the trained master weights are stored in {param_dtype}, so small "
+            "updates (e.g. lr 1e-6) round to zero; keep param_dtype=float32 (the default) and set dtype for compute",
+            stacklevel=3,
+        )
 
 
 @dataclasses.dataclass
@@ -45,8 +57,8 @@ class ActorConfig:
     """The policy: its checkpoint, numerics, training layout, optimizer and PPO update settings."""
 
     model_path: str = ""
-    dtype: Dtype = "float32"
-    param_dtype: Dtype | None = None
+    dtype: Dtype = "float32"  # compute (and generation weights, KV cache)
+    param_dtype: Dtype = "float32"  # storage of the trained master copy (optimizer state is always float32)
     train_layout: dict[str, Any] | None = None
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-6))
     ppo_epochs: int = 1
@@ -75,6 +87,7 @@ class ActorConfig:
         for name in ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        warn_low_precision_master("actor", self.param_dtype)
         if self.ppo_mini_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of micro_batch_size "
@@ -87,8 +100,8 @@ class CriticConfig:
     """The value model (a causal-LM checkpoint gets a fresh value head) and its update settings."""
 
     model_path: str = ""
-    dtype: Dtype = "float32"
-    param_dtype: Dtype | None = None
+    dtype: Dtype = "float32"  # compute
+    param_dtype: Dtype = "float32"  # storage of the trained master copy (optimizer state is always float32)
     layout: dict[str, Any] | None = None
     optim: OptimConfig = dataclasses.field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_epochs: int = 1
@@ -106,6 +119,7 @@ class CriticConfig:
                 f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of micro_batch_size "
                 f"({self.micro_batch_size})"
             )
+        warn_low_precision_master("critic", self.param_dtype)
 
 
 @dataclasses.dataclass
