@@ -11,11 +11,13 @@ import pytest
 from flax import nnx
 
 from hfjax.config import load_rl_config
+from hfjax.mapping import ClusterSpec
 from hfjax.models.hf import abstract_model
 from hfjax.models.presets import named_config
 from hfjax.parallel import Layout
 from hfjax.parallel.layout import is_param_leaf
 from hfjax.quickstart import QuickstartConfig
+from hfjax.trainer.automap_run import predict_run, run_models
 from hfjax.trainer.rm import RMConfig
 from hfjax.trainer.sft import SFTConfig
 from hfjax.typed_config import load_config
@@ -25,6 +27,7 @@ GSM8K = sorted((CONFIGS / "gsm8k").glob("*.yaml"))
 
 
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b")
+HARDWARE = {"tpu-v5e": "tpu-v5e", "tpu-v5p": "tpu-v5p", "gpu": "h100"}  # file name part -> built-in device profile
 
 
 def _shape_name(path: Path) -> str:
@@ -62,6 +65,41 @@ def test_gsm8k_config_validates(path):
     samples = cfg.data.train_batch_size * cfg.rollout.n
     assert samples % cfg.actor.ppo_mini_batch_size == 0
     assert math.prod(cfg.actor.train_layout["mesh"].values()) == devices
+
+
+def _hardware(path: Path) -> str:
+    return next(profile for part, profile in HARDWARE.items() if part in path.stem)
+
+
+@pytest.mark.parametrize("path", GSM8K, ids=lambda p: p.stem)
+def test_gsm8k_config_fits_its_hardware_memory(path):
+    """The cost model's memory per device for the config's own mapping (master weights, Adam state, gradients,
+    generation copy, KV cache, activations) fits the device memory of the hardware its name gives."""
+    cfg = load_rl_config(path)
+    cluster = ClusterSpec.builtin(_hardware(path), cfg.trainer.hosts, cfg.trainer.devices_per_host)
+    shape = named_config(_shape_name(path))
+    prediction = predict_run(cfg, cluster, {role: shape for role in run_models(cfg)})  # raises when it does not fit
+    usable = cluster.device_memory_bytes * 0.9
+    assert max(prediction.group_peak_bytes) <= usable, (prediction.group_peak_bytes, usable)
+
+
+def test_cost_model_counts_master_weights_optimizer_state_generation_copy_and_kv_cache():
+    """By hand for Qwen2.5-0.5B GRPO on one GPU: float32 master (4 bytes per parameter), two float32 Adam moments
+    (8), float32 gradients (4), a bfloat16 frozen reference (2), a bfloat16 generation copy beside the master (2),
+    and a bfloat16 KV cache of 2 x layers x kv heads x head dim per token for every sequence of one wave."""
+    path = CONFIGS / "gsm8k" / "qwen2.5-0.5b-grpo-1gpu.yaml"
+    cfg = load_rl_config(path)
+    shape = named_config("qwen2.5-0.5b")
+    prediction = predict_run(cfg, ClusterSpec.builtin("h100", 1, 1), {role: shape for role in run_models(cfg)})
+    actor, ref = prediction.roles["actor"].memory, prediction.roles["ref"].memory
+    params = shape.num_params
+    assert actor["params"] == 4 * params and actor["optimizer"] == 8 * params and actor["grads"] == 4 * params
+    assert ref["params"] == 2 * params and actor["gen_extra_params"] == 2 * params
+    waves = prediction.roles["actor"].detail["gen_waves"]
+    sequences = math.ceil(cfg.data.train_batch_size * cfg.rollout.n / waves)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    seq_len = cfg.data.max_prompt_length + cfg.rollout.response_length
+    assert actor["kv_cache"] == sequences * seq_len * per_token
 
 
 def test_other_shipped_configs_load():

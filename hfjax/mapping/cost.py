@@ -19,9 +19,12 @@ A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for 
 bandwidth, plus a fixed latency per call. On a shared host (fake CPU devices: `DeviceProfile.shared_host`) a group
 of g of the host's n devices runs at n/g times the per-device rates (measured with all n busy), collectives add
 to compute instead of overlapping it, and the groups' stage seconds add up instead of taking their max.
-Memory per device: bf16 parameters, fp32 Adam state (master, m, v) and fp32 gradients of trained roles,
-activations (Korthikanti et al. 2022: 10 + 24/t bytes per token and width per layer with flash attention; full
-recomputation keeps each layer's input), fp32 logits, the actor's KV cache.
+Memory per device, as hfjax's trainers hold it: a trained role keeps its master copy (`master_bytes`, float32 by
+default), Adam's two moments in float32 and gradients in the master's dtype; a frozen role (reference, reward) keeps
+its parameters in the compute dtype (`param_bytes`); the actor's generation copy in the compute dtype is extra while
+it generates (the whole copy when it is a cast of the master, else what the generation shard adds to the training
+shard), and so is its KV cache; activations (Korthikanti et al. 2022: 10 + 24/t bytes per token and width per layer
+with flash attention; full recomputation keeps each layer's input), fp32 logits.
 Imports `hfjax.parallel` and `hfjax.mapping.{cluster,dataflow}`.
 """
 
@@ -74,11 +77,13 @@ def gen_sizes(devices: int, tensor: int) -> Sizes:
 
 @dataclasses.dataclass(frozen=True)
 class CostOptions:
-    """Precision and memory assumptions."""
+    """Precision and memory assumptions: `param_bytes` of the compute dtype (activations, frozen roles, the
+    generation copy, the KV cache, collectives of parameters), `master_bytes` of a trained role's stored parameters
+    and gradients, `optimizer_bytes` of its optimizer state per parameter (Adam's two float32 moments)."""
 
     param_bytes: int = 2
-    grad_bytes: int = 4
-    optimizer_bytes: int = 12
+    master_bytes: int = 4
+    optimizer_bytes: int = 8
     remat: bool = True
     usable_memory_fraction: float = 0.9
 
@@ -207,9 +212,9 @@ class CostModel:
         compute = micro * flops / sizes.tensor / (share * self.shard_flops(shape, sizes.tensor))
         fsdp = micro * (
             self.collective("gather", shard * f * opt.param_bytes, f, f * t, 2 * L, share)
-            + self.collective("gather", shard * f * opt.grad_bytes, f, f * t, L, share)
+            + self.collective("gather", shard * f * opt.master_bytes, f, f * t, L, share)
         )
-        dp = self.collective("reduce", shard * opt.grad_bytes, sizes.data, sizes.size, share=share)
+        dp = self.collective("reduce", shard * opt.master_bytes, sizes.data, sizes.size, share=share)
         tp = micro * self.collective(
             "reduce", (4 + 2 * r) * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, (4 + 2 * r) * L, share
         )
@@ -232,9 +237,13 @@ class CostModel:
         return {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "seconds": self.overlap(compute, fsdp) + tp}
 
     def gen_extra_bytes(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
-        """Parameter bytes per device the generation shard adds over the training shard."""
-        elems = shape.shard_elements(layout_of(gen, GEN_RULES)) - shape.shard_elements(layout_of(train, TRAIN_RULES))
-        return elems * self.options.param_bytes
+        """Parameter bytes per device that generation adds: the whole generation shard when it is a cast copy of
+        the master (which stays), else what it adds over the training shard (the HybridEngine reuses that)."""
+        opt = self.options
+        gen_elems = shape.shard_elements(layout_of(gen, GEN_RULES))
+        if opt.master_bytes != opt.param_bytes:
+            return gen_elems * opt.param_bytes
+        return (gen_elems - shape.shard_elements(layout_of(train, TRAIN_RULES))) * opt.param_bytes
 
     def generate(self, shape: ModelShape, train: Sizes, gen: Sizes, kv_budget: float | None) -> dict[str, float] | str:
         """Generation seconds (prefill, decode, train -> gen transition) with `kv_budget` bytes per device free
@@ -284,7 +293,7 @@ class CostModel:
         trained = role in self.flow.training
         seconds = dict.fromkeys(STAGES, 0.0)
         detail: dict[str, float] = {}
-        memory = {"params": shard * opt.param_bytes}
+        memory = {"params": shard * (opt.master_bytes if trained else opt.param_bytes)}
         transient = 0.0
         if role in self.flow.inference:
             inf = self.infer(role, shape, sizes)
@@ -298,7 +307,7 @@ class CostModel:
             detail.update({f"train_{k}": v for k, v in tr.items() if k != "seconds"})
             seqs_step = math.ceil(self.sequences("training") / self.workload.mini_batches)
             memory["optimizer"] = shard * opt.optimizer_bytes
-            memory["grads"] = shard * opt.grad_bytes
+            memory["grads"] = shard * opt.master_bytes
             memory["train_activations"] = self.activation_bytes(shape, sizes, seqs_step, True)
             transient = max(transient, memory["grads"] + memory["train_activations"])
         static = memory["params"] + memory.get("optimizer", 0.0)

@@ -10,7 +10,8 @@ and the cost critic shares the critic's settings (`critic.layout`). `trainer_can
 mappings (every actor training x generation layout; for the other roles, their own fastest layouts on their group)
 and predicts each with the cost model; `run_config` writes the chosen one into a run config (`trainer.placement`,
 `trainer.hosts`, `trainer.devices_per_host`, `actor.train_layout`, `rollout.gen_layout`, `critic.layout`,
-`reward.{reward_model,cost_model}.layout`; `trainer.backend: ray` for separate groups or several hosts).
+`reward.{reward_model,cost_model}.layout`; `trainer.backend: ray` for separate groups or several hosts), and
+`config_mapping` reads a run config's mapping back.
 Imports `hfjax.controller.resource_pool`, `hfjax.parallel` and `hfjax.mapping.{cluster,cost,dataflow,search}`.
 """
 
@@ -144,6 +145,41 @@ def trainer_placement(groups: Groups, cluster: ClusterSpec) -> str | None:
         if found is not None and {(frozenset(g), n) for g, n in found} == wanted:
             return placement
     return None
+
+
+def _sizes(config: Mapping[str, Any] | None, devices: int, where: str) -> Sizes:
+    """A layout config (`Layout.from_config` form; None: fsdp over every device) as mesh sizes."""
+    if config is None:
+        return Sizes(1, devices, 1)
+    mesh = dict(config.get("mesh") or {})
+    unknown = sorted(set(mesh) - {"data", "fsdp", "tensor"})
+    if unknown:
+        raise ValueError(f"{where}: mesh axes {unknown} are not modelled; expected data, fsdp and tensor")
+    return Sizes(int(mesh.get("data", 1)), int(mesh.get("fsdp", 1)), int(mesh.get("tensor", 1)))
+
+
+def config_mapping(config: Mapping[str, Any], roles: tuple[str, ...]) -> DeviceMapping:
+    """The mapping a run config dict (`trainer`, `actor.train_layout`, `rollout.gen_layout`, role layouts) gives
+    `roles` (the dataflow's roles that have a model), for `CostModel.predict`."""
+    trainer = config.get("trainer") or {}
+    hosts, per_host = int(trainer.get("hosts", 1)), int(trainer.get("devices_per_host", 8))
+    placement = trainer.get("placement", "colocate")
+    groups = trainer_groups(roles, hosts, per_host, placement)
+    if groups is None:
+        raise ValueError(f"trainer.placement={placement!r} cannot run on {hosts} host(s) x {per_host} devices")
+    devices = {r: n for g, n in groups for r in g}
+
+    def layout(keys: tuple[str, ...], role: str) -> Sizes:
+        node: Any = config
+        for key in keys:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        return _sizes(node, devices[role], ".".join(keys))
+
+    layouts = {"actor": layout(("actor", "train_layout"), "actor")}
+    layouts.update({r: layout(keys, r) for r, keys in LAYOUT_KEYS.items() if r in roles})
+    layouts.update({r: layouts[of] for r, of in SHARED_LAYOUT.items() if r in roles and of in layouts})
+    gen = config.get("rollout", {}).get("gen_layout")
+    return DeviceMapping(groups, layouts, _sizes(gen, devices["actor"], "rollout.gen_layout") if gen else None)
 
 
 def without_mapping(base: Mapping[str, Any]) -> dict[str, Any]:

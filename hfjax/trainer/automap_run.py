@@ -5,7 +5,8 @@ placement, hosts, devices and layouts are ignored: they may be another cluster's
 the trainer runs on the cluster's hosts (`hfjax.mapping.trainer_runs.trainer_candidates`: whole hosts per worker
 group on several hosts, one generation loop per host); the best is written as the same run config with its
 placement, the cluster as `trainer.hosts` and `trainer.devices_per_host` (an old `trainer.devices` removed) and its
-layouts filled in, checked as `hfjax train` checks it, so `hfjax train MAPPED.yaml` runs it as is.
+layouts filled in, checked as `hfjax train` checks it, so `hfjax train MAPPED.yaml` runs it as is. `predict_run`
+predicts a config's own mapping instead (e.g. to check that it fits its hardware's memory).
 Imports `hfjax.config` and `hfjax.mapping`.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,15 @@ import yaml
 
 from hfjax.config import RLConfig, load_rl_config
 from hfjax.mapping import ClusterSpec, CostModel, CostOptions, Workload, dataflow, print_candidates, role_shapes
-from hfjax.mapping.trainer_runs import run_config, trainer_candidates, without_mapping
+from hfjax.mapping.cost import Prediction
+from hfjax.mapping.trainer_runs import config_mapping, run_config, trainer_candidates, without_mapping
+from hfjax.typed_config import to_dict
 
 
-def run_workload(cfg: RLConfig) -> Workload:
-    """One iteration of `cfg` as the cost model's workload."""
+def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
+    """One iteration of `cfg` as the cost model's workload. `batch_ranks`: the data-parallel ranks (data x fsdp)
+    of the actor's training layout, which split each micro-batch of `actor.micro_batch_size` rows (a whole group's);
+    1 when the layout is still to be chosen (the search then assumes whole micro-batches per rank: an upper bound)."""
     sequences = cfg.data.train_batch_size * cfg.rollout.n
     return Workload(
         global_batch_prompts=cfg.data.train_batch_size,
@@ -33,8 +39,14 @@ def run_workload(cfg: RLConfig) -> Workload:
         response_len=cfg.rollout.response_length,
         ppo_epochs=cfg.actor.ppo_epochs,
         mini_batches=max(1, sequences // cfg.actor.ppo_mini_batch_size),
-        micro_batch_seqs=cfg.actor.micro_batch_size,
+        micro_batch_seqs=max(1, -(-cfg.actor.micro_batch_size // batch_ranks)),
     )
+
+
+def run_cost_options(cfg: RLConfig) -> CostOptions:
+    """The cost model's precision for `cfg`: the actor's compute dtype and master-weight dtype."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
+    return CostOptions(param_bytes=itemsize[cfg.actor.dtype], master_bytes=itemsize[cfg.actor.param_dtype])
 
 
 def run_models(cfg: RLConfig) -> dict[str, str]:
@@ -52,6 +64,19 @@ def run_models(cfg: RLConfig) -> dict[str, str]:
     return models
 
 
+def predict_run(cfg: RLConfig, cluster: ClusterSpec, models: Mapping[str, Any] | None = None) -> Prediction:
+    """The cost model's prediction (seconds, and memory per device: master copies, optimizer state, gradients,
+    generation copy, KV cache, activations) for `cfg`'s own placement and layouts on `cluster`. `models`: each
+    role's model (a `ModelConfig`, a preset name or a checkpoint path; default: the config's checkpoints).
+    Raises `InfeasibleError` naming what does not fit."""
+    flow = dataflow(cfg.algorithm.name)
+    shapes = role_shapes(flow, dict(models) if models is not None else run_models(cfg))
+    mapping = config_mapping(to_dict(cfg), tuple(r for r in flow.roles if r in shapes))
+    actor = mapping.layouts["actor"]
+    model = CostModel(cluster, flow, run_workload(cfg, actor.data * actor.fsdp), run_cost_options(cfg))
+    return model.predict(shapes, mapping)
+
+
 def automap_run(cluster_path: str, config_path: str, out: str | None, top: int = 10) -> int:
     """Prints the `top` mappings of the run at `config_path` on the cluster at `cluster_path`; writes the best
     as a run config to `out`. Returns 0, or 1 when no mapping fits."""
@@ -61,8 +86,7 @@ def automap_run(cluster_path: str, config_path: str, out: str | None, top: int =
     cfg = load_rl_config(without_mapping(raw))  # its layouts and devices may be another cluster's
     cluster = ClusterSpec.from_yaml(cluster_path)
     flow = dataflow(cfg.algorithm.name)
-    float32 = cfg.actor.dtype == "float32"
-    model = CostModel(cluster, flow, run_workload(cfg), CostOptions(param_bytes=4 if float32 else 2))
+    model = CostModel(cluster, flow, run_workload(cfg), run_cost_options(cfg))
     candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
     title = f"{cfg.algorithm.name} on {cluster.hosts}x{cluster.devices_per_host} devices (placements hfjax train runs)"
     print_candidates(candidates, title, top)
