@@ -4,6 +4,8 @@ bytes moved and peak bytes per device against the paper's Table 2, and to_gen ti
 write floor: every gen byte copied at that bandwidth (on CPU a device's own share is copied too: CPU devices share
 host memory, and each gen shard is a new buffer). Usage:
     python scripts/bench_reshard.py [--pairs configs/layout_pairs.yaml] [--repeats 5] [--out runs/bench/reshard.json]
+With `--param-dtype float32 --gen-dtype bfloat16` the training copy is float32 master weights and each pair also runs
+with a bfloat16 generation copy (cast where the master lies, then moved; the master stays), beside float32 ones.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/reshard.json"))
+    parser.add_argument("--param-dtype", default="bfloat16", help="dtype of the training copy")
+    parser.add_argument("--gen-dtype", default=None, help="also run each pair with the generation copy cast to this")
     args = parser.parse_args()
     pairs = yaml.safe_load(args.pairs.read_text())["pairs"]
-    params = abstract_params_for(args.model, "bfloat16")
+    params = abstract_params_for(args.model, args.param_dtype)
     bandwidth = memcpy_bandwidth()
-    rows = compare_layouts(params, pairs, repeats=args.repeats)
+    gen_dtypes = (None, args.gen_dtype) if args.gen_dtype else (None,)
+    rows = compare_layouts(params, pairs, repeats=args.repeats, gen_dtypes=gen_dtypes)
     bandwidth = (bandwidth + memcpy_bandwidth()) / 2  # before and after, to smooth machine noise
     table = []
     for r in rows:
@@ -55,6 +60,7 @@ def main() -> None:
             [
                 r["pair"],
                 r["mode"],
+                f"{r['param_dtype']}->{r['gen_dtype']}",
                 "yes" if r["contained"] else "no",
                 r["train_bytes_per_device"] / MIB,
                 r["gen_bytes_per_device"] / MIB,
@@ -72,11 +78,13 @@ def main() -> None:
             ]
         )
     report(
-        f"{args.model} bf16 (M = {rows[0]['param_bytes'] / MIB:.1f} MiB) on 8 CPU devices, per-device MiB, "
+        f"{args.model} {args.param_dtype} (M = {rows[0]['param_bytes'] / MIB:.1f} MiB) on 8 CPU devices, "
+        "per-device MiB, "
         f"memcpy {bandwidth / 1e9:.2f} GB/s",
         [
             "pair",
             "mode",
+            "dtypes",
             "contained",
             "train",
             "gen",

@@ -66,3 +66,16 @@ def test_controller_jax_stays_on_cpu_when_the_driver_environment_names_an_accele
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     assert seen == {"platforms": "cpu", "backend": "cpu", "devices": ["cpu"], "steps": 1}
+
+
+def test_accelerator_extras_pin_the_jax_release_of_the_runtime_pins():
+    """`pip install hfjax[cuda12|cuda13|tpu]` installs the accelerator build of exactly the JAX that
+    requirements.txt pins (a mismatched jaxlib/plugin pair fails at import on the accelerator)."""
+    import tomllib
+
+    pins = dict(line.split("==") for line in (ROOT / "requirements.txt").read_text().split("\n") if "==" in line)
+    jax_pin = pins["jax"].split()[0]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {name: reqs for name, reqs in extras.items() if name in ("cuda12", "cuda13", "tpu")} == {
+        name: [f"jax[{name}]=={jax_pin}"] for name in ("cuda12", "cuda13", "tpu")
+    }

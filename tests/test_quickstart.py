@@ -54,20 +54,30 @@ def test_quickstart_smoke(tmp_path):
     assert (tmp_path / "result.json").read_bytes() == written
 
 
+def _same_accuracy(a: float, b: float, problems: int) -> bool:
+    """Whether two held-out accuracies agree up to what the test set can tell apart (two standard errors of the
+    difference of two accuracies over its problems)."""
+    mean = (a + b) / 2
+    return abs(a - b) <= 2 * math.sqrt(2 * mean * (1 - mean) / problems)
+
+
 @pytest.mark.slow
 @pytest.mark.ray
-def test_quickstart_learns_on_one_host_and_on_two(ray_cluster, tmp_path):
-    """The learning claim (+20 points after RL), then the same RL from the same SFT checkpoint on 2 simulated hosts
-    x 1 device instead of 1 x 2, with the same seeds and layouts, ends at the same held-out accuracy, up to what the
-    test set can tell apart (two standard errors of the difference of two accuracies over its problems). Over 150
-    sampled steps the runs are not bitwise equal: micro-batches sum in another order, and a last-bit difference can
-    flip a sampled token; tests/test_multihost.py checks 3-step runs equal to float tolerance."""
+def test_quickstart_learns_on_two_hosts_and_in_bfloat16(ray_cluster, tmp_path):
+    """The learning claim (+20 points after RL), then the same RL from the same SFT checkpoint (same seeds and
+    layouts) twice more, each ending at the same held-out accuracy up to what the test set can tell apart: on 2
+    simulated hosts x 1 device instead of 1 x 2, and with bfloat16 compute (float32 master weights, a bfloat16
+    generation copy and KV cache) instead of float32. Over 150 sampled steps the runs are not bitwise equal:
+    micro-batches sum in another order (or round to bfloat16), and a last-bit difference can flip a sampled token;
+    tests/test_multihost.py checks 3-step runs equal to float tolerance."""
     cfg = load_config(QuickstartConfig, "configs/quickstart.yaml", [f"run_dir={tmp_path}"])
     result = run_quickstart(cfg)
     assert result["gain_points"] >= 20, result
+    rl_config = tmp_path / "rl" / "config.yaml"
     two_hosts = [f"trainer.run_dir={tmp_path / 'rl-2-hosts'}", "trainer.hosts=2", "trainer.devices_per_host=1"]
-    history = run_rl(load_rl_config(tmp_path / "rl" / "config.yaml", two_hosts))
-    accuracy = history[-1][ACCURACY_KEY]
-    print(f"held-out accuracy after RL: 1 x 2 devices {result['rl_accuracy']:.4f}, 2 x 1 devices {accuracy:.4f}")
-    mean, problems = (accuracy + result["rl_accuracy"]) / 2, cfg.task["num_test"]
-    assert abs(accuracy - result["rl_accuracy"]) <= 2 * math.sqrt(2 * mean * (1 - mean) / problems), (accuracy, result)
+    bfloat16 = [f"trainer.run_dir={tmp_path / 'rl-bfloat16'}", "actor.dtype=bfloat16"]
+    problems = cfg.task["num_test"]
+    for name, overrides in (("2 x 1 devices", two_hosts), ("bfloat16 compute", bfloat16)):
+        accuracy = run_rl(load_rl_config(rl_config, overrides))[-1][ACCURACY_KEY]
+        print(f"held-out accuracy after RL: 1 x 2 devices float32 {result['rl_accuracy']:.4f}, {name} {accuracy:.4f}")
+        assert _same_accuracy(accuracy, result["rl_accuracy"], problems), (name, accuracy, result)

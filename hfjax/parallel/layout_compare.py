@@ -50,19 +50,24 @@ def compare_layouts(
     *,
     modes: Sequence[str] = ("zero_redundancy", "naive"),
     repeats: int = 0,
+    gen_dtypes: Sequence[str | None] = (None,),
 ) -> list[dict[str, Any]]:
-    """One row per (pair, mode). `pairs`: [{"name", "train", "gen"}]. With `repeats` > 0, runs to_gen/to_train
-    that many times after one warm-up on filler parameters and reports median times. A pair's modes take turns, one
-    to_gen/to_train cycle each, so that none of them is always the first one timed (in one process the first
-    transitions run slower while the process's memory grows)."""
+    """One row per (pair, mode, generation dtype; None: the parameters' own). `pairs`: [{"name", "train", "gen"}].
+    With `repeats` > 0, runs to_gen/to_train that many times after one warm-up on filler parameters and reports
+    median times. A pair's variants take turns, one to_gen/to_train cycle each, so that none of them is always the
+    first one timed (in one process the first transitions run slower while the process's memory grows)."""
     total = sum(
         math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         for leaf in jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
     )
     rows = []
     for pair in pairs:
-        engines = [HybridEngine(pair["train"], pair["gen"], abstract_params, mode=mode) for mode in modes]
-        for mode, engine in zip(modes, engines, strict=True):
+        variants = [(mode, dtype) for mode in modes for dtype in gen_dtypes]
+        engines = [
+            HybridEngine(pair["train"], pair["gen"], abstract_params, mode=mode, gen_dtype=dtype)
+            for mode, dtype in variants
+        ]
+        for (mode, _), engine in zip(variants, engines, strict=True):
             stats = engine.stats()
             rows.append(
                 {
