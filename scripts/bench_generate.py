@@ -123,7 +123,7 @@ def main() -> None:
 
     # Decode-step floor: weights read (no embedding table) + mean KV cache read, over measured bandwidth.
     bandwidth = memory_bandwidth()
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - cfg.vocab_size * cfg.hidden_size * 4
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - cfg.padded_vocab_size * cfg.hidden_size * 4
     mean_cache_len = float(np.mean(lengths)) + args.new_tokens / 2
     kv_bytes = 2 * cfg.num_layers * args.prompts * mean_cache_len * cfg.num_kv_heads * cfg.head_dim * 4
     memory_floor_s = (param_bytes + kv_bytes) / bandwidth

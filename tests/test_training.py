@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -256,6 +257,25 @@ def test_damaged_latest_falls_back_and_partial_save_is_ignored(tmp_path, trained
     with pytest.raises(CheckpointError, match="opt_state"):
         manager.restore(None, {"opt_state": trained_state.abstract_items()["opt_state"]})
     manager.close()
+
+
+def test_restore_into_other_shapes_names_them_and_sets_nothing_aside(tmp_path):
+    """A checkpoint whose embedding has the HF vocabulary's 97 rows, restored into a model that stores them padded
+    to 128, is a caller error: the message names the leaf, both shapes and vocabulary padding; the step stays."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    saved = {"params": {"embed_tokens": jnp.ones((97, 4)), "norm": jnp.ones(4)}}
+    target = {
+        "params": {
+            "embed_tokens": jax.ShapeDtypeStruct((128, 4), jnp.float32, sharding=sharding),
+            "norm": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding),
+        }
+    }
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(3, saved)
+        manager.wait()
+        with pytest.raises(CheckpointError, match=r"embed_tokens: saved \(97, 4\), target \(128, 4\).*vocabulary pad"):
+            manager.restore(None, target)
+        assert manager.all_steps() == [3] and not list((tmp_path / "ckpt").glob("*.unreadable*"))
 
 
 def test_metrics_jsonl_tensorboard_and_resume(tmp_path):

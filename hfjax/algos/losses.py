@@ -252,7 +252,8 @@ def _at_least_f32(logits: jax.Array) -> jax.Array:
 
 @jax.jit
 def entropy_from_logits(logits: jax.Array) -> jax.Array:
-    """Entropy of softmax(logits) over the last axis, logsumexp(z) - sum(softmax(z) * z), in at least float32."""
+    """Entropy of softmax(logits) over the last axis, logsumexp(z) - sum(softmax(z) * z), in at least float32.
+    Masked columns must be finite (the vocabulary padding's -1e30): their softmax is 0, so they add 0, not NaN."""
     logits = _at_least_f32(logits)
     return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
 

@@ -192,7 +192,7 @@ class CostModel:
         _, m = self._passes(seqs, sizes)
         tokens = m * self.workload.seq_len
         layer = tokens * cfg.hidden_size * (10 + 24 / sizes.tensor)
-        logits = tokens * cfg.vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
+        logits = tokens * cfg.padded_vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
         if not training:
             return layer + logits
         stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers

@@ -179,7 +179,7 @@ class ModelShape:
         LM head."""
         cfg = self.config
         tied_head = self.head == "causal_lm" and cfg.tie_word_embeddings
-        return self.params - (0 if tied_head else cfg.vocab_size * cfg.hidden_size)
+        return self.params - (0 if tied_head else cfg.padded_vocab_size * cfg.hidden_size)
 
     def attention_flops(self, context: float) -> float:
         """Forward attention FLOPs per token attending to `context` keys (QK^T and AV)."""

@@ -23,6 +23,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 FAMILY_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 HEAD_CLASS_SUFFIX = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification", "token_cls": "TokenClassification"}
 ROPE_TYPES = ("default", "linear", "llama3")
+# Stored vocabulary rows are a multiple of this (whatever the layout, so one checkpoint shape serves every layout):
+# it divides by every power-of-two tensor-parallel size up to 128; real vocabularies such as 32000 or 151936 already
+# are multiples.
+VOCAB_MULTIPLE = 128
 
 
 class UnsupportedModelError(ValueError):
@@ -108,8 +112,15 @@ class ModelConfig:
         return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
     @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the stored embedding and LM head: `vocab_size` rounded up to a multiple of `VOCAB_MULTIPLE`. The
+        rows from `vocab_size` on are zero, never looked up, and their logits are masked."""
+        return -(-self.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    @property
     def num_params(self) -> int:
-        """Parameter count of the causal LM (embedding, layers, final norm, LM head unless tied)."""
+        """Parameter count of the HF causal LM (embedding, layers, final norm, LM head unless tied), as transformers
+        counts it: the vocabulary padding rows are not counted."""
         d, q, kv, m = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, 0
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * self.head_dim * self.qk_norm

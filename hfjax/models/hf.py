@@ -3,7 +3,9 @@
 `load_hf` validates the whole checkpoint against the model (names and shapes) before allocating device memory, then
 reads one tensor at a time and puts it straight onto its `NamedSharding`. `save_hf` fetches one tensor at a time and
 writes safetensors (sharded above `max_shard_bytes`) plus `config.json` into a temporary directory that replaces
-the target only once complete. Imports `hfjax.models.*` and `hfjax.parallel.layout`.
+the target only once complete. The embedding and LM head are read into the first `vocab_size` rows of their
+`padded_vocab_size` rows (the rest zero) and written back without the padding, so HF round trips are exact.
+Imports `hfjax.models.*`, `hfjax.parallel.layout` and `hfjax.parallel.transfer`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hfjax.models.config import ModelConfig, config_from_hf
 from hfjax.models.safetensors_io import CheckpointError, TensorEntry, read_header, read_tensor, write_file
 from hfjax.models.transformer import HEAD_CLASSES
 from hfjax.parallel.layout import Layout
+from hfjax.parallel.transfer import aligned_empty
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,29 +42,38 @@ DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
 @dataclass(frozen=True)
 class ParamMapping:
     """One HF tensor <-> one model parameter. Both store weights `[out, in]`, so converting is a reshape:
-    `bias` tensors (and fused head dimensions) are flat in HF."""
+    `bias` tensors (and fused head dimensions) are flat in HF. A `vocab` tensor has the HF checkpoint's `hf_rows`
+    rows, ours `padded_vocab_size` (the padding rows are zero and never written)."""
 
     hf_name: str
     path: tuple[str | int, ...]
-    kind: str = "same"  # "same", "bias", or "q_kernel" / "o_kernel" (the heads dims fused in HF)
+    kind: str = "same"  # "same", "bias", "vocab", or "q_kernel" / "o_kernel" (the heads dims fused in HF)
+    hf_rows: int = 0  # a "vocab" tensor's rows in HF: the true vocabulary size
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.kind == "q_kernel":  # ours [heads, head_dim, embed] -> HF [heads*head_dim, embed]
             return math.prod(shape[:-1]), shape[-1]
         if self.kind == "o_kernel":  # ours [embed, heads, head_dim] -> HF [embed, heads*head_dim]
             return shape[0], math.prod(shape[1:])
+        if self.kind == "vocab":
+            return self.hf_rows, *shape[1:]
         return (math.prod(shape),) if self.kind == "bias" else shape
 
     def to_model(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        return array.reshape(shape)
+        if self.kind != "vocab" or array.shape[0] == shape[0]:
+            return array.reshape(shape)
+        padded = aligned_empty(shape, array.dtype)
+        padded[: self.hf_rows] = array
+        padded[self.hf_rows :] = 0
+        return padded
 
     def to_hf(self, array: np.ndarray) -> np.ndarray:
-        return array.reshape(self.hf_shape(array.shape))
+        return array[: self.hf_rows] if self.kind == "vocab" else array.reshape(self.hf_shape(array.shape))
 
 
 def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
     """The HF name and conversion of every parameter of a model with this config and head kind."""
-    plan = [ParamMapping("model.embed_tokens.weight", ("model", "embed_tokens"))]
+    plan = [ParamMapping("model.embed_tokens.weight", ("model", "embed_tokens"), "vocab", cfg.vocab_size)]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}.", ("model", "layers", i)
         for proj in "qkvo":
@@ -91,7 +103,7 @@ def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
         ]
     plan.append(ParamMapping("model.norm.weight", ("model", "norm", "weight")))
     if head == "causal_lm" and not cfg.tie_word_embeddings:
-        plan.append(ParamMapping("lm_head.weight", ("lm_head",)))
+        plan.append(ParamMapping("lm_head.weight", ("lm_head",), "vocab", cfg.vocab_size))
     if head in ("seq_cls", "token_cls"):
         plan.append(ParamMapping("score.weight", ("score",)))
     if head == "token_cls":
@@ -222,10 +234,12 @@ def load_hf(
     for mapping in tqdm(plan, desc=f"loading {Path(path).name}", unit="tensor", disable=None, leave=False):
         var = flat[mapping.path]
         if mapping.hf_name in fresh:
+            hf_shape = mapping.hf_shape(var.shape)
             is_bias = mapping.kind == "bias"
-            host = np.zeros(var.shape, np.float32) if is_bias else rng.normal(0, std, var.shape).astype(np.float32)
+            host = np.zeros(hf_shape, np.float32) if is_bias else rng.normal(0, std, hf_shape).astype(np.float32)
         else:
-            host = mapping.to_model(read_tensor(index[mapping.hf_name]), var.shape)
+            host = read_tensor(index[mapping.hf_name])
+        host = mapping.to_model(host, var.shape)
         host = np.ascontiguousarray(host.astype(storage_dtype, copy=False))
         values[mapping.path] = _place(host, shardings[mapping.path] if shardings else default_sharding)
     state = nnx.from_flat_state([(p, v.replace(value=values[p])) for p, v in flat.items()])

@@ -4,7 +4,8 @@ Every parameter carries `logical_axes` metadata (names from `LOGICAL_AXES`); a `
 Weights are stored output-major like HF's `[out, in]` (loading is a reshape, never a transpose; XLA's CPU matmuls
 were also faster this way on our shapes).
 Compute runs in `dtype`; parameters are stored in `param_dtype`; norms and softmax run in float32.
-Imports `hfjax.models.config` and the logical axis names of `hfjax.parallel.layout`.
+The attention step is `hfjax.models.attention.causal_attention`.
+Imports `hfjax.models.attention`, `hfjax.models.config` and the logical axis names of `hfjax.parallel.layout`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hfjax.models.attention import causal_attention
 from hfjax.models.config import ModelConfig, RopeConfig
 from hfjax.models.dense import dense
 from hfjax.parallel.layout import LOGICAL_AXES
-
-MASKED_SCORE = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -87,53 +87,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-
-
-def attention_mask(valid: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
-    """Boolean [batch, queries, keys]: causal, keys valid, and within the sliding window when one is set."""
-    allowed = key_index[None, :] <= query_index[:, None]
-    if window is not None:
-        allowed &= query_index[:, None] - key_index[None, :] < window
-    return allowed[None, :, :] & valid[:, None, :].astype(bool)
-
-
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """q [b, t, heads, d]; k, v [b, s, kv_heads, d]; mask [b, t, s] -> [b, t, heads, d]. The query heads of one kv
-    head are stacked along the query axis, so each product is one batched matmul per (batch, kv head)."""
-    b, t, heads, d = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, d)
-    scores = jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, kv_heads, group, t, s), MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, group * t, s)
-    out = jnp.einsum("bkqs,bskd->bkqd", probs, v).reshape(b, kv_heads, group, t, d)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
-
-
-def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal_blocks: int = 4
-) -> jax.Array:
-    """Grouped-query attention, scores in float32. q [b, t, heads, d]; k, v [b, s, kv_heads, d]; mask [b, t, s]
-    (causal within it) -> [b, t, heads, d].
-
-    When queries and keys are the same positions (t == s, e.g. a forward pass), the queries are cut into
-    `causal_blocks` blocks and block i attends only to the keys up to its end: (n+1)/(2n) of the 4*b*t*s*heads*d
-    FLOPs of the full product, with identical results (the skipped keys are masked anyway)."""
-    t, s = q.shape[1], k.shape[1]
-    if t != s or t % causal_blocks or t // causal_blocks < 32:
-        return _attend(q, k, v, mask)
-    size = t // causal_blocks
-    outs = [
-        _attend(
-            q[:, i * size : (i + 1) * size],
-            k[:, : (i + 1) * size],
-            v[:, : (i + 1) * size],
-            mask[:, i * size : (i + 1) * size, : (i + 1) * size],
-        )
-        for i in range(causal_blocks)
-    ]
-    return jnp.concatenate(outs, axis=1)
 
 
 class Attention(nnx.Module):
@@ -225,7 +178,8 @@ class DecoderLayer(nnx.Module):
         self.window = window
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        return self.block(x, cos, sin, lambda q, k, v: dot_product_attention(q, k, v, mask))
+        """The block over a batch; `mask` is `attention_mask(valid, index, index, self.window)` [b, t, t]."""
+        return self.block(x, cos, sin, lambda q, k, v: causal_attention(q, k, v, mask=mask, window=self.window))
 
     def block(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: Attend) -> jax.Array:
         """The residual block with the attention step given as `attend(q, k, v) -> attended` (a full forward

@@ -2,7 +2,9 @@
 
 Inputs are batched and may be left-padded: `attention_mask` [batch, length] is 1 on real tokens; positions default
 to `cumsum(mask) - 1`, as HF `generate` computes them. Outputs are float32.
-Imports only `hfjax.models.config` and `hfjax.models.layers`.
+The embedding and LM head have `padded_vocab_size` rows (zero beyond `vocab_size`); `CausalLM.logits` gives the
+padding columns `MASKED_SCORE`, so no softmax, sample or loss ever sees them, and `CausalLM.__call__` drops them.
+Imports `hfjax.models.attention`, `.config`, `.dense` and `.layers`.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hfjax.models.attention import MASKED_SCORE, attention_mask
 from hfjax.models.config import ModelConfig
 from hfjax.models.dense import dense
 from hfjax.models.layers import (
     DecoderLayer,
     RMSNorm,
-    attention_mask,
     logical_param,
     normal_init,
     rope_inv_freq,
@@ -35,13 +37,28 @@ def last_token_index(mask: jax.Array) -> jax.Array:
     return jnp.argmax(idx[None, :] * mask.astype(jnp.int32), axis=-1)
 
 
+def vocab_param(cfg: ModelConfig, rngs: nnx.Rngs | None, std: float, param_dtype: jnp.dtype) -> nnx.Param:
+    """A [padded_vocab_size, embed] parameter (embedding or LM head): normal(std) rows, zero padding rows."""
+
+    def init(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return normal_init(std)(key, shape, dtype).at[cfg.vocab_size :].set(0)
+
+    return logical_param(rngs, init, (cfg.padded_vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
+
+
+def mask_vocab_padding(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """`logits` [..., padded vocab] with the columns from `vocab_size` on set to `MASKED_SCORE` (finite, so softmax,
+    log-softmax and entropy stay NaN-free and equal to those over the first `vocab_size` columns)."""
+    if logits.shape[-1] == vocab_size:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, MASKED_SCORE)
+
+
 class Decoder(nnx.Module):
     """Token embedding, decoder layers and the final norm; returns hidden states [batch, length, embed]."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
-        self.embed_tokens = logical_param(
-            rngs, normal_init(std), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype
-        )
+        self.embed_tokens = vocab_param(cfg, rngs, std, param_dtype)
         self.layers = nnx.List([DecoderLayer(cfg, w, dtype, param_dtype, rngs, std) for w in cfg.sliding_windows])
         self.norm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
         self.rope = cfg.rope
@@ -99,7 +116,8 @@ class _Backbone(nnx.Module):
 
 
 class CausalLM(_Backbone):
-    """Decoder + LM head (tied to the embedding when the config says so). Call -> logits [b, t, vocab] float32."""
+    """Decoder + LM head (tied to the embedding when the config says so). Call -> logits [b, t, vocab_size] float32
+    (HF's shape); `logits` keeps the masked padding columns, for the samplers and losses."""
 
     head_kind = "causal_lm"
 
@@ -113,18 +131,18 @@ class CausalLM(_Backbone):
         init_std: float = 0.02,
     ):
         super().__init__(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
-        self.lm_head = None if cfg.tie_word_embeddings else self._head_param(rngs, init_std, cfg.vocab_size, "vocab")
+        self.lm_head = None if cfg.tie_word_embeddings else vocab_param(cfg, rngs, init_std, self.param_dtype)
 
     def __call__(
         self, input_ids: jax.Array, attention_mask: jax.Array | None = None, positions: jax.Array | None = None
     ) -> jax.Array:
-        return self.logits(self.model(input_ids, attention_mask, positions))
+        return self.logits(self.model(input_ids, attention_mask, positions))[..., : self.config.vocab_size]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """LM-head logits (float32) for hidden states [..., embed]."""
-        if self.lm_head is None:
-            return self._to_float32(hidden, self.model.embed_tokens[...])
-        return self._to_float32(hidden, self.lm_head[...])
+        """LM-head logits [..., padded_vocab_size] float32 for hidden states [..., embed]; the padding columns hold
+        `MASKED_SCORE`."""
+        kernel = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return mask_vocab_padding(self._to_float32(hidden, kernel[...]), self.config.vocab_size)
 
 
 class SequenceClassifier(_Backbone):

@@ -7,7 +7,8 @@ is its own array: slicing one big cache array would copy it on CPU). Blocks keep
 keys ([slots, kv_heads, head_dim, block]) and the next-to-last of the values ([slots, kv_heads, block, head_dim]):
 both products of decode attention then run along contiguous memory, about 3x faster on CPU than the prefill layout
 [batch, positions, kv_heads, head_dim]. Both forwards run the model's own residual blocks (`DecoderLayer.block`) with
-the attention step replaced, so their numerics are the model's.
+the attention step replaced by the model's attention functions (`causal_attention` over the prompts,
+`decode_attention` over the cache blocks, each implementation chosen by backend), so their numerics are the model's.
 Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
 (slots x positions x kv heads x head_dim x 2 per layer).
 Imports `hfjax.models` only.
@@ -15,14 +16,12 @@ Imports `hfjax.models` only.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.layers import MASKED_SCORE, attention_mask, dot_product_attention
+from hfjax.models.attention import causal_attention, decode_attention
 from hfjax.models.transformer import CausalLM
 
 
@@ -42,17 +41,15 @@ def prefill_forward(model: CausalLM, tokens: jax.Array, lengths: jax.Array) -> P
     batch, length = tokens.shape
     decoder = model.model
     index = jnp.arange(length, dtype=jnp.int32)
-    valid = (index[None, :] < lengths[:, None]).astype(jnp.int32)
     cos, sin = decoder.rotary(jnp.broadcast_to(index, (batch, length)))
     x = decoder.embed(tokens)
     keys, values = [], []
     for layer in decoder.layers:
-        mask = attention_mask(valid, index, index, layer.window)
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array = mask) -> jax.Array:
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = layer.window) -> jax.Array:
             keys.append(k)
             values.append(v)
-            return dot_product_attention(q, k, v, mask)
+            return causal_attention(q, k, v, lengths=lengths, window=window)
 
         x = layer.block(x, cos, sin, attend)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
@@ -62,25 +59,6 @@ def prefill_forward(model: CausalLM, tokens: jax.Array, lengths: jax.Array) -> P
 def to_decode_layout(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Prefill-layout keys and values [B, P, kv_heads, head_dim] in the decode caches' layout."""
     return keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)
-
-
-def attend_blocks(
-    q: jax.Array, key_blocks: Sequence[jax.Array], value_blocks: Sequence[jax.Array], allowed: jax.Array
-) -> jax.Array:
-    """Grouped-query attention of one query per slot over its cache blocks, scores in float32: q [S, 1, heads, d],
-    key blocks [S, kv_heads, d, B], value blocks [S, kv_heads, B, d], allowed [S, blocks x B] -> [S, 1, heads, d]."""
-    slots, _, heads, d = q.shape
-    kv_heads = key_blocks[0].shape[1]
-    q = q.reshape(slots, kv_heads, heads // kv_heads, d)
-    scores = [jnp.einsum("skgd,skdt->skgt", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
-    scores = jnp.concatenate(scores, axis=-1) * (d**-0.5)
-    scores = jnp.where(allowed[:, None, None, :], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
-    block = value_blocks[0].shape[2]
-    parts = [
-        jnp.einsum("skgt,sktd->skgd", probs[..., i * block : (i + 1) * block], v) for i, v in enumerate(value_blocks)
-    ]
-    return functools.reduce(jnp.add, parts).reshape(slots, 1, heads, d)
 
 
 def write_positions(cache: jax.Array, update: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
@@ -113,20 +91,16 @@ def decode_forward(
     positions = lengths[:, None]
     cos, sin = decoder.rotary(positions)
     x = decoder.embed(tokens[:, None])
-    key_index = jnp.arange(block * len(cache_keys[0]), dtype=jnp.int32)
     new_keys, new_values = [], []
     for layer, key_blocks, value_blocks in zip(decoder.layers, cache_keys, cache_values, strict=True):
-        allowed = key_index[None, :] <= lengths[:, None]
-        if layer.window is not None:
-            allowed &= lengths[:, None] - key_index[None, :] < layer.window
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb=key_blocks, vb=value_blocks, allowed=allowed):
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb=key_blocks, vb=value_blocks, window=layer.window):
             starts = [i * block for i in range(len(kb))]
             kb = tuple(write_positions(c, k[:, 0], lengths - s, axis=3) for c, s in zip(kb, starts, strict=True))
             vb = tuple(write_positions(c, v[:, 0], lengths - s, axis=2) for c, s in zip(vb, starts, strict=True))
             new_keys.append(kb)
             new_values.append(vb)
-            return attend_blocks(q, kb, vb, allowed)
+            return decode_attention(q, kb, vb, lengths, window)
 
         x = layer.block(x, cos, sin, attend)
     logits = model.logits(decoder.norm(x[:, 0]))

@@ -2,6 +2,9 @@
 
 Logprob convention (the quantity the trainer recomputes): `log_softmax(logits / temperature)` at the chosen token,
 over the whole vocabulary, before any top-k / top-p filtering; at temperature 0 (greedy) the temperature counts as 1.
+The model's vocabulary padding columns arrive as `MASKED_SCORE` (finite, -1e30): probability 0 after any positive
+temperature, so they change no log prob, are never the greedy maximum, and are never drawn, even when top-k is
+wider than the vocabulary.
 Randomness: each sample has its own key, folded with the index of the token in the response, so a sample's tokens
 do not depend on which slot or batch it ran in.
 Imports only jax and numpy.

@@ -41,7 +41,10 @@ def _load(files: Sequence[str], tokenizer: Any, data: DataSection) -> SFTDataset
 
 def _token_logprobs(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(log p of each next token, the argmax prediction, the mask of scored positions), all [b, t - 1]."""
-    logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, :-1]
+    # the padded vocabulary's logits (its padding columns masked: never the argmax, nothing in the log-sum-exp), so
+    # that a tensor-sharded vocabulary is not re-cut to the HF size
+    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, :-1]
+    logits = model.logits(hidden)
     targets = batch["input_ids"][:, 1:]
     return logprobs_from_logits(logits, targets), jnp.argmax(logits, -1) == targets, batch["loss_mask"][:, 1:]
 

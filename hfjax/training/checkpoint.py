@@ -7,8 +7,10 @@ and cleaned up. Each pytree is stored as a flat mapping from its leaves' key pat
 arrays, so any pytree (nnx `State`, optax states) round-trips and is rebuilt with the restore target's structure.
 Only the newest `max_to_keep` steps are kept; saving a step number that exists replaces it (a run resumed from an
 earlier step re-saves the steps after it); an unreadable step found by `restore(None, ...)` is renamed
-`<step>.unreadable` (kept for inspection).
-Imports orbax, jax and the standard library only; must not import workers or trainers.
+`<step>.unreadable` (kept for inspection); a target whose tree or shapes differ from the saved ones is a caller error
+(named leaves, nothing set aside).
+Imports orbax, jax, the standard library and `hfjax.models.config` (for its vocabulary padding rule, named in
+errors); must not import workers or trainers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from hfjax.models.config import VOCAB_MULTIPLE
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +148,38 @@ class CheckpointManager:
                     f"{'...' if len(missing) > 5 else ''}, in the target but not saved {unexpected[:5]}"
                     f"{'...' if len(unexpected) > 5 else ''}"
                 )
+            self._check_shapes(step, name, flat)
         args = {name: ocp.args.StandardRestore(flat) for name, flat in flat_targets.items()}
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         items = {name: _unflatten_like(targets[name], restored[name]) for name in targets}
         return items, record["extra"]
+
+    def _check_shapes(self, step: int, name: str, flat: Mapping[str, Any]) -> None:
+        """Raises `_Mismatch` naming the leaves whose saved shape differs from the target's (read from the saved
+        metadata; unreadable metadata is left to the restore, which then reports the damage)."""
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / name).tree
+        except Exception:  # damaged metadata: the restore itself fails and the step is handled as unreadable
+            return
+        differ = {
+            key: (tuple(saved[key].shape), tuple(target.shape))
+            for key, target in flat.items()
+            if key in saved and tuple(getattr(saved[key], "shape", target.shape)) != tuple(target.shape)
+        }
+        if not differ:
+            return
+        shown = ", ".join(f"{key}: saved {a}, target {b}" for key, (a, b) in list(differ.items())[:3])
+        padded = any(
+            a[0] != b[0] and b[0] % VOCAB_MULTIPLE == 0 and a[0] % VOCAB_MULTIPLE and a[1:] == b[1:]
+            for a, b in differ.values()
+        )
+        hint = (
+            f"; the checkpoint predates vocabulary padding (embedding and LM head rows are now stored padded to a "
+            f"multiple of {VOCAB_MULTIPLE}): export it with the hfjax version that wrote it and start from that"
+            if padded
+            else ""
+        )
+        raise _Mismatch(f"item {name!r}: {len(differ)} leaves differ in shape ({shown}){hint}")
 
     def discard_after(self, step: int) -> list[int]:
         """Deletes the committed steps newer than `step` (left by a save that did not complete everywhere, e.g. a

@@ -1,0 +1,253 @@
+"""The model's attention: `causal_attention` (training and log-prob forwards, prompt prefill) and `decode_attention`
+(one query per slot over the blocked KV cache of `hfjax.rollout.cached_forward`), each with implementations chosen by
+backend.
+
+Both are grouped-query attention (query head h reads kv head h // (heads // kv_heads)) with scores and softmax in
+float32. A query at position i sees the keys at positions j <= i that are real and, with a sliding `window`, have
+i - j < window. A query with no key to see (a padding row) has an unspecified output that differs between
+implementations, but is never NaN; real rows never see padding, so padding rows cannot reach them.
+
+Implementations (`IMPLEMENTATIONS`):
+- `xla`: plain XLA (the reference, and the default on CPU).
+- `cudnn`: cuDNN flash attention through `jax.nn.dot_product_attention`, where `cudnn_supported` (bf16/fp16, head
+  dims, GQA); elsewhere xla. Decode has no cuDNN kernel here: it runs xla.
+- `pallas_tpu`: the Pallas TPU kernels of `hfjax.models.attention_pallas` (splash attention, a decode kernel).
+- `pallas_interpret`: the same kernels in Pallas interpret mode, on any backend (what CPU tests run).
+- `auto`: `choose_implementation` for `jax.default_backend()`: xla on CPU, cudnn on a CUDA GPU, pallas_tpu on a TPU
+  when the program has one device (XLA cannot partition a Pallas kernel over devices; several stay on xla).
+The choice is the `implementation` argument, else the `HFJAX_ATTENTION` environment variable, else `auto`, read when
+the function is traced: a jitted function keeps the choice of its trace.
+Imports `hfjax.models.attention_pallas` (only when a Pallas implementation runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+
+MASKED_SCORE = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
+ENV_VAR = "HFJAX_ATTENTION"
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas_tpu", "pallas_interpret")
+PALLAS = ("pallas_tpu", "pallas_interpret")
+
+
+def choose_implementation(backend: str, platform_version: str = "", device_count: int = 1) -> str:
+    """What `auto` runs on `backend` (as `jax.default_backend()` names it): cudnn on a CUDA GPU, pallas_tpu on a TPU
+    when the program has one device, else xla. XLA cannot partition a Pallas (Mosaic) kernel over devices by itself
+    (it must sit in a shard_map), so a program over several TPU devices stays on xla."""
+    if backend in ("gpu", "cuda") and "cuda" in platform_version.lower():
+        return "cudnn"
+    if backend == "tpu" and device_count == 1:
+        return "pallas_tpu"
+    return "xla"
+
+
+def resolve_implementation(implementation: str | None = None) -> str:
+    """The implementation that runs (`xla`, `cudnn`, `pallas_tpu` or `pallas_interpret`) for `implementation`,
+    else for the `HFJAX_ATTENTION` environment variable (unset: `auto`). Raises ValueError on any other value."""
+    if implementation is not None:
+        source, name = "implementation", implementation
+    else:
+        source, name = ENV_VAR, os.environ.get(ENV_VAR) or "auto"
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"{source}={name!r} is not an attention implementation: expected one of {IMPLEMENTATIONS}")
+    if name != "auto":
+        return name
+    platform_version = jax.extend.backend.get_backend().platform_version
+    return choose_implementation(jax.default_backend(), platform_version, jax.device_count())
+
+
+def attention_mask(valid: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
+    """Boolean [batch, queries, keys]: causal, keys valid, and within the sliding window when one is set."""
+    allowed = key_index[None, :] <= query_index[:, None]
+    if window is not None:
+        allowed &= query_index[:, None] - key_index[None, :] < window
+    return allowed[None, :, :] & valid[:, None, :].astype(bool)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [b, t, heads, d]; k, v [b, s, kv_heads, d]; mask [b, t, s] -> [b, t, heads, d]. The query heads of one kv
+    head are stacked along the query axis, so each product is one batched matmul per (batch, kv head)."""
+    b, t, heads, d = q.shape
+    s, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, d)
+    scores = jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, kv_heads, group, t, s), MASKED_SCORE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, group * t, s)
+    out = jnp.einsum("bkqs,bskd->bkqd", probs, v).reshape(b, kv_heads, group, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
+
+
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal_blocks: int = 4
+) -> jax.Array:
+    """The xla implementation: grouped-query attention, scores in float32. q [b, t, heads, d]; k, v
+    [b, s, kv_heads, d]; mask [b, t, s] (causal within it) -> [b, t, heads, d].
+
+    When queries and keys are the same positions (t == s, e.g. a forward pass), the queries are cut into
+    `causal_blocks` blocks and block i attends only to the keys up to its end: (n+1)/(2n) of the 4*b*t*s*heads*d
+    FLOPs of the full product, with identical results (the skipped keys are masked anyway)."""
+    t, s = q.shape[1], k.shape[1]
+    if t != s or t % causal_blocks or t // causal_blocks < 32:
+        return _attend(q, k, v, mask)
+    size = t // causal_blocks
+    outs = [
+        _attend(
+            q[:, i * size : (i + 1) * size],
+            k[:, : (i + 1) * size],
+            v[:, : (i + 1) * size],
+            mask[:, i * size : (i + 1) * size, : (i + 1) * size],
+        )
+        for i in range(causal_blocks)
+    ]
+    return jnp.concatenate(outs, axis=1)
+
+
+def cudnn_supported(
+    q_shape: Sequence[int], k_shape: Sequence[int], dtype: jnp.dtype, *, with_mask: bool, head_dim_limit: int = 128
+) -> bool:
+    """Whether cuDNN flash attention takes these shapes: q [b, t, heads, d], k [b, s, kv_heads, d] in bf16/fp16, d a
+    multiple of 8 up to `head_dim_limit` (128; 256 from Hopper on), heads a multiple of kv_heads, and even t and s when
+    a mask is passed (jax turns it into a bias, which cuDNN's backward needs even lengths for)."""
+    _, t, heads, d = q_shape
+    _, s, kv_heads, key_dim = k_shape
+    shapes_ok = d == key_dim and d % 8 == 0 and d <= head_dim_limit and heads % kv_heads == 0
+    lengths_ok = not with_mask or (t % 2 == 0 and s % 2 == 0)
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and shapes_ok and lengths_ok
+
+
+def _cudnn_head_dim_limit() -> int:
+    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+    return 256 if tuple(int(part) for part in capability.split(".")) >= (9, 0) else 128
+
+
+def cudnn_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    valid: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+    window: int | None = None,
+    implementation: str = "cudnn",
+) -> jax.Array:
+    """Causal self-attention as `jax.nn.dot_product_attention` arguments (its `implementation`: `cudnn`, or `xla` to
+    run the same arguments through jax's XLA version, as CPU tests do). `lengths` [b] (real keys first) become
+    sequence lengths; `valid` [b, t] becomes the mask valid[query] == valid[key], so that a padding query sees
+    padding keys and no row is empty. Causality and the window are cuDNN's own masks (it skips what they hide)."""
+    local = None if window is None else (window - 1, 0)
+    if lengths is not None:
+        lengths = lengths.astype(jnp.int32)
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths,
+            local_window_size=local,
+            implementation=implementation,
+        )
+    assert valid is not None, "cudnn_attention needs valid or lengths"
+    valid = valid.astype(bool)
+    same = valid[:, None, :, None] == valid[:, None, None, :]
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=same, is_causal=True, local_window_size=local, implementation=implementation
+    )
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    valid: jax.Array | None = None,
+    lengths: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    window: int | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Causal self-attention of a batch: q [b, t, heads, d]; k, v [b, t, kv_heads, d] -> [b, t, heads, d].
+
+    The real keys are `valid` [b, t] (any pattern, e.g. left padding), or `lengths` [b] (the first lengths[b] of each
+    row: right padding), or else the diagonal of `mask`, which must then be `attention_mask(valid, index, index,
+    window)` [b, t, t]. The xla implementation uses `mask` when given (one mask can serve every layer of a window)
+    and builds it otherwise; the others use the structured form."""
+    if valid is None and lengths is None and mask is None:
+        raise ValueError("causal_attention needs valid, lengths or mask")
+    name = resolve_implementation(implementation)
+    if name == "cudnn":
+        limit = _cudnn_head_dim_limit()
+        if not cudnn_supported(q.shape, k.shape, q.dtype, with_mask=lengths is None, head_dim_limit=limit):
+            name = "xla"
+    if name == "xla" and mask is not None:
+        return dot_product_attention(q, k, v, mask)
+    if name == "cudnn" and lengths is not None:
+        return cudnn_attention(q, k, v, lengths=lengths, window=window)
+    index = jnp.arange(q.shape[1], dtype=jnp.int32)
+    if valid is None:
+        valid = index[None, :] < lengths[:, None] if lengths is not None else jnp.diagonal(mask, axis1=1, axis2=2)
+    if name == "xla":
+        return dot_product_attention(q, k, v, attention_mask(valid, index, index, window))
+    if name == "cudnn":
+        return cudnn_attention(q, k, v, valid=valid, window=window)
+    from hfjax.models import attention_pallas  # Pallas loads only when it runs
+
+    return attention_pallas.splash_causal_attention(q, k, v, valid, window, interpret=name == "pallas_interpret")
+
+
+def decode_mask(lengths: jax.Array, positions: int, window: int | None) -> jax.Array:
+    """Boolean [slots, positions]: the cache positions a query at position `lengths` [slots] sees."""
+    key_index = jnp.arange(positions, dtype=jnp.int32)
+    allowed = key_index[None, :] <= lengths[:, None]
+    if window is not None:
+        allowed &= lengths[:, None] - key_index[None, :] < window
+    return allowed
+
+
+def attend_blocks(
+    q: jax.Array, key_blocks: Sequence[jax.Array], value_blocks: Sequence[jax.Array], allowed: jax.Array
+) -> jax.Array:
+    """The xla decode: grouped-query attention of one query per slot over its cache blocks, scores in float32:
+    q [S, 1, heads, d], key blocks [S, kv_heads, d, B], value blocks [S, kv_heads, B, d], allowed [S, blocks x B]
+    -> [S, 1, heads, d]."""
+    slots, _, heads, d = q.shape
+    kv_heads = key_blocks[0].shape[1]
+    q = q.reshape(slots, kv_heads, heads // kv_heads, d)
+    scores = [jnp.einsum("skgd,skdt->skgt", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
+    scores = jnp.concatenate(scores, axis=-1) * (d**-0.5)
+    scores = jnp.where(allowed[:, None, None, :], scores, MASKED_SCORE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
+    block = value_blocks[0].shape[2]
+    parts = [
+        jnp.einsum("skgt,sktd->skgd", probs[..., i * block : (i + 1) * block], v) for i, v in enumerate(value_blocks)
+    ]
+    return functools.reduce(jnp.add, parts).reshape(slots, 1, heads, d)
+
+
+def decode_attention(
+    q: jax.Array,
+    key_blocks: Sequence[jax.Array],
+    value_blocks: Sequence[jax.Array],
+    lengths: jax.Array,
+    window: int | None = None,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """One query per slot at position `lengths` [S] over the slot's cache blocks (block i holds positions
+    i*B .. i*B+B-1): q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d]
+    -> [S, 1, heads, d]. A slot sees positions <= its length (and within `window`)."""
+    name = resolve_implementation(implementation)
+    if name in PALLAS:
+        from hfjax.models import attention_pallas  # Pallas loads only when it runs
+
+        interpret = name == "pallas_interpret"
+        return attention_pallas.decode_attention(q, key_blocks, value_blocks, lengths, window, interpret=interpret)
+    positions = key_blocks[0].shape[-1] * len(key_blocks)
+    return attend_blocks(q, key_blocks, value_blocks, decode_mask(lengths, positions, window))

@@ -1,0 +1,157 @@
+"""Pallas TPU kernels of the model's attention (`hfjax.models.attention` picks them): causal self-attention through the
+splash attention kernels shipped with JAX (forward and backward), and a decode kernel written here.
+
+Splash attention takes the real keys as segment ids: a row's real positions are segment 1 and its padding segment 0,
+so real queries see only real keys, and padding queries see padding keys (at least themselves: no row is ever empty).
+Its sequence blocks are multiples of the TPU's 128 lanes, so the sequence is padded up to one (extra positions are
+padding, after every real query, and are cut from the output).
+The decode kernel runs one program per (slot, kv head): the query heads of that kv head against each cache block in
+turn with an online softmax in float32, skipping the blocks that hold no position the slot may see.
+With `interpret=True` both run on any backend in Pallas interpret mode (what CPU tests use).
+Imports `hfjax.models.attention` (its masked score); that module imports this one only when a Pallas kernel is chosen.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from hfjax.models.attention import MASKED_SCORE
+
+LANES = 128
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(length: int, heads: int, window: int | None, interpret: bool) -> splash.SplashAttentionKernel:
+    """The splash kernel for causal attention (within `window` when set) of `heads` query heads over `length`
+    positions (a multiple of 128). Built once per shape, with its block tables as concrete arrays."""
+    shape = (length, length)
+    mask = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), offset=0)
+    block = next(size for size in (512, 256, LANES) if length % size == 0)
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    with jax.ensure_compile_time_eval():  # concrete block tables, safe to cache across traces
+        return splash.make_splash_mha(
+            splash.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+        )
+
+
+def splash_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, window: int | None, *, interpret: bool
+) -> jax.Array:
+    """Causal self-attention by splash attention: q [b, t, heads, d]; k, v [b, t, kv_heads, d]; valid [b, t] (real
+    keys) -> [b, t, heads, d]. Differentiable (splash attention's own backward kernels)."""
+    _, t, heads, d = q.shape
+    pad = -t % LANES
+
+    def heads_major(x: jax.Array) -> jax.Array:
+        return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    segments = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, pad)))
+    kernel = _splash_kernel(t + pad, heads, window, interpret)
+
+    def one_row(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> jax.Array:
+        return kernel(q, k, v, segment_ids=splash.SegmentIds(segment, segment))
+
+    scaled = q * jnp.asarray(d**-0.5, q.dtype)  # splash attention does not scale the scores
+    out = jax.vmap(one_row)(heads_major(scaled), heads_major(k), heads_major(v), segments)
+    return out.transpose(0, 2, 1, 3)[:, :t]
+
+
+def _decode_kernel(
+    lengths_ref: jax.Array, q_ref: jax.Array, *refs: jax.Array, blocks: int, block: int, window: int | None
+) -> None:
+    keys, values = refs[:blocks], refs[blocks : 2 * blocks]
+    out_ref, max_ref, sum_ref, acc_ref = refs[2 * blocks :]
+    length = lengths_ref[pl.program_id(0)]
+    max_ref[...] = jnp.full(max_ref.shape, MASKED_SCORE, jnp.float32)
+    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    q = q_ref[...]  # [group, d]
+    scale = q.shape[-1] ** -0.5
+    for i in range(blocks):
+        start = i * block
+        # The block holds a visible position: one <= length, and (with a window) one > length - window.
+        seen = start <= length
+        if window is not None:
+            seen &= length - (start + block - 1) < window
+
+        @pl.when(seen)
+        def _(i: int = i, start: int = start) -> None:
+            key = keys[i][...].astype(q.dtype)  # exact: a float32 query only widens the products
+            scores = jnp.dot(q, key, preferred_element_type=jnp.float32) * scale  # [group, block]
+            position = start + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+            allowed = position <= length
+            if window is not None:
+                allowed &= length - position < window
+            scores = jnp.where(allowed, scores, MASKED_SCORE)
+            previous = max_ref[...]
+            new_max = jnp.maximum(previous, jnp.max(scores, axis=-1, keepdims=True))
+            probs = jnp.exp(scores - new_max)
+            decay = jnp.exp(previous - new_max)
+            sum_ref[...] = decay * sum_ref[...] + jnp.sum(probs, axis=-1, keepdims=True)
+            value = values[i][...]
+            acc_ref[...] = decay * acc_ref[...] + jnp.dot(
+                probs.astype(value.dtype), value, preferred_element_type=jnp.float32
+            )
+            max_ref[...] = new_max
+
+    total = sum_ref[...]  # 0 only when no block was seen (a slot with nothing to see): the output is then 0
+    out_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+
+
+def decode_attention(
+    q: jax.Array,
+    key_blocks: Sequence[jax.Array],
+    value_blocks: Sequence[jax.Array],
+    lengths: jax.Array,
+    window: int | None,
+    *,
+    interpret: bool,
+) -> jax.Array:
+    """One query per slot at position `lengths` [S] over its cache blocks, scores and softmax in float32:
+    q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]."""
+    slots, _, heads, d = q.shape
+    kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[3]
+    group, count = heads // kv_heads, len(key_blocks)
+
+    def spec(*shape: int | None) -> pl.BlockSpec:
+        return pl.BlockSpec((None, *shape), lambda slot, head, lengths: (slot, head, 0, 0))
+
+    if group % 8:  # as JAX's paged attention does: a [.., 1, d] float32 query, else XLA tiles it 8 rows deep
+        queries, query_spec = q.reshape(slots, heads, 1, d).astype(jnp.float32), spec(group, None, d)
+    else:
+        queries, query_spec = q.reshape(slots, kv_heads, group, d), spec(None, group, d)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=(slots, kv_heads),
+        in_specs=[query_spec, *[spec(None, d, block)] * count, *[spec(None, block, d)] * count],
+        out_specs=query_spec,
+        scratch_shapes=[
+            pltpu.VMEM((group, 1), jnp.float32),
+            pltpu.VMEM((group, 1), jnp.float32),
+            pltpu.VMEM((group, d), jnp.float32),
+        ],
+    )
+    out = pl.pallas_call(
+        functools.partial(_decode_kernel, blocks=count, block=block, window=window),
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(queries.shape, queries.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+    )(lengths.astype(jnp.int32), queries, *key_blocks, *value_blocks)
+    return out.reshape(slots, 1, heads, d).astype(value_blocks[0].dtype)
