@@ -130,3 +130,29 @@ def test_no_kv_cache_outlives_generation(tmp_path):
     assert {x.dtype for x in jax.tree.leaves(worker.params)} == {jnp.dtype(jnp.float32)}
     assert worker.hybrid.stats()["gen_dtype"] == "bfloat16"
     assert isinstance(worker.state.optimizer, optax.GradientTransformation)
+
+
+def test_offload_keeps_the_master_in_host_memory_while_generating(checkpoint, monkeypatch):
+    """With `offload_optimizer` and a cast generation copy, the master goes to pinned host memory chunk by chunk
+    during `to_gen` and comes back bitwise at `to_train`. XLA:CPU has that memory space although it is the same RAM,
+    so the engine is made to use it here."""
+    import hfjax.parallel.hybrid_engine as hybrid_engine
+
+    monkeypatch.setattr(hybrid_engine, "_has_separate_host_memory", lambda layout: True)
+    model = load_hf(checkpoint, dtype="bfloat16", param_dtype="float32", layout=FSDP8)
+    params = nnx.state(model, nnx.Param)
+    master = _host(params)
+    engine = HybridEngine(FSDP8, GEN, params, gen_dtype="bfloat16", offload_optimizer=True, chunk_bytes=2**14)
+    assert len(engine._chunks(list(range(len(master))))) > 1  # the master moves out in several chunks
+    gen = engine.to_gen(params)
+    hosted = jax.tree.leaves(engine._kept_train)
+    assert {x.sharding.memory_kind for x in hosted} == {"pinned_host"}
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(params))  # no device copy of the master is left
+    for leaf, want in zip(jax.tree.leaves(gen), master, strict=True):
+        np.testing.assert_array_equal(np.asarray(leaf).view(np.uint16), want.astype(jnp.bfloat16).view(np.uint16))
+    stats = engine.stats()
+    assert stats["master_offloaded"] and stats["peak_param_bytes_per_device"] == stats["gen_bytes_per_device"]
+    back = engine.to_train(gen)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(back)} == {"device"}
+    for got, want in zip(_host(back), master, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -55,7 +55,8 @@ class HybridEngine:
 
     `abstract_params` carries shapes, dtypes and `logical_axes` metadata (an abstract or concrete tree).
     `to_gen` consumes its input in `zero_redundancy` mode (the buffers are deleted); keep using what it returns.
-    `gen_dtype` (default: each parameter's own dtype) is the dtype of the generation copy; a cast keeps the input.
+    `gen_dtype` (default: each parameter's own dtype) is the dtype of the generation copy; a cast keeps the input
+    (in pinned host memory during generation, chunk by chunk, when `offload_optimizer` is on and the backend has it).
     `kv_cache_bytes_per_device` is set by the owner of the generation engine, for `stats()`.
     On CPU devices, `keep_host_memory` sets the process's malloc to keep freed memory (`keep_freed_host_memory`), so
     that transitions reuse it; pass False to leave the allocator as it is.
@@ -118,6 +119,7 @@ class HybridEngine:
                 "optimizer state stays where it is during generation",
                 jax.default_backend(),
             )
+        self.offloads_master = self.offload_optimizer and self.casts
         platform = self.train_layout.mesh.devices.reshape(-1)[0].platform
         self.keeps_host_memory = keep_host_memory and platform == "cpu" and keep_freed_host_memory()
         self.times = TransitionTimes()
@@ -182,7 +184,7 @@ class HybridEngine:
         one chunk (`chunk_bytes` per device) is ever held twice; naive mode and a cast keep the training arrays."""
         start = time.perf_counter()
         train = self._flatten(train_params, "to_gen")
-        out = list(train)
+        out, kept = list(train), list(train)
         moving = [
             i
             for i, leaf in enumerate(out)
@@ -196,11 +198,15 @@ class HybridEngine:
             for source, array in zip(sources, moved, strict=True):
                 if source is not array and (self.casts or not self.keeps_train):  # a cast copy, or zero redundancy
                     source.delete()
+            if self.offloads_master:  # chunk by chunk, so the device never holds the whole master beside the copy
+                for i, hosted in zip(chunk, _to_memory([train[i] for i in chunk], "pinned_host"), strict=True):
+                    kept[i] = hosted
             for i, array in zip(chunk, moved, strict=True):
                 out[i] = array
         jax.block_until_ready(out)
         self.times.to_gen_s.append(time.perf_counter() - start)
-        self._kept_train = train_params if self.keeps_train else None
+        if self.keeps_train:
+            self._kept_train = self._unflatten(train_params, kept) if self.offloads_master else train_params
         return self._unflatten(train_params, out)
 
     def to_train(self, gen_params: Any) -> Any:
@@ -215,6 +221,8 @@ class HybridEngine:
                 raise RuntimeError("HybridEngine.to_train: no training parameters kept; call to_gen first")
             result = self._kept_train
             self._kept_train = None
+            if self.offloads_master:
+                result = _to_memory(result, "device")
             if self.casts:  # the generation copies are ours alone: free them now
                 for leaf, kept in zip(leaves, jax.tree.leaves(result), strict=True):
                     if leaf is not kept:
@@ -265,6 +273,7 @@ class HybridEngine:
         acc = self.account
         kept = acc.max("train_bytes") if self.keeps_train else 0
         redundant = kept if self.mode == "naive" and not self.casts else 0
+        on_device = 0 if self.offloads_master else kept  # during generation
         return {
             "mode": self.mode,
             "param_dtype": "/".join(sorted({d.name for d in self.dtypes})),
@@ -281,9 +290,10 @@ class HybridEngine:
             "received_bytes_total": sum(acc.received_bytes.values()),
             "uncast_received_bytes_per_device": self._account(self.gen_shardings, cast=False).max("received_bytes"),
             "master_bytes_per_device": kept if self.casts else 0,
+            "master_offloaded": self.offloads_master,
             "kv_cache_bytes_per_device": self.kv_cache_bytes_per_device,
-            "peak_param_bytes_per_device": acc.max("gen_bytes") + kept,
-            "peak_gen_bytes_per_device": acc.max("gen_bytes") + kept + self.kv_cache_bytes_per_device,
+            "peak_param_bytes_per_device": acc.max("gen_bytes") + on_device,
+            "peak_gen_bytes_per_device": acc.max("gen_bytes") + on_device + self.kv_cache_bytes_per_device,
             "redundant_bytes_per_device": redundant,
             "uncontained_bytes_per_device": acc.max("uncontained_bytes"),
             "to_gen_s": list(self.times.to_gen_s),

@@ -42,7 +42,9 @@ class RolloutConfig:
     ignore_eos: bool = False  # benchmarks: every response runs to response_length
     gen_layout: dict[str, Any] | None = None
     hybrid_engine: Literal["zero_redundancy", "naive"] = "zero_redundancy"
-    offload_optimizer: bool = False  # optimizer state in pinned host memory while generating (GPU/TPU)
+    # optimizer state (and the float32 master, when generation uses a cast copy) in pinned host memory while
+    # generating (GPU/TPU)
+    offload_optimizer: bool = False
     keep_host_memory: bool = True  # CPU: malloc keeps freed memory, so train <-> gen transitions reuse it
 
     def __post_init__(self) -> None:
