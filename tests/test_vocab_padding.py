@@ -17,8 +17,7 @@ from safetensors.numpy import load_file
 
 from hfjax.algos import entropy_from_logits, logprobs_from_logits
 from hfjax.models import CausalLM, ModelConfig, load_hf, save_hf
-from hfjax.models.attention import MASKED_SCORE
-from hfjax.models.config import VOCAB_MULTIPLE
+from hfjax.models.config import MASKED_SCORE, VOCAB_MULTIPLE
 from hfjax.models.hf import abstract_model
 from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.models.transformer import mask_vocab_padding

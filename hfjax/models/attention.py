@@ -14,35 +14,66 @@ Implementations (`IMPLEMENTATIONS`):
 - `pallas_tpu`: the Pallas TPU kernels of `hfjax.models.attention_pallas` (splash attention, a decode kernel).
 - `pallas_interpret`: the same kernels in Pallas interpret mode, on any backend (what CPU tests run).
 - `auto`: `choose_implementation` for `jax.default_backend()`: xla on CPU, cudnn on a CUDA GPU, pallas_tpu on a TPU
-  when the program has one device (XLA cannot partition a Pallas kernel over devices; several stay on xla).
+  when the program has one device or its layout is known (below); a TPU program over several devices with no known
+  layout stays on xla (XLA cannot partition a Pallas kernel over devices by itself).
 The choice is the `implementation` argument, else the `HFJAX_ATTENTION` environment variable, else `auto`, read when
 the function is traced: a jitted function keeps the choice of its trace.
-Imports `hfjax.models.attention_pallas` (only when a Pallas implementation runs).
+
+Layout: code that owns a program's `hfjax.parallel.Layout` enters `attention_layout(layout)` inside the traced
+function (the engine's steps, a model role's row functions, the training programs). A Pallas kernel traced under a
+layout of several devices then runs per shard in a `jax.shard_map` over the layout's mesh (`attention_pallas.
+per_shard`: batch rows over the batch mesh axes, query and kv heads over the tensor axis), or, where the operands do
+not split so, as xla for that call. Outside any layout (a plain `model(...)` call) the kernels run unsplit.
+Imports `hfjax.models.config` (the masked score), `hfjax.models.attention_pallas` (only when a Pallas implementation
+runs) and `hfjax.parallel.layout` (type hints only).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 
-MASKED_SCORE = -1e30  # finite, so fully masked rows (left padding) stay NaN-free
+from hfjax.models.config import MASKED_SCORE
+
+if TYPE_CHECKING:
+    from hfjax.parallel.layout import Layout
+
 ENV_VAR = "HFJAX_ATTENTION"
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas_tpu", "pallas_interpret")
 PALLAS = ("pallas_tpu", "pallas_interpret")
+_LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("hfjax_attention_layout", default=None)
 
 
-def choose_implementation(backend: str, platform_version: str = "", device_count: int = 1) -> str:
+@contextlib.contextmanager
+def attention_layout(layout: Layout | None) -> Iterator[None]:
+    """Attention traced inside this block belongs to a program over `layout` (None: no known layout). Enter it inside
+    the jitted function, with a layout fixed for that function or given by one of its static arguments: jit caches a
+    trace by the function and its static arguments, not by this context."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def choose_implementation(
+    backend: str, platform_version: str = "", device_count: int = 1, in_layout: bool = False
+) -> str:
     """What `auto` runs on `backend` (as `jax.default_backend()` names it): cudnn on a CUDA GPU, pallas_tpu on a TPU
-    when the program has one device, else xla. XLA cannot partition a Pallas (Mosaic) kernel over devices by itself
-    (it must sit in a shard_map), so a program over several TPU devices stays on xla."""
+    when the program has one device or runs `in_layout` (its layout known, so the kernels run per shard in a
+    shard_map), else xla. XLA cannot partition a Pallas (Mosaic) kernel over devices by itself, so a program over
+    several TPU devices with no known layout stays on xla."""
     if backend in ("gpu", "cuda") and "cuda" in platform_version.lower():
         return "cudnn"
-    if backend == "tpu" and device_count == 1:
+    if backend == "tpu" and (device_count == 1 or in_layout):
         return "pallas_tpu"
     return "xla"
 
@@ -59,7 +90,7 @@ def resolve_implementation(implementation: str | None = None) -> str:
     if name != "auto":
         return name
     platform_version = jax.extend.backend.get_backend().platform_version
-    return choose_implementation(jax.default_backend(), platform_version, jax.device_count())
+    return choose_implementation(jax.default_backend(), platform_version, jax.device_count(), _LAYOUT.get() is not None)
 
 
 def attention_mask(valid: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
@@ -178,7 +209,8 @@ def causal_attention(
     The real keys are `valid` [b, t] (any pattern, e.g. left padding), or `lengths` [b] (the first lengths[b] of each
     row: right padding), or else the diagonal of `mask`, which must then be `attention_mask(valid, index, index,
     window)` [b, t, t]. The xla implementation uses `mask` when given (one mask can serve every layer of a window)
-    and builds it otherwise; the others use the structured form."""
+    and builds it otherwise; the others use the structured form. Under an `attention_layout` of several devices a
+    Pallas kernel runs per shard (xla where the operands do not split by the layout)."""
     if valid is None and lengths is None and mask is None:
         raise ValueError("causal_attention needs valid, lengths or mask")
     name = resolve_implementation(implementation)
@@ -193,13 +225,18 @@ def causal_attention(
     index = jnp.arange(q.shape[1], dtype=jnp.int32)
     if valid is None:
         valid = index[None, :] < lengths[:, None] if lengths is not None else jnp.diagonal(mask, axis1=1, axis2=2)
-    if name == "xla":
-        return dot_product_attention(q, k, v, attention_mask(valid, index, index, window))
     if name == "cudnn":
         return cudnn_attention(q, k, v, valid=valid, window=window)
-    from hfjax.models import attention_pallas  # Pallas loads only when it runs
+    if name in PALLAS:
+        from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
-    return attention_pallas.splash_causal_attention(q, k, v, valid, window, interpret=name == "pallas_interpret")
+        kernel = functools.partial(
+            attention_pallas.splash_causal_attention, window=window, interpret=name == "pallas_interpret"
+        )
+        out = attention_pallas.per_shard(kernel, (q, k, v, valid), attention_pallas.CAUSAL_AXES, _LAYOUT.get())
+        if out is not None:
+            return out
+    return dot_product_attention(q, k, v, mask if mask is not None else attention_mask(valid, index, index, window))
 
 
 def decode_mask(lengths: jax.Array, positions: int, window: int | None) -> jax.Array:
@@ -242,12 +279,18 @@ def decode_attention(
 ) -> jax.Array:
     """One query per slot at position `lengths` [S] over the slot's cache blocks (block i holds positions
     i*B .. i*B+B-1): q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d]
-    -> [S, 1, heads, d]. A slot sees positions <= its length (and within `window`)."""
+    -> [S, 1, heads, d]. A slot sees positions <= its length (and within `window`). Under an `attention_layout` of
+    several devices the Pallas kernel runs per shard (xla where the operands do not split by the layout)."""
     name = resolve_implementation(implementation)
     if name in PALLAS:
         from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
-        interpret = name == "pallas_interpret"
-        return attention_pallas.decode_attention(q, key_blocks, value_blocks, lengths, window, interpret=interpret)
+        kernel = functools.partial(
+            attention_pallas.decode_attention, window=window, interpret=name == "pallas_interpret"
+        )
+        operands = (q, tuple(key_blocks), tuple(value_blocks), lengths)
+        out = attention_pallas.per_shard(kernel, operands, attention_pallas.DECODE_AXES, _LAYOUT.get())
+        if out is not None:
+            return out
     positions = key_blocks[0].shape[-1] * len(key_blocks)
     return attend_blocks(q, key_blocks, value_blocks, decode_mask(lengths, positions, window))

@@ -1,5 +1,6 @@
 """Pallas TPU kernels of the model's attention (`hfjax.models.attention` picks them): causal self-attention through the
-splash attention kernels shipped with JAX (forward and backward), and a decode kernel written here.
+splash attention kernels shipped with JAX (forward and backward), and a decode kernel written here; and `per_shard`,
+which runs either over a multi-device layout inside a `jax.shard_map`.
 
 Splash attention takes the real keys as segment ids: a row's real positions are segment 1 and its padding segment 0,
 so real queries see only real keys, and padding queries see padding keys (at least themselves: no row is ever empty).
@@ -7,14 +8,22 @@ Its sequence blocks are multiples of the TPU's 128 lanes, so the sequence is pad
 padding, after every real query, and are cut from the output).
 The decode kernel runs one program per (slot, kv head): the query heads of that kv head against each cache block in
 turn with an online softmax in float32, skipping the blocks that hold no position the slot may see.
-With `interpret=True` both run on any backend in Pallas interpret mode (what CPU tests use).
-Imports `hfjax.models.attention` (its masked score); that module imports this one only when a Pallas kernel is chosen.
+XLA cannot partition a Pallas (Mosaic) kernel over devices, so over a layout of several devices `per_shard` gives each
+device whole batch rows (split over the mesh axes of the layout's `batch` rule) and whole groups of query heads with
+their kv head (split over those of its `heads` and `kv_heads` rules: the tensor axis in the presets), so that no shard
+needs another's data. Where a dimension does not divide, or query and kv heads would split differently, it declines
+(logged once per reason) and the caller runs xla.
+With `interpret=True` the kernels run on any backend in Pallas interpret mode (what CPU tests use).
+Imports `hfjax.models.config` (the masked score) and `hfjax.parallel.layout`; `hfjax.models.attention` imports this
+module only when a Pallas kernel is chosen.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +31,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from hfjax.models.attention import MASKED_SCORE
+from hfjax.models.config import MASKED_SCORE
+from hfjax.parallel.layout import Layout, LayoutError
 
 LANES = 128
+logger = logging.getLogger(__name__)
+
+# Logical axes (`hfjax.parallel.layout.LOGICAL_AXES`) of the kernels' operands, in argument order; a sequence of
+# arrays (cache blocks) has one entry for all its arrays. The output is split like the queries, the first operand.
+Axes = tuple[str | None, ...]
+QUERY_AXES: Axes = ("batch", None, "heads", None)  # q [b, t, heads, d] and the output
+KV_AXES: Axes = ("batch", None, "kv_heads", None)  # k, v [b, t, kv_heads, d]
+BLOCK_AXES: Axes = ("batch", "kv_heads", None, None)  # keys [S, kv_heads, d, B] and values [S, kv_heads, B, d]
+CAUSAL_AXES = (QUERY_AXES, KV_AXES, KV_AXES, ("batch", None))  # q, k, v, valid
+DECODE_AXES = (QUERY_AXES, BLOCK_AXES, BLOCK_AXES, ("batch",))  # q, key blocks, value blocks, lengths
 
 
 @functools.lru_cache(maxsize=64)
@@ -155,3 +175,47 @@ def decode_attention(
         interpret=interpret,
     )(lengths.astype(jnp.int32), queries, *key_blocks, *value_blocks)
     return out.reshape(slots, 1, heads, d).astype(value_blocks[0].dtype)
+
+
+def shard_specs(layout: Layout, operands: Sequence[Any], axes: Sequence[Axes]) -> tuple[Any, ...]:
+    """The `PartitionSpec`s (a tree per operand) that split each operand by `layout`'s rules for its logical `axes`.
+    Raises LayoutError where a dimension does not divide by its mesh axes, or where one logical axis (query heads and
+    kv heads counting as one: a shard must hold whole groups) would split differently in two operands."""
+    specs = tuple(
+        jax.tree.map(lambda x, a=a: layout.spec(a, x.shape, "attention operand"), operand)
+        for operand, a in zip(operands, axes, strict=True)
+    )
+    splits: dict[str, set[Any]] = {}
+    for tree, names in zip(specs, axes, strict=True):
+        for spec in jax.tree.leaves(tree):
+            for entry, name in zip(spec, names, strict=True):
+                if name is not None:
+                    splits.setdefault("heads" if name == "kv_heads" else name, set()).add(entry)
+    uneven = {name: sorted(map(str, entries)) for name, entries in splits.items() if len(entries) > 1}
+    if uneven:
+        raise LayoutError(f"attention operands split differently over {layout.describe()}: {uneven}")
+    return specs
+
+
+@functools.cache
+def _log_fallback(reason: str) -> None:
+    logger.info("%s; that attention runs as xla instead of a Pallas kernel", reason)
+
+
+def per_shard(
+    kernel: Callable[..., jax.Array], operands: Sequence[Any], axes: Sequence[Axes], layout: Layout | None
+) -> jax.Array | None:
+    """`kernel(*operands)`; under a `layout` of several devices, per shard inside a `jax.shard_map` over its mesh, the
+    operands split by `shard_specs` and the output like the first operand. None (logged once per reason) where the
+    operands cannot split so: the caller then runs xla. Without a layout, or on one device, the kernel runs as is."""
+    if layout is None or layout.size == 1:
+        return kernel(*operands)
+    try:
+        specs = shard_specs(layout, operands, axes)
+    except LayoutError as error:
+        _log_fallback(str(error))
+        return None
+    # check_vma=False: splash attention's outputs carry no varying-axes annotation. q, k, v and the output split over
+    # the same mesh axes, so the transpose (which divides the output's cotangent by the size of the other axes and
+    # sums the operands' cotangents over them) gives exact gradients.
+    return jax.shard_map(kernel, mesh=layout.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*operands)

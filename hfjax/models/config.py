@@ -27,6 +27,7 @@ ROPE_TYPES = ("default", "linear", "llama3")
 # it divides by every power-of-two tensor-parallel size up to 128; real vocabularies such as 32000 or 151936 already
 # are multiples.
 VOCAB_MULTIPLE = 128
+MASKED_SCORE = -1e30  # a masked attention score or logit: finite, so fully masked rows stay NaN-free
 
 
 class UnsupportedModelError(ValueError):

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.models.attention import MASKED_SCORE, attention_mask
-from hfjax.models.config import ModelConfig
+from hfjax.models.attention import attention_mask
+from hfjax.models.config import MASKED_SCORE, ModelConfig
 from hfjax.models.dense import dense
 from hfjax.models.layers import (
     DecoderLayer,

@@ -6,8 +6,9 @@ and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of position
 of right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so compiles stay few); `insert`
 copies prefilled prompts into slots and samples each sample's first token; `generate` advances every slot by one
 token, attending only over the blocks that the longest slot has reached when told its length (one compiled step per
-block count). The jitted steps donate the decode state, and `compiles` counts traces. Parameters are passed on every
-call (JetStream's convention), so new weights of the same shapes and shardings never recompile.
+block count). The jitted steps donate the decode state, trace attention under the layout (`attention_layout`: Pallas
+kernels run per shard), and `compiles` counts traces. Parameters are passed on every call (JetStream's convention),
+so new weights of the same shapes and shardings never recompile.
 Imports `hfjax.models`, `hfjax.parallel` and this package's sampling and cached forwards.
 """
 
@@ -25,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
+from hfjax.models.attention import attention_layout
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cached_forward import Prefix, decode_forward, prefill_forward, to_decode_layout
@@ -188,12 +190,14 @@ class JaxEngine:
         )
 
     def _jit(self, name: str, fn: Any, static: tuple[str, ...] = ("kind",), **jit_kwargs: Any) -> Any:
-        """`jax.jit` of fn (with `static` argument names) that counts its traces in `compiles[name]`."""
+        """`jax.jit` of fn (with `static` argument names) that counts its traces in `compiles[name]` and traces its
+        attention under the engine's layout (`attention_layout`)."""
 
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.compiles[name] += 1
-            return fn(*args, **kwargs)
+            with attention_layout(self.layout):
+                return fn(*args, **kwargs)
 
         return jax.jit(counted, static_argnames=static, compiler_options=FORWARD_COMPILER_OPTIONS, **jit_kwargs)
 

@@ -6,13 +6,14 @@ jitted add (the accumulator is donated), then one jitted apply: global-norm clip
 update at all when the norm is not finite (the step is counted in `skipped_steps`).
 
 Compilation: the programs are module-level and keyed by the model's graph, the loss function, the shardings, the
+layout (the gradient and eval programs trace attention under it, `attention_layout`: Pallas kernels run per shard), the
 optimizer and the input shapes, so they compile once per distinct micro-batch shape and are shared by every
 `TrainState` with the same keys (callers pad micro-batches to fixed shapes). `compile_counts()` reports them.
 Precision: parameters are the master copy in their stored dtype (float32 by default; the model computes in its own
 `dtype`), gradients arrive in that dtype, and the optimizer state is float32 whatever the parameters are.
 Memory: parameters and optimizer state are donated to the apply program (one copy, not two), so arrays taken from
 `params` or from the model passed in are invalid after an `update` (read `params` again), unless `donate=False`.
-Imports `hfjax.parallel` and `hfjax.training.optim`; must not import workers or trainers.
+Imports `hfjax.models.attention`, `hfjax.parallel` and `hfjax.training.optim`; must not import workers or trainers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS, GRADIENT_COMPILER_OPTIONS
+from hfjax.models.attention import attention_layout
 from hfjax.parallel import Layout, LayoutError
 from hfjax.training.optim import current_learning_rate
 
@@ -91,16 +93,25 @@ class _Frozen:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "loss_fn", "static", "shardings"),
+    static_argnames=("graphdef", "loss_fn", "static", "shardings", "layout"),
     compiler_options=GRADIENT_COMPILER_OPTIONS,
 )
 def _loss_and_grad(
-    params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, loss_fn: LossFn, static: Any, shardings: Any
+    params: Any,
+    rest: Any,
+    batch: dict[str, jax.Array],
+    *,
+    graphdef: Any,
+    loss_fn: LossFn,
+    static: Any,
+    shardings: Any,
+    layout: Layout,
 ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
     def loss(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         return loss_fn(nnx.merge(graphdef, p, rest), batch, **dict(static))
 
-    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    with attention_layout(layout):
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return value, aux, jax.lax.with_sharding_constraint(grads, shardings.tree())
 
 
@@ -134,9 +145,12 @@ _apply_donating = jax.jit(_apply_gradients, static_argnames=_APPLY_STATIC, donat
 _apply_keeping = jax.jit(_apply_gradients, static_argnames=_APPLY_STATIC)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "fn"), compiler_options=FORWARD_COMPILER_OPTIONS)
-def _forward(params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, fn: Callable[..., Any]) -> Any:
-    return fn(nnx.merge(graphdef, params, rest), batch)
+@functools.partial(jax.jit, static_argnames=("graphdef", "fn", "layout"), compiler_options=FORWARD_COMPILER_OPTIONS)
+def _forward(
+    params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, fn: Callable[..., Any], layout: Layout
+) -> Any:
+    with attention_layout(layout):
+        return fn(nnx.merge(graphdef, params, rest), batch)
 
 
 def compile_counts() -> dict[str, int]:
@@ -214,7 +228,12 @@ class TrainState:
         """
         if not micro_batches:
             raise ValueError("TrainState.update: expected at least one micro-batch, got none")
-        keys = {"graphdef": self.graphdef, "loss_fn": loss_fn, "static": tuple(sorted(static.items()))}
+        keys = {
+            "graphdef": self.graphdef,
+            "loss_fn": loss_fn,
+            "static": tuple(sorted(static.items())),
+            "layout": self.layout,
+        }
         losses, auxes, total = [], [], None
         for micro in micro_batches:
             batch = place_batch(self.layout, micro)
@@ -245,7 +264,8 @@ class TrainState:
         """`fn(model, batch)` jitted (once per `fn` and batch shape; `fn` must be stable, as for `update`) on the
         current parameters, or on `params` of the same structure; returns numpy."""
         params = self.params if params is None else params
-        out = _forward(params, self.rest, place_batch(self.layout, batch), graphdef=self.graphdef, fn=fn)
+        placed = place_batch(self.layout, batch)
+        out = _forward(params, self.rest, placed, graphdef=self.graphdef, fn=fn, layout=self.layout)
         return jax.device_get(out)
 
     def items(self) -> dict[str, Any]:
