@@ -70,6 +70,13 @@ def test_gradient_step_gives_the_library_dots_only():
     shardings = _Frozen.of(jax.tree.map(lambda x: x.sharding, params))
     _check_no_library_reductions(
         _loss_and_grad.lower(
-            params, rest, {"tokens": tokens}, graphdef=graphdef, loss_fn=loss, static=(), shardings=shardings
+            params,
+            rest,
+            {"tokens": tokens},
+            graphdef=graphdef,
+            loss_fn=loss,
+            static=(),
+            shardings=shardings,
+            layout=None,
         )
     )

@@ -105,7 +105,7 @@ def _loss_and_grad(
     loss_fn: LossFn,
     static: Any,
     shardings: Any,
-    layout: Layout,
+    layout: Layout | None,
 ) -> tuple[jax.Array, dict[str, jax.Array], Any]:
     def loss(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         return loss_fn(nnx.merge(graphdef, p, rest), batch, **dict(static))
