@@ -20,7 +20,7 @@ from hfjax.typed_config import load_config
 from hfjax.workers.config import ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "remax", "safe_rlhf")
-PLACEMENTS = ("colocate", "split", "standalone")
+PLACEMENTS = ("colocate", "split", "standalone", "disaggregated")
 
 
 @dataclasses.dataclass
@@ -73,7 +73,8 @@ class TrainerConfig:
     run_dir: str = "runs/rl"
     total_steps: int = 3
     critic_warmup: int = 0
-    placement: Literal["colocate", "split", "standalone"] = "colocate"
+    # disaggregated: generation on a rollout group of its own devices, every other role on a trainer group
+    placement: Literal["colocate", "split", "standalone", "disaggregated"] = "colocate"
     backend: Literal["ray", "local"] = "ray"
     device: Literal["auto", "cpu", "gpu", "tpu"] = "auto"  # auto: the cluster's accelerator if it has one, else cpu
     hosts: int = 1
@@ -121,6 +122,19 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class AsyncConfig:
+    """Asynchronous RL (the `async:` section): how many policy versions old a rollout batch may be when the trainer
+    updates on it. 0 is the synchronous loop; above 0 the rollout group (placement `disaggregated`) generates the
+    next batches while the trainer updates, and weights go to it after every update."""
+
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness: expected >= 0, got {self.max_staleness}")
+
+
+@dataclasses.dataclass
 class RLConfig:
     """A whole RL run."""
 
@@ -133,6 +147,7 @@ class RLConfig:
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    async_: AsyncConfig = dataclasses.field(default_factory=AsyncConfig)  # YAML key `async`
 
     def __post_init__(self) -> None:
         for section in (self.actor, self.critic):
@@ -149,11 +164,24 @@ class RLConfig:
                 f"algorithm.name={self.algorithm.name} compares samples of a prompt: rollout.n must be >= 2"
             )
 
+        if self.async_.max_staleness and self.trainer.placement != "disaggregated":
+            raise ValueError(
+                f"async.max_staleness={self.async_.max_staleness} overlaps generation with training, which needs "
+                f"the rollout on devices of its own: set trainer.placement=disaggregated (got "
+                f"{self.trainer.placement!r})"
+            )
+        if self.trainer.placement == "disaggregated" and self.trainer.backend != "ray":
+            raise ValueError("trainer.placement=disaggregated runs two worker groups: it needs trainer.backend=ray")
         self._check_layouts()
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.trainer.placement == "disaggregated"
 
     def role_names(self) -> list[str]:
         """The roles this run needs, in start-up order."""
         names = ["actor"]
+        names += ["rollout"] if self.disaggregated else []
         names += ["critic"] if self.uses_critic else []
         names += ["reward_model"] if self.reward.reward_model.enabled else []
         names += ["cost_model", "cost_critic"] if self.algorithm.name == "safe_rlhf" else []
@@ -162,6 +190,8 @@ class RLConfig:
     def worker_groups(self) -> list[list[str]]:
         """The role names of each worker group of `trainer.placement`."""
         roles, placement = self.role_names(), self.trainer.placement
+        if placement == "disaggregated":
+            return [["rollout"], [name for name in roles if name != "rollout"]]
         if placement == "colocate" or len(roles) == 1:
             return [roles]
         if placement == "split":
@@ -176,7 +206,7 @@ class RLConfig:
         devices = hosts * per_host
         layouts = {
             "actor.train_layout": ("actor", self.actor.train_layout),
-            "rollout.gen_layout": ("actor", self.rollout.gen_layout),
+            "rollout.gen_layout": ("rollout" if self.disaggregated else "actor", self.rollout.gen_layout),
             "critic.layout": ("critic", self.critic.layout),
             "reward.reward_model.layout": ("reward_model", self.reward.reward_model.layout),
             "reward.cost_model.layout": ("cost_model", self.reward.cost_model.layout),

@@ -1,6 +1,8 @@
 """Curves a person can look at: reads a run's `metrics.jsonl` (one JSON object per line, `{"step": int, "<metric>":
 number, ...}` with verl's metric names) and writes PNG panels (reward/score, KL, response length, entropy, throughput,
-validation) plus an overview of all of them; `compare_runs` overlays one metric of several runs (hfjax vs a peer).
+validation) plus an overview of all of them; `compare_runs` overlays one metric of several runs (hfjax vs a peer);
+`plot_timeline` draws a run's `timeline.jsonl` (spans of work per worker group, `hfjax.trainer.timeline`) as a Gantt
+chart.
 Backs `hfjax plot RUN_DIR [--out DIR]`. Renders with matplotlib's Agg canvas (no pyplot, no global backend state).
 Imports matplotlib, numpy and the standard library only: never JAX or other hfjax modules."""
 
@@ -14,20 +16,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 METRICS_FILE = "metrics.jsonl"
 PANEL_SIZE = (6.0, 4.0)  # inches per panel
 DPI = 100
 OVERVIEW_COLUMNS = 3
+TIMELINE_FILE = "timeline.jsonl"
+TIMELINE_WIDTH = 12.0  # inches
+TIMELINE_HEIGHT = (1.8, 0.5)  # inches: fixed + per lane
+TIMELINE_STEP_LABELS = 20  # at most this many step numbers along the top
+TIMELINE_STEP_LINES = 200  # a line at every step up to this many steps, else only at the labelled ones
+_TIMELINE_EXAMPLE = '{"step": 1, "group": "rollout", "name": "generate", "start": 0.0, "end": 2.5}'
 
 Series = tuple[np.ndarray, np.ndarray]  # (steps, values), sorted by step
 
 
 class PlotError(ValueError):
-    """A metrics file that is missing or malformed, or a metric a comparison asks for that a run lacks."""
+    """A metrics or timeline file that is missing or malformed, or a metric a comparison asks for that a run lacks."""
 
 
 @dataclass(frozen=True)
@@ -128,9 +138,98 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def timeline_path(run: str | Path) -> Path:
+    """The timeline file of `run`: the path itself when it is a file, else `run/timeline.jsonl`."""
+    run = Path(run)
+    return run if run.is_file() else run / TIMELINE_FILE
+
+
+def load_timeline(run: str | Path) -> list[dict]:
+    """The spans of a run's timeline file in file order, each `{"step": int, "group": str, "name": str, "start":
+    float, "end": float}` (seconds since the run's start). Blank lines are skipped."""
+    path = timeline_path(run)
+    if not path.is_file():
+        raise PlotError(f"{path}: no such file; expected the {TIMELINE_FILE} a training run writes")
+    spans = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PlotError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            if not isinstance(row, dict):
+                raise PlotError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            step = row.get("step")
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise PlotError(f"{where}: field 'step': expected an integer, got {step!r}")
+            for key in ("group", "name"):
+                if not isinstance(row.get(key), str) or not row[key]:
+                    raise PlotError(f"{where}: field '{key}': expected a non-empty string, got {row.get(key)!r}")
+            start, end = (_number(row.get(k), where, k) for k in ("start", "end"))
+            if not (math.isfinite(start) and math.isfinite(end) and start <= end):
+                raise PlotError(f"{where}: expected finite 'start' <= 'end', got {start!r} and {end!r}")
+            spans.append({"step": step, "group": row["group"], "name": row["name"], "start": start, "end": end})
+    return spans
+
+
+def timeline_figsize(groups: int) -> tuple[float, float]:
+    """The size in inches of a timeline chart with `groups` lanes."""
+    return TIMELINE_WIDTH, TIMELINE_HEIGHT[0] + TIMELINE_HEIGHT[1] * groups
+
+
+def _draw_timeline(spans: list[dict], out: Path, title: str) -> Path:
+    groups = sorted({s["group"] for s in spans})
+    names = sorted({s["name"] for s in spans})
+    cmap = colormaps["tab10" if len(names) <= 10 else "tab20"]
+    colors = {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+    fig = Figure(figsize=timeline_figsize(len(groups)))
+    ax = fig.add_subplot()
+    for lane, group in enumerate(groups):
+        for name in names:
+            bars = [(s["start"], s["end"] - s["start"]) for s in spans if s["group"] == group and s["name"] == name]
+            if bars:
+                ax.broken_barh(bars, (lane - 0.4, 0.8), facecolors=colors[name], edgecolor="none", alpha=0.9)
+    firsts: dict[int, float] = {}
+    for s in spans:
+        firsts[s["step"]] = min(firsts.get(s["step"], math.inf), s["start"])
+    steps = sorted(firsts)
+    labelled = set(steps[:: math.ceil(len(steps) / TIMELINE_STEP_LABELS)])
+    for step in steps:
+        if step in labelled or len(steps) <= TIMELINE_STEP_LINES:
+            ax.axvline(firsts[step], color="0.3", linewidth=0.5, alpha=0.6)
+        if step in labelled:
+            x = firsts[step]
+            ax.text(x, 1.01, str(step), transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7)
+    ax.set_yticks(range(len(groups)), groups)
+    ax.set_ylim(len(groups) - 0.5, -0.5)  # the first group on top
+    ax.set_xlim(min(0.0, min(s["start"] for s in spans)), max(s["end"] for s in spans))
+    ax.set_xlabel("seconds since start")
+    ax.set_title(f"{title} (step numbers at each step's first start)", pad=14)
+    ax.grid(axis="x", alpha=0.3)
+    rows = max(1, int(fig.get_figheight() / 0.25))
+    ax.legend(handles=[Patch(facecolor=colors[n], label=n) for n in names], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize="small", ncols=math.ceil(len(names) / rows))  # fmt: skip
+    return _save(fig, out)
+
+
+def plot_timeline(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Writes `timeline.png`, a Gantt chart of the run's timeline file (one lane per worker group, one bar per span
+    coloured by its name, a line at each step's first start), into `out_dir` (default `run_dir/plots`)."""
+    path, spans = timeline_path(run_dir), load_timeline(run_dir)
+    if not spans:
+        raise PlotError(f"{path}: no spans found; expected lines like {_TIMELINE_EXAMPLE}")
+    out = Path(out_dir) if out_dir is not None else path.parent / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    return _draw_timeline(spans, out / "timeline.png", f"Timeline of {path.parent.name}")
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Writes `<panel>.png` for each panel with at least one metric present, then `overview.png` with all of them,
-    into `out_dir` (default `run_dir/plots`); returns the paths in that order."""
+    then `timeline.png` when the run has a non-empty timeline file, into `out_dir` (default `run_dir/plots`);
+    returns the paths in that order."""
     metrics = load_metrics(run_dir)
     out = Path(out_dir) if out_dir is not None else metrics_path(run_dir).parent / "plots"
     out.mkdir(parents=True, exist_ok=True)
@@ -149,6 +248,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     for i, (panel, keys) in enumerate(drawn, start=1):
         _draw(fig.add_subplot(rows, cols, i), panel, keys, metrics)
     paths.append(_save(fig, out / "overview.png"))
+    timeline = metrics_path(run_dir).parent / TIMELINE_FILE
+    if timeline.is_file() and (spans := load_timeline(timeline)):
+        paths.append(_draw_timeline(spans, out / "timeline.png", f"Timeline of {timeline.parent.name}"))
     return paths
 
 
@@ -174,7 +276,8 @@ def compare_runs(
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds `RUN_DIR [--out DIR]` to `parser` (for `hfjax plot`)."""
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help=f"a run directory holding {METRICS_FILE}")
+    where = f"a run directory holding {METRICS_FILE} (and {TIMELINE_FILE})"
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help=where)
     parser.add_argument("--out", type=Path, default=None, help="where to write the PNGs (default RUN_DIR/plots)")
     return parser
 

@@ -110,7 +110,7 @@ def _build_dataclass(cls: type[T], data: Any, path: str, origins: _Origins, base
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(_problem(path, _describe(cls), data, origins))
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    fields = {yaml_key(f.name): f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
     problems, kwargs = [], {}
     for key in data:
@@ -119,22 +119,28 @@ def _build_dataclass(cls: type[T], data: Any, path: str, origins: _Origins, base
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(fields)}"
             problems.append(f"{_join(path, str(key))}: unknown key (from {origins.of(_join(path, str(key)))}){hint}")
     for name, field in fields.items():
-        default = getattr(base, name) if base is not None else _default(field)
+        default = getattr(base, field.name) if base is not None else _default(field)
         if name in data:
             try:
-                kwargs[name] = _convert(hints[name], data[name], _join(path, name), origins, default)
+                kwargs[field.name] = _convert(hints[field.name], data[name], _join(path, name), origins, default)
             except ConfigError as exc:
                 problems.extend(str(exc).splitlines())
         elif default is dataclasses.MISSING:
             problems.append(f"{_join(path, name)}: missing required key (from {origins.of(path)})")
         elif base is not None:
-            kwargs[name] = default
+            kwargs[field.name] = default
     if problems:
         raise ConfigError("\n".join(problems))
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{path or cls.__name__}: {exc} (from {origins.of(path)})") from exc
+
+
+def yaml_key(field_name: str) -> str:
+    """The key of a dataclass field in YAML and overrides: its name without a trailing underscore (so a section can be
+    called `async`, a Python keyword, through a field `async_`)."""
+    return field_name[:-1] if field_name.endswith("_") else field_name
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -249,7 +255,7 @@ def _join(path: str, key: str) -> str:
 def to_dict(cfg: Any) -> Any:
     """A dataclass config as plain YAML-safe data: dicts, lists (tuples become lists), scalars, paths as strings."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {yaml_key(f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, Mapping):
         return {k: to_dict(v) for k, v in cfg.items()}
     if isinstance(cfg, list | tuple):

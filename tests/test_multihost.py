@@ -24,8 +24,15 @@ from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 pytest_plugins = ["ray_cluster"]
-# times vary; the KV cache per device depends on the placement (each host's engine has `rollout.slots` slots)
-VARIABLE = ("timing_s/", "perf/throughput", "perf/worker_seconds", "perf/kv_cache_bytes")
+# times (and idle fractions) vary; the KV cache per device depends on the placement (each host's engine has `rollout.slots` slots)
+VARIABLE = (
+    "timing_s/",
+    "timeline/",
+    "perf/throughput",
+    "perf/samples_per_s",
+    "perf/worker_seconds",
+    "perf/kv_cache_bytes",
+)
 # the same global layouts on 1 x 8 and 2 x 4 devices: FSDP training, generation as 4 replicas of tensor 2
 LAYOUTS = {
     "actor": {"train_layout": {"mesh": {"fsdp": 8}, "rules": "fsdp"}, "ppo_mini_batch_size": 8, "micro_batch_size": 8},

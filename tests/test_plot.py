@@ -1,6 +1,7 @@
 """Plots: a synthetic metrics.jsonl with random values reads back exactly (re-logged steps keep their last value), the
 PNG panels written are exactly those whose metrics are present, each is a real PNG of the expected size with something
-drawn on it, run comparisons draw, and malformed files fail naming the file and line."""
+drawn on it, run comparisons draw, a run's timeline.jsonl is drawn as a Gantt chart, and malformed files fail naming
+the file and line."""
 
 from __future__ import annotations
 
@@ -12,7 +13,17 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from hfjax.plot import DPI, PANEL_SIZE, PlotError, compare_runs, load_metrics, plot_main, plot_run
+from hfjax.plot import (
+    DPI,
+    PANEL_SIZE,
+    PlotError,
+    compare_runs,
+    load_metrics,
+    load_timeline,
+    plot_main,
+    plot_run,
+    plot_timeline,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # metric name -> the panel that must draw it (written by hand from verl's metric names, not read from hfjax.plot)
@@ -150,3 +161,82 @@ def test_missing_or_unplottable_file(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "timing_s/gen": 1.5}) + "\n")
     with pytest.raises(PlotError, match=r"none of its metrics \['timing_s/gen'\] is plotted"):
         plot_run(tmp_path)
+
+
+# two groups over 3 steps: rollout's generate spans overlap each other (async generation) and train's updates
+TIMELINE = [
+    {"step": 1, "group": "rollout", "name": "generate", "start": 0.0, "end": 4.0},
+    {"step": 1, "group": "rollout", "name": "reward", "start": 3.5, "end": 4.5},
+    {"step": 2, "group": "rollout", "name": "generate", "start": 2.0, "end": 7.0},
+    {"step": 1, "group": "train", "name": "update_actor", "start": 4.5, "end": 8.0},
+    {"step": 3, "group": "rollout", "name": "generate", "start": 7.0, "end": 11.0},
+    {"step": 2, "group": "train", "name": "update_actor", "start": 8.0, "end": 11.5},
+    {"step": 3, "group": "train", "name": "update_actor", "start": 11.5, "end": 14.25},
+]
+
+
+def _write_timeline(run: Path, spans: list[dict]) -> Path:
+    path = run / "timeline.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in spans))
+    return path
+
+
+def test_plot_run_draws_the_timeline(tmp_path):
+    _write_run(tmp_path, np.random.default_rng(), ["critic/score/mean"], steps=3)
+    _write_timeline(tmp_path, TIMELINE)
+    assert load_timeline(tmp_path) == TIMELINE
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["reward.png", "overview.png", "timeline.png"]
+    assert paths[-1] == tmp_path / "plots" / "timeline.png"
+    # 12 inches wide, 1.8 inches + 0.5 per lane (two groups) high
+    image = _check_png(paths[-1], (12.0, 2.8))
+    # the bars are coloured: some pixels are far from grey
+    rgb = image[..., :3]
+    assert (rgb.max(axis=-1) - rgb.min(axis=-1) > 0.3).mean() > 0.02
+    # the timeline file alone, into another folder
+    out = plot_timeline(tmp_path / "timeline.jsonl", tmp_path / "elsewhere")
+    assert out == tmp_path / "elsewhere" / "timeline.png"
+    _check_png(out, (12.0, 2.8))
+
+
+def test_timeline_with_many_steps_and_one_group(tmp_path):
+    spans = [{"step": s, "group": "all", "name": n, "start": 2.0 * s + i, "end": 2.0 * s + i + 0.9}
+             for s in range(500) for i, n in enumerate(("generate", "update_actor"))]  # fmt: skip
+    _write_timeline(tmp_path, spans)
+    _check_png(plot_timeline(tmp_path), (12.0, 2.3))
+
+
+def test_empty_or_missing_timeline(tmp_path):
+    _write_run(tmp_path, np.random.default_rng(), ["critic/score/mean"], steps=3)
+    assert [p.name for p in plot_run(tmp_path)] == ["reward.png", "overview.png"]  # no timeline file
+    with pytest.raises(PlotError, match=rf"{re.escape(str(tmp_path / 'timeline.jsonl'))}: no such file"):
+        plot_timeline(tmp_path)
+    (tmp_path / "timeline.jsonl").write_text("\n")
+    assert [p.name for p in plot_run(tmp_path)] == ["reward.png", "overview.png"]  # an empty one is skipped
+    with pytest.raises(PlotError, match="no spans found"):
+        plot_timeline(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "message"),
+    [
+        ('{"step": 2, "group": "train", ', "not valid JSON"),
+        ('"span"', "expected a JSON object"),
+        ('{"step": 2.0, "group": "train", "name": "x", "start": 0, "end": 1}', "field 'step': expected an integer"),
+        ('{"step": 2, "group": 3, "name": "x", "start": 0, "end": 1}', "field 'group': expected a non-empty string"),
+        ('{"step": 2, "group": "train", "start": 0, "end": 1}', "field 'name': expected a non-empty string"),
+        ('{"step": 2, "group": "train", "name": "x", "start": "0", "end": 1}', "metric 'start': expected a number"),
+        ('{"step": 2, "group": "train", "name": "x", "start": 2, "end": 1}', "expected finite 'start' <= 'end'"),
+    ],
+)
+def test_malformed_timeline_line_names_file_and_line(tmp_path, bad_line, message):
+    _write_run(tmp_path, np.random.default_rng(), ["critic/score/mean"], steps=3)
+    bad_at = int(np.random.default_rng().integers(0, len(TIMELINE) + 1))
+    lines = [json.dumps(s) for s in TIMELINE]
+    lines.insert(bad_at, bad_line)
+    path = tmp_path / "timeline.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(PlotError, match=rf"{re.escape(str(path))}:{bad_at + 1}: .*{re.escape(message)}"):
+        plot_run(tmp_path)
+    with pytest.raises(SystemExit, match=rf"{re.escape(str(path))}:{bad_at + 1}"):
+        plot_main([str(tmp_path)])

@@ -19,7 +19,7 @@ from hfjax.trainer.launch import export_run, run_rl
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 pytest_plugins = ["ray_cluster"]
-VARIABLE = ("timing_s/", "perf/throughput", "perf/worker_seconds")
+VARIABLE = ("timing_s/", "timeline/", "perf/throughput", "perf/samples_per_s", "perf/worker_seconds")
 
 
 @pytest.fixture(scope="module")

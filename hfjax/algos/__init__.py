@@ -1,5 +1,5 @@
 """RL math as pure functions of arrays: masked statistics, advantage estimators, KL penalties and controllers, policy
-and value losses, loss aggregation. Imports nothing from hfjax outside this package."""
+and value losses, loss aggregation, off-policy rollout correction. Imports nothing from hfjax outside this package."""
 
 from hfjax.algos.advantages import (
     ESTIMATOR_INPUTS,
@@ -24,9 +24,11 @@ from hfjax.algos.losses import (
     value_loss,
 )
 from hfjax.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from hfjax.algos.rollout_correction import CORRECTION_LEVELS, rollout_correction
 
 __all__ = [
     "AGG_MODES",
+    "CORRECTION_LEVELS",
     "ESTIMATOR_INPUTS",
     "AdaptiveKLController",
     "FixedKLController",
@@ -50,5 +52,6 @@ __all__ = [
     "ppo_policy_loss",
     "register_advantage_estimator",
     "register_policy_loss",
+    "rollout_correction",
     "value_loss",
 ]

@@ -4,8 +4,9 @@ value loss, and token log-probs / entropy from logits.
 Pure `jax.numpy`, differentiable, for jitted training steps. Aggregation takes optional GLOBAL normalisers (token
 count, sequence count of the whole mini-batch): a worker that splits a mini-batch into micro-batches passes the
 mini-batch's counts to every micro-batch, and the sum of the micro-batch losses (and of their gradients) then equals
-the mini-batch loss (and gradient). Imports `hfjax.algos.masked` and `.registry`; must not import workers, trainer or
-models.
+the mini-batch loss (and gradient). Policy losses take optional per-token `token_weights` (e.g. rollout-correction
+importance weights) that scale the token losses before aggregation. Imports `hfjax.algos.masked` and `.registry`; must
+not import workers, trainer or models.
 """
 
 from __future__ import annotations
@@ -76,9 +77,17 @@ def agg_loss(
     raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {list(AGG_MODES)}")
 
 
+def _weighted(token_losses: jax.Array, token_weights: jax.Array | None) -> jax.Array:
+    """token_losses * token_weights; None leaves the losses untouched (bit for bit)."""
+    return token_losses if token_weights is None else token_losses * token_weights
+
+
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator registering `fn(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode, global_tokens,
-    global_seqs, norm_length, **own_params) -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)` under `name`."""
+    global_seqs, norm_length, **own_params) -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)` under `name`.
+
+    A loss that supports per-token weights takes a keyword-only `token_weights: jax.Array | None = None` multiplying
+    its token losses before aggregation; losses without it still work, only not with weights."""
     return _POLICY_LOSSES.register(name)
 
 
@@ -93,15 +102,26 @@ def policy_loss(
     log_prob: jax.Array,
     advantages: jax.Array,
     response_mask: jax.Array,
+    *,
+    token_weights: jax.Array | None = None,
     **params,
 ) -> PolicyLossOutput:
     """Calls the policy loss registered as `name`; `params` (e.g. loss_agg_mode, clip_ratio_low, global_tokens) must be
-    keyword parameters of that loss, and those not given keep the loss's defaults."""
+    keyword parameters of that loss, and those not given keep the loss's defaults. `token_weights` (bs, T) multiply
+    the token losses before aggregation (normalisers stay those of `response_mask`); it is passed only when not None,
+    and only to a loss that takes it."""
     fn = _POLICY_LOSSES.get(name)
     accepted = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(f"policy loss {name!r} does not take {unknown}; it takes {accepted}")
+    if token_weights is not None:
+        if "token_weights" not in accepted:
+            raise ValueError(
+                f"policy loss {name!r} does not take token_weights (per-token weights, e.g. rollout-correction "
+                "importance weights); give it a keyword-only `token_weights: jax.Array | None = None` parameter"
+            )
+        params["token_weights"] = token_weights
     return fn(old_log_prob, log_prob, advantages, response_mask, **params)
 
 
@@ -119,6 +139,7 @@ def ppo_policy_loss(
     global_tokens: jax.Array | float | None = None,
     global_seqs: jax.Array | float | None = None,
     norm_length: int | None = None,
+    token_weights: jax.Array | None = None,
 ) -> PolicyLossOutput:
     """Dual-clip PPO (arXiv 1912.09729; verl's "vanilla" loss), ratio r = exp(clamp(logp - old_logp, -20, 20)).
 
@@ -137,7 +158,7 @@ def ppo_policy_loss(
     negative = advantages < 0
     token_losses = jnp.where(negative, jnp.minimum(dual_bound, clip_loss), clip_loss)
     pg_loss = agg_loss(
-        token_losses,
+        _weighted(token_losses, token_weights),
         response_mask,
         loss_agg_mode,
         global_tokens=global_tokens,
@@ -162,6 +183,7 @@ def gspo_policy_loss(
     global_tokens: jax.Array | float | None = None,
     global_seqs: jax.Array | float | None = None,
     norm_length: int | None = None,
+    token_weights: jax.Array | None = None,
 ) -> PolicyLossOutput:
     """GSPO (arXiv 2507.18071): PPO clipping on the sequence-level ratio s = exp(mean over valid tokens of log r).
 
@@ -176,7 +198,7 @@ def gspo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_loss = agg_loss(
-        jnp.maximum(unclipped, clipped),
+        _weighted(jnp.maximum(unclipped, clipped), token_weights),
         mask,
         loss_agg_mode,
         global_tokens=global_tokens,
@@ -198,13 +220,14 @@ def pg_policy_loss(
     global_tokens: jax.Array | float | None = None,
     global_seqs: jax.Array | float | None = None,
     norm_length: int | None = None,
+    token_weights: jax.Array | None = None,
 ) -> PolicyLossOutput:
     """Plain policy gradient, token loss -A * logp (no ratio, no clipping; clip fractions are 0).
 
     ppo_kl is still reported (masked mean of old_logp - logp) to watch how far the policy moved.
     """
     pg_loss = agg_loss(
-        -advantages * log_prob,
+        _weighted(-advantages * log_prob, token_weights),
         response_mask,
         loss_agg_mode,
         global_tokens=global_tokens,

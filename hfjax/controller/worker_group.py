@@ -6,6 +6,7 @@ Imports protocol and controller.{dispatch, future, worker}; must not import ray 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import traceback
@@ -40,15 +41,23 @@ class WorkerDiedError(WorkerError):
 def _group_method(
     invoke: Callable[..., Any], path: str, label: str, registration: Registration, signature: inspect.Signature
 ) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def run(current: Registration, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             signature.bind(None, *args, **kwargs)
         except TypeError as exc:
             raise TypeError(f"{label}{signature}: {exc}") from None
-        return invoke(path, label, registration, args, kwargs)
+        return invoke(path, label, current, args, kwargs)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return run(registration, args, kwargs)
+
+    def submit(*args: Any, **kwargs: Any) -> DataProtoFuture:
+        """Starts the call and returns its `DataProtoFuture` at once, whether or not the method blocks."""
+        return run(dataclasses.replace(registration, blocking=False), args, kwargs)
 
     call.__name__ = path.rsplit(".", 1)[-1]
     call.__doc__ = f"Group method for {label} ({registration.dispatch_mode}, execute {registration.execute_mode})."
+    call.submit = submit  # type: ignore[attr-defined]
     return call
 
 

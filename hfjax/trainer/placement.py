@@ -1,5 +1,6 @@
 """Where the roles of an RL run live: `colocate` (one worker group holds every role), `split` (the actor on one set
-of devices, critic and score models on another) or `standalone` (every role its own group), on Ray or — for
+of devices, critic and score models on another), `standalone` (every role its own group) or `disaggregated`
+(generation on a rollout group, every other role on a trainer group), on Ray or — for
 `colocate` — in this process (`backend: local`).
 
 Imports `hfjax.controller`, `hfjax.workers` and `hfjax.config`.
@@ -16,12 +17,13 @@ from hfjax.controller.resource_pool import resolve_device
 from hfjax.workers.actor import ActorRolloutRefWorker
 from hfjax.workers.critic import CriticWorker
 from hfjax.workers.reward_model import RewardModelWorker
+from hfjax.workers.rollout import RolloutWorker
 
 
 def role_workers(cfg: RLConfig) -> dict[str, functools.partial]:
     """The worker of each role this run needs (`cfg.role_names()`)."""
     steps = cfg.trainer.total_steps
-    actor_role = "actor_rollout_ref" if cfg.uses_ref else "actor_rollout"
+    actor_role = ("actor" if cfg.disaggregated else "actor_rollout") + ("_ref" if cfg.uses_ref else "")
     workers = {
         "actor": functools.partial(
             ActorRolloutRefWorker,
@@ -30,6 +32,9 @@ def role_workers(cfg: RLConfig) -> dict[str, functools.partial]:
             actor_role,
             total_steps=steps,
             max_prompt_length=cfg.data.max_prompt_length,
+        ),
+        "rollout": functools.partial(
+            RolloutWorker, cfg.actor, cfg.rollout, max_prompt_length=cfg.data.max_prompt_length
         ),
         "critic": functools.partial(CriticWorker, cfg.critic, total_steps=steps),
         "reward_model": functools.partial(RewardModelWorker, cfg.reward.reward_model, output_key="rm_scores"),

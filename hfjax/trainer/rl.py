@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from hfjax.protocol import DataProto
 from hfjax.trainer.placement import spawn_roles
 from hfjax.trainer.programs import PROGRAMS
 from hfjax.trainer.rl_metrics import data_metrics
-from hfjax.trainer.step import Step
+from hfjax.trainer.rollout_stream import RolloutStream
+from hfjax.trainer.step import Step, group_names
+from hfjax.trainer.timeline import Timeline, truncate
 from hfjax.training.checkpoint import CheckpointManager
 from hfjax.training.metrics import MetricsLogger
 from hfjax.typed_config import dump_yaml
@@ -34,6 +37,7 @@ from hfjax.workers.rule_reward import RuleReward
 
 log = logging.getLogger(__name__)
 TRAINED_ROLES = ("actor", "critic", "cost_critic")
+TIMELINE_FILE = "timeline.jsonl"  # what ran when on which worker group (`hfjax plot` draws it)
 
 
 def _as_proto(batch: Any) -> DataProto:
@@ -66,6 +70,9 @@ class RLTrainer:
         self.roles, self.pools = spawn_roles(cfg)
         self.role_info = {name: handle.init_model() for name, handle in self.roles.items()}
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
+        self.gen_role = "rollout" if cfg.disaggregated else "actor"
+        self.timeline = Timeline(self.run_dir / TIMELINE_FILE)
+        self.loader_states: dict[int, dict[str, Any]] = {}  # before the prompts of each step were taken
         self.step = 0
 
     # ------------------------------------------------------------------------------------------------ rewards
@@ -79,9 +86,14 @@ class RLTrainer:
         return scores
 
     # ------------------------------------------------------------------------------------------------ loop
-    def _batches(self):
+    def _batches(self) -> Iterator[DataProto]:
         while True:
             yield from (_as_proto(b) for b in self.loader)
+
+    def _prompts(self, batches: Iterator[DataProto], step: int) -> DataProto:
+        """The next batch of prompts, for `step`; remembers the loader position before it (for checkpoints)."""
+        self.loader_states[step] = self.loader.state_dict()
+        return next(batches)
 
     def fit(self) -> list[dict[str, float]]:
         """Runs the remaining steps up to `trainer.total_steps`; returns the logged metrics of each step."""
@@ -91,18 +103,36 @@ class RLTrainer:
         history = []
         if trainer.val_before_train and self.val_data is not None and self.step == 0:
             self.logger.log(0, self.validate())
-        batches = self._batches()
+        batches, fit_started_at = self._batches(), self.timeline.now()
+        stream = None
+        if self.cfg.disaggregated:
+            stream = RolloutStream(self.cfg, self.roles, lambda k: self._prompts(batches, k), self.timeline)
+            stream.sync(self.step)
         bar = tqdm(range(self.step, trainer.total_steps), desc="rl", unit="step", disable=not trainer.progress)
         for step in bar:
-            started = time.perf_counter()
-            state = Step(self.cfg, self.roles, next(batches), step, self)
+            started, started_at = time.perf_counter(), self.timeline.now()
+            if stream is None:
+                state = Step(self.cfg, self.roles, self._prompts(batches, step), step, self, timeline=self.timeline)
+            else:
+                pending = stream.take(step)
+                state = Step(self.cfg, self.roles, pending.prompts, step, self, pending, self.timeline)
             self.program(state)
             self.step = step + 1
+            if stream is not None:
+                stream.sync(self.step)  # queued behind the generation already under way
             metrics = {**state.metrics, **data_metrics(state.batch, self.cfg.uses_critic)}
             metrics["timing_s/step"] = time.perf_counter() - started
             tokens = float(state.batch.batch["attention_mask"].sum())
             metrics["perf/total_num_tokens"] = tokens
             metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
+            metrics["perf/samples_per_s"] = len(state.batch) / metrics["timing_s/step"]
+            metrics.update(
+                self.timeline.step_metrics(step, started_at, self.timeline.now(), self.timeline_lanes(step=True))
+            )
+            if self.step == trainer.total_steps:  # every rollout has been taken: the whole run's idle fractions
+                lanes = self.timeline_lanes(step=False)
+                run = self.timeline.step_metrics(step, fit_started_at, self.timeline.now(), lanes)
+                metrics.update({k.replace("timeline/", "timeline/run_"): v for k, v in run.items()})
             due = trainer.test_freq and self.step % trainer.test_freq == 0
             if self.val_data is not None and (due or self.step == trainer.total_steps):
                 metrics.update(self.validate())
@@ -111,7 +141,17 @@ class RLTrainer:
             self.logger.log(self.step, metrics)
             history.append(metrics)
             bar.set_postfix({"score": f"{metrics.get('critic/score/mean', 0):.3f}"})
+        if stream is not None:
+            stream.drain()
         return history
+
+    def timeline_lanes(self, step: bool) -> list[str]:
+        """The timeline's lanes: one per worker group, and the controller. For the metrics of one `step` an
+        asynchronous run leaves out the rollout group, whose spans are recorded when their rollout is taken, up to
+        `async.max_staleness` steps after they ran."""
+        lanes = group_names(self.cfg)
+        skip = {lanes["rollout"]} if step and self.cfg.async_.max_staleness else set()
+        return [lane for lane in [*dict.fromkeys(lanes.values()), "controller"] if lane not in skip]
 
     def validate(self) -> dict[str, float]:
         """Greedy responses on the validation set; the mean rule score per data source (`val/test_score/<src>`)."""
@@ -119,7 +159,7 @@ class RLTrainer:
         sources, scores = [], []
         for batch in loader:
             prompts = _as_proto(batch)
-            out = self.roles["actor"].generate_sequences(
+            out = self.roles[self.gen_role].generate_sequences(
                 DataProto(prompts.batch, prompts.non_tensor_batch, {"do_sample": False})
             )
             rows = DataProto(out.batch, prompts.non_tensor_batch, {})
@@ -137,7 +177,7 @@ class RLTrainer:
             if name in self.roles:
                 self.roles[name].wait_for_checkpoint()
         state = {
-            "loader": self.loader.state_dict(),
+            "loader": self.loader_states.get(self.step, self.loader.state_dict()),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "lagrange": self.lagrange,
         }
@@ -156,6 +196,7 @@ class RLTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.lagrange = float(state["lagrange"])
         self.step = step
+        truncate(self.run_dir / TIMELINE_FILE, step - 1)
         log.info("resumed from step %d", step)
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """`Step`: one RL iteration's state on the controller — the batch flowing between roles and the operations the
 algorithm programs are written in (each one role call or one controller computation, timed as `timing_s/<name>`).
 
-Imports `hfjax.algos`, `hfjax.protocol`, `hfjax.workers.sequences` and `hfjax.config`.
+Imports `hfjax.algos`, `hfjax.protocol`, `hfjax.workers.sequences`, `hfjax.config` and this package's timeline.
 """
 
 from __future__ import annotations
@@ -16,9 +16,20 @@ import numpy as np
 from hfjax.algos import compute_advantage, kl_penalty, masked_mean
 from hfjax.config import RLConfig
 from hfjax.protocol import DataProto
+from hfjax.trainer.timeline import Timeline
 from hfjax.workers.sequences import scores_to_token_level
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
+
+
+def rollout_meta(cfg: RLConfig, step: int) -> dict[str, Any]:
+    """The sampling request of a step's rollout: `rollout.n` samples per prompt, seeded by the step."""
+    return {"n": cfg.rollout.n, "seed": cfg.rollout.seed + step}
+
+
+def group_names(cfg: RLConfig) -> dict[str, str]:
+    """Each role's timeline lane: the roles of its worker group joined by '+' (e.g. `actor+critic`)."""
+    return {role: "+".join(group) for group in cfg.worker_groups() for role in group}
 
 
 def _mean_metrics(meta: dict[str, Any]) -> dict[str, float]:
@@ -29,10 +40,23 @@ def _mean_metrics(meta: dict[str, Any]) -> dict[str, float]:
 class Step:
     """One iteration: `batch` starts as the prompts; `metrics` collects everything logged for the step."""
 
-    def __init__(self, cfg: RLConfig, roles: dict[str, Any], batch: DataProto, step: int, trainer: Any):
+    def __init__(
+        self,
+        cfg: RLConfig,
+        roles: dict[str, Any],
+        batch: DataProto,
+        step: int,
+        trainer: Any,
+        rollout: Any = None,
+        timeline: Timeline | None = None,
+    ):
+        """`rollout`: the step's generation already under way on a rollout group (`PendingRollout`), else
+        `generate` runs it; `timeline`: where role calls are recorded (lanes named by `group_names`)."""
         self.cfg, self.roles, self.step, self.trainer = cfg, roles, step, trainer
         self.prompts = batch
         self.batch = batch
+        self.rollout, self.timeline = rollout, timeline
+        self.lanes = group_names(cfg)
         self.metrics: dict[str, float] = {}
         self.reward_baselines: np.ndarray | None = None
 
@@ -43,12 +67,26 @@ class Step:
         key = f"timing_s/{name}"
         self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
 
+    @contextlib.contextmanager
+    def on_lane(self, lane: str, name: str) -> Iterator[None]:
+        """Records the block on the timeline as `name` on `lane`."""
+        start = time.time()
+        yield
+        if self.timeline is not None:
+            self.timeline.record(lane, name, self.step, start, time.time())
+
     def _call(self, role: str, method: str, data: DataProto) -> tuple[DataProto, dict[str, float]]:
-        """A role's group method: its rows (without `meta_info`, so that they union with the batch) and its metrics.
-        The time the worker spent inside it goes to `perf/worker_seconds` (the slowest rank's: ranks run in
-        parallel); the array bytes of its rows in and out to `perf/dispatch_bytes_sent` / `_received` (the
-        controller sends each process of a group its own rows, so a host's share is that over the hosts)."""
-        out = getattr(self.roles[role], method)(data)
+        """A role's group method: its rows (without `meta_info`, so that they union with the batch) and its metrics
+        (`absorb`)."""
+        with self.on_lane(self.lanes[role], method):
+            out = getattr(self.roles[role], method)(data)
+        return self.absorb(data, out)
+
+    def absorb(self, data: DataProto, out: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """The rows and metrics of a group call's output `out` for request `data`. The time the worker spent inside
+        it goes to `perf/worker_seconds` (the slowest rank's: ranks run in parallel); the array bytes of its rows in
+        and out to `perf/dispatch_bytes_sent` / `_received` (the controller sends each process of a group its own
+        rows, so a host's share is that over the hosts)."""
         for key, proto in (("perf/dispatch_bytes_sent", data), ("perf/dispatch_bytes_received", out)):
             self.metrics[key] = self.metrics.get(key, 0.0) + float(proto.nbytes())
         seconds = out.meta_info.get("metrics", {}).get("worker_seconds")
@@ -57,18 +95,29 @@ class Step:
         return DataProto(out.batch, out.non_tensor_batch, {}), _mean_metrics(out.meta_info)
 
     # --------------------------------------------------------------------------------------------- generation
+    def _gen_metrics(self, gen_metrics: dict[str, float]) -> None:
+        reshard = gen_metrics.get("reshard_seconds", 0.0)  # none on a rollout group of its own
+        self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + reshard
+        self.metrics["perf/kv_cache_bytes"] = gen_metrics["gen_kv_cache_bytes"]
+
     def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
         request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
-        out, gen_metrics = self._call("actor", "generate_sequences", request)
-        self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + gen_metrics["reshard_seconds"]
-        self.metrics["perf/kv_cache_bytes"] = gen_metrics["gen_kv_cache_bytes"]
+        role = "rollout" if "rollout" in self.roles else "actor"
+        out, gen_metrics = self._call(role, "generate_sequences", request)
+        self._gen_metrics(gen_metrics)
         return out
 
     def generate(self) -> None:
-        """n sampled responses per prompt; the batch becomes the rollout batch (prompts repeated, interleaved)."""
+        """n sampled responses per prompt; the batch becomes the rollout batch (prompts repeated, interleaved). A
+        rollout already under way (`self.rollout`) is waited for instead (`timing_s/gen` is then the wait)."""
         n = self.cfg.rollout.n
         with self.timed("gen"):
-            out = self._generate(self.prompts, {"n": n, "seed": self.cfg.rollout.seed + self.step})
+            if self.rollout is None:
+                out = self._generate(self.prompts, rollout_meta(self.cfg, self.step))
+            else:
+                out, gen_metrics = self.absorb(self.rollout.request, self.rollout.result())
+                self._gen_metrics(gen_metrics)
+                self.metrics.update(self.rollout.metrics)
         rows = self.prompts.repeat(n, interleave=True)
         rows.pop(batch_keys=PROMPT_TENSORS)
         self.batch = DataProto(out.batch, rows.non_tensor_batch, {})
@@ -85,7 +134,7 @@ class Step:
     # --------------------------------------------------------------------------------------------- rewards
     def score(self) -> None:
         """`token_level_scores` (rule and/or reward model) on the last response token."""
-        with self.timed("reward"):
+        with self.timed("reward"), self.on_lane("controller", "reward"):
             scores = self.trainer.sequence_scores(self.batch)
         mask = self.batch.batch["response_mask"]
         self.batch.batch["scores"] = scores
@@ -152,7 +201,7 @@ class Step:
         return np.asarray(advantages, np.float32), np.asarray(returns, np.float32)
 
     def advantages(self, estimator: str) -> None:
-        with self.timed("adv"):
+        with self.timed("adv"), self.on_lane("controller", "advantages"):
             rewards = self._rewards("token_level_scores")
             self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
             values = self.batch.batch.get("values")
@@ -161,7 +210,7 @@ class Step:
 
     def safe_advantages(self) -> None:
         """Reward and cost GAE; the actor follows (A_r - lambda * A_c) / (1 + lambda)."""
-        with self.timed("adv"):
+        with self.timed("adv"), self.on_lane("controller", "advantages"):
             rewards = self._rewards("token_level_scores")
             self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
             adv_r, ret_r = self._gae_or_rule("gae", rewards, self.batch.batch["values"])
@@ -193,6 +242,7 @@ class Step:
         keys = [*PROMPT_TENSORS, "responses", "response_mask", "advantages"]
         keys += [] if self.cfg.reuses_update_log_probs else ["old_log_probs"]
         keys += ["ref_log_prob"] if self.cfg.actor.use_kl_loss else []
+        keys += ["rollout_log_probs"] if "rollout_log_probs" in self.batch.batch else []  # off-policy correction
         with self.timed("update_actor"):
             _, metrics = self._call("actor", "update_actor", self.batch.select(batch_keys=keys))
         self.metrics.update(metrics)

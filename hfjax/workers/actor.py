@@ -17,19 +17,28 @@ from typing import Any
 import jax
 import numpy as np
 
-from hfjax.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits, policy_loss
+from hfjax.algos import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    policy_loss,
+    rollout_correction,
+)
 from hfjax.controller import Dispatch, register
 from hfjax.parallel import HybridEngine, layout_or_default
 from hfjax.parallel.host_local import local_view, process_layout
-from hfjax.protocol import ROW_OFFSET, DataProto
-from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+from hfjax.protocol import DataProto
+from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import ActorConfig, RolloutConfig
+from hfjax.workers.generation import generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
-from hfjax.workers.sequences import assemble, prompt_token_lists, response_slice
+from hfjax.workers.sequences import response_slice
+from hfjax.workers.weight_sync import WeightShards, export_shards
 
-ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
+ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
 
 def _response_logprobs(model: Any, batch: dict[str, jax.Array], temperature: float) -> tuple[jax.Array, jax.Array]:
@@ -115,19 +124,6 @@ class ActorRolloutRefWorker(TrainedRole):
         else:
             self.policy.params = value
 
-    def _sampling(self, meta: dict[str, Any]) -> SamplingParams:
-        rollout = self.rollout_cfg
-        greedy = not meta.get("do_sample", True)
-        return SamplingParams(
-            max_new_tokens=int(meta.get("response_length", rollout.response_length)),
-            temperature=0.0 if greedy else float(meta.get("temperature", rollout.temperature)),
-            top_k=rollout.top_k,
-            top_p=rollout.top_p,
-            n=1 if greedy else int(meta.get("n", rollout.n)),
-            seed=int(meta.get("seed", rollout.seed)),
-            stop_token_ids=() if rollout.ignore_eos else None,
-        )
-
     @register(Dispatch.DP_COMPUTE_PROTO)
     @reports_seconds
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -135,32 +131,20 @@ class ActorRolloutRefWorker(TrainedRole):
         input_ids, attention_mask, position_ids, response_mask, rollout_log_probs. `meta_info` may set `n`,
         `do_sample` (False = greedy), `seed`, `temperature`. In a group of several processes each process generates
         its own prompts in its own loop (no cross-host traffic per decode step; hosts finish when they finish)."""
-        sampling = self._sampling(prompts.meta_info)
-        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        if not self.has_rollout:
+            raise RuntimeError(f"generate_sequences: this worker's role {self.role!r} does not generate")
+        sampling = sampling_params(self.rollout_cfg, prompts.meta_info)
         if self.hybrid.offload_optimizer:
             self.state.opt_state = self.hybrid.offload(self.state.opt_state)
         gen_params = self.hybrid.to_gen(self.params)
         try:
             self.generator.update_params(local_view(gen_params, self.local_gen_layout))
-            # sample keys follow each prompt's index in the whole batch, so samples do not depend on placement
-            first = int(prompts.meta_info.get(ROW_OFFSET, 0))
-            outputs = self.generator.generate(prompt_token_lists(ids, mask), sampling, first_request=first)
+            batch, timing = generate_batch(self.generator, prompts, sampling, self.pad_id)
         finally:
             self.generator.update_params(None)
             self.params = self.hybrid.to_train(gen_params)
             if self.hybrid.offload_optimizer:
                 self.state.opt_state = self.hybrid.reload(self.state.opt_state)
-        rejected = [o for o in outputs if o.finish_reason == "rejected"]
-        if rejected:
-            raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")
-        batch = assemble(ids, mask, outputs, sampling.n, sampling.max_new_tokens, self.pad_id)
-        stats = self.generator.last_stats
-        timing = {
-            "gen_tokens": stats["response_tokens"],
-            "gen_seconds": stats["seconds"],
-            "gen_decode_steps": stats["decode_steps"],
-            "gen_kv_cache_bytes": stats["kv_cache_bytes_per_device"],
-        }
         transitions = self.hybrid.stats()
         timing["reshard_seconds"] = transitions["to_gen_s"][-1] + transitions["to_train_s"][-1]
         return DataProto.from_dict(batch, meta_info={"metrics": timing})
@@ -204,12 +188,27 @@ class ActorRolloutRefWorker(TrainedRole):
         old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
         clip = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
         options = {"ppo": {**clip, "clip_ratio_c": cfg.clip_ratio_c}, "gspo": clip}.get(cfg.policy_loss, {})
+        loss_mask, correction = mask, {}
+        if "rollout_log_probs" in batch:  # off-policy correction towards the policy that sampled the tokens
+            rc = cfg.rollout_correction
+            weights, kept, correction = rollout_correction(
+                old_log_probs,
+                batch["rollout_log_probs"],
+                mask,
+                is_level=rc.is_level,
+                is_threshold=rc.is_threshold,
+                rs_level=rc.rs_level,
+                rs_threshold=rc.rs_threshold,
+                rs_threshold_lower=rc.rs_threshold_lower,
+            )
+            options["token_weights"] = weights if rc.is_level != "none" else None
+            loss_mask = kept if rc.rs_level != "none" else mask
         pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
             cfg.policy_loss,
             old_log_probs,
             logp,
             batch["advantages"],
-            mask,
+            loss_mask,
             loss_agg_mode=cfg.loss_agg_mode,
             **options,
             **counts,
@@ -223,6 +222,7 @@ class ActorRolloutRefWorker(TrainedRole):
             "actor/ppo_kl": ppo_kl,
             "actor/pg_clipfrac_lower": clipfrac_lower,
             "actor/entropy": entropy,
+            **correction,
         }
         if cfg.use_kl_loss:
             kl = agg_loss(kl_penalty(logp, batch["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
@@ -238,7 +238,7 @@ class ActorRolloutRefWorker(TrainedRole):
         over optimizer steps, in `meta_info["metrics"]`."""
         cfg = self.cfg
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob") if k in data.batch]
+        keys += [k for k in ("old_log_probs", "ref_log_prob", "rollout_log_probs") if k in data.batch]
         arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
         if "old_log_probs" not in arrays and (
             cfg.ppo_epochs > 1 or len(data) * jax.process_count() > cfg.ppo_mini_batch_size
@@ -256,6 +256,12 @@ class ActorRolloutRefWorker(TrainedRole):
             "actor",
             trim=cfg.trim_padding,
         )
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def weights_for_rollout(self) -> WeightShards:
+        """This process's blocks of the policy cast to the compute dtype, for a rollout group on other devices
+        (`RolloutWorker.load_weights`; non-blocking: the blocks stay in the cluster)."""
+        return export_shards(self.params, self.cfg.dtype)
 
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str) -> None:

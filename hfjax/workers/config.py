@@ -55,6 +55,30 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction of the policy loss by the ratio of the training policy (old log probs) to the rollout
+    policy that sampled the tokens (its own log probs): truncated importance sampling (`is_level` token or
+    sequence, weights min(ratio, `is_threshold`)) and masked importance sampling / rejection (`rs_level`: tokens or
+    whole sequences whose ratio leaves [`rs_threshold_lower` (default 1 / rs_threshold), `rs_threshold`] are dropped
+    from the loss; the loss keeps the batch's token and sequence counts as normalisers). The mismatch metrics
+    (`rollout_corr/*`) are logged whatever the levels."""
+
+    is_level: Literal["none", "token", "sequence"] = "none"
+    is_threshold: float = 2.0
+    rs_level: Literal["none", "token", "sequence"] = "none"
+    rs_threshold: float = 2.0
+    rs_threshold_lower: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("is_threshold", "rs_threshold"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        lower = self.rs_threshold_lower
+        if lower is not None and not 0 < lower <= self.rs_threshold:
+            raise ValueError(f"rs_threshold_lower: expected in (0, rs_threshold={self.rs_threshold}], got {lower}")
+
+
+@dataclasses.dataclass
 class ActorConfig:
     """The policy: its checkpoint, numerics, training layout, optimizer and PPO update settings."""
 
@@ -84,6 +108,7 @@ class ActorConfig:
     # Group rows by length and drop the columns that are padding in a whole micro-batch (prompts and responses, to
     # padded lengths 16, 24, 32, 48, 64, ...: a few more compiled shapes) in log-prob passes and updates.
     trim_padding: bool = True
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
         for name in ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size"):

@@ -1,0 +1,60 @@
+"""Generation requests as the workers run them: sampling settings from a request's `meta_info` and the rollout
+config, and one `generate` of a batch of prompts through an `OfflineGenerator` into the rollout batch (prompts,
+responses, masks, the rollout's own log probs) with its timing metrics. Shared by the policy worker (generation on
+its own devices through the HybridEngine) and the rollout worker of a disaggregated placement.
+Imports `hfjax.rollout`, `hfjax.protocol` and this package's sequences and config.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from hfjax.protocol import ROW_OFFSET, DataProto
+from hfjax.rollout import OfflineGenerator, SamplingParams
+from hfjax.workers.config import RolloutConfig
+from hfjax.workers.sequences import assemble, prompt_token_lists
+
+
+def sampling_params(rollout: RolloutConfig, meta: dict[str, Any]) -> SamplingParams:
+    """The request's sampling: `meta_info` may set `n`, `do_sample` (False = greedy, one sample), `seed`,
+    `temperature`, `response_length`; the rest comes from `rollout`."""
+    greedy = not meta.get("do_sample", True)
+    return SamplingParams(
+        max_new_tokens=int(meta.get("response_length", rollout.response_length)),
+        temperature=0.0 if greedy else float(meta.get("temperature", rollout.temperature)),
+        top_k=rollout.top_k,
+        top_p=rollout.top_p,
+        n=1 if greedy else int(meta.get("n", rollout.n)),
+        seed=int(meta.get("seed", rollout.seed)),
+        stop_token_ids=() if rollout.ignore_eos else None,
+    )
+
+
+def generate_batch(
+    generator: OfflineGenerator, prompts: DataProto, sampling: SamplingParams, pad_id: int
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Runs `generator` (its parameters already set) over the left-padded prompts; returns the rollout batch's arrays
+    and the timing metrics (`gen_tokens`, `gen_seconds`, `gen_decode_steps`, `gen_kv_cache_bytes`, and the wall
+    clock `gen_started_at` / `gen_ended_at` for timelines). Sample keys follow each prompt's index in the whole batch
+    (`ROW_OFFSET`), so samples do not depend on placement. A prompt the generator rejects is an error naming it."""
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    first = int(prompts.meta_info.get(ROW_OFFSET, 0))
+    started = time.time()
+    outputs = generator.generate(prompt_token_lists(ids, mask), sampling, first_request=first)
+    rejected = [o for o in outputs if o.finish_reason == "rejected"]
+    if rejected:
+        raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")
+    batch = assemble(ids, mask, outputs, sampling.n, sampling.max_new_tokens, pad_id)
+    stats = generator.last_stats
+    timing = {
+        "gen_tokens": stats["response_tokens"],
+        "gen_seconds": stats["seconds"],
+        "gen_decode_steps": stats["decode_steps"],
+        "gen_kv_cache_bytes": stats["kv_cache_bytes_per_device"],
+        "gen_started_at": started,
+        "gen_ended_at": time.time(),
+    }
+    return batch, timing

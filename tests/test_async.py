@@ -1,0 +1,170 @@
+"""Asynchronous and disaggregated RL: the rollout on its own worker group fed the trainer's weights after every update.
+
+`async.max_staleness: 0` on a disaggregated placement equals the synchronous colocated loop with the same layouts
+(metrics and exported weights, exactly); a weight sync delivers exactly the trainer's weights cast to the rollout's
+dtype, and a sync that fails leaves the rollout on its previous version and says so; staleness 1 overlaps generation
+with training and trains on rollouts exactly one version old; the config refuses what cannot run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from rl_setup import build_run_inputs, rl_config
+from safetensors.numpy import load_file
+
+from hfjax.config import load_rl_config
+from hfjax.controller import WorkerError
+from hfjax.models.hf import param_plan, read_config
+from hfjax.trainer.launch import export_run, run_rl
+from hfjax.trainer.rl import RLTrainer
+from hfjax.typed_config import ConfigError, dump_yaml
+from hfjax.workers.weight_sync import WeightShards
+
+pytest_plugins = ["ray_cluster"]
+VARIABLE = ("timing_s/", "perf/", "timeline/", "async/", "sync/")
+# the same layouts in both placements: the actor trains over 4 devices (fsdp) and generates over 4 (2 x tensor 2)
+LAYOUTS = {
+    "actor": {"train_layout": {"mesh": {"fsdp": 4}, "rules": "fsdp"}, "ppo_mini_batch_size": 8, "micro_batch_size": 8},
+    "rollout": {"gen_layout": {"mesh": {"data": 2, "tensor": 2}, "rules": "dp_tp_gen"}},
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    varied = root / "distinct_characters.py"  # a reward that differs between random samples: advantages != 0
+    varied.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(set(solution_str)))\n"
+    )
+    return {**build_run_inputs(root), "reward": f"{varied}:compute_score"}
+
+
+def _config(inputs, run_dir, placement, devices_per_host, staleness=0, steps=3, **actor):
+    trainer = {"backend": "ray", "placement": placement, "devices_per_host": devices_per_host, "total_steps": steps}
+    sections = {**LAYOUTS, "actor": {**LAYOUTS["actor"], **actor}}
+    config = rl_config(inputs, run_dir, "grpo", **sections, trainer=trainer)
+    config["reward"] = {"function": inputs["reward"]}
+    config["async"] = {"max_staleness": staleness}
+    return load_rl_config(config)
+
+
+def _deterministic(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith(VARIABLE)}
+
+
+def _weights(run_dir, out):
+    export_run(run_dir, None, out)
+    return load_file(str(next(out.glob("*.safetensors"))))
+
+
+@pytest.mark.ray
+def test_staleness_zero_on_its_own_devices_equals_the_synchronous_loop(ray_cluster, inputs, tmp_path):
+    sync = run_rl(_config(inputs, tmp_path / "sync", "colocate", 4))
+    disaggregated = run_rl(_config(inputs, tmp_path / "async0", "disaggregated", 8))
+    assert len(sync) == len(disaggregated) == 3
+    assert sync[0]["critic/advantages/max"] > 0  # the updates learn: equal weights mean equal updates
+    for step, (want, got) in enumerate(zip(sync, disaggregated, strict=True)):
+        assert _deterministic(got) == _deterministic(want), f"step {step + 1}"
+        assert got["async/staleness"] == 0 and got["async/weights_version"] == step
+        assert got["sync/bytes"] > 0
+    w_sync, w_async = _weights(tmp_path / "sync", tmp_path / "hf_sync"), _weights(tmp_path / "async0", tmp_path / "hf")
+    assert w_sync.keys() == w_async.keys()
+    for name in w_sync:
+        np.testing.assert_array_equal(w_async[name], w_sync[name], err_msg=name)
+
+
+@pytest.mark.ray
+def test_weight_sync_delivers_the_trainers_weights_and_a_failed_sync_keeps_the_old_version(
+    ray_cluster, inputs, tmp_path
+):
+    cfg = _config(inputs, tmp_path / "run", "disaggregated", 8, steps=2, dtype="bfloat16")
+    trainer = RLTrainer(cfg)
+    try:
+        rollout = trainer.roles["rollout"]
+        before = rollout.rollout_params()[0]  # the checkpoint, loaded in bfloat16
+        trainer.fit()
+        assert rollout.weights_version() == [2]
+        after = rollout.rollout_params()[0]
+        master = _weights(tmp_path / "run", tmp_path / "hf")  # the trainer's float32 master after 2 updates
+        # the rollout holds the master cast to bfloat16, bit for bit, and it moved since the checkpoint
+        config, _ = read_config(inputs["policy"])
+        plan = param_plan(config, "causal_lm")
+        assert len(plan) == len(after)
+        moved = 0
+        for mapping in plan:
+            prefix = "".join(f"[{p!r}]" for p in mapping.path)
+            path = next(k for k in after if k.startswith(prefix))
+            got, want = mapping.to_hf(after[path]), master[mapping.hf_name].astype(ml_dtypes.bfloat16)
+            assert got.dtype == ml_dtypes.bfloat16, path
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=path)
+            moved += int(np.any(before[path] != after[path]))
+        assert moved > len(after) // 2
+
+        path = next(iter(after))
+        shape, dtype = list(after[path].shape), after[path].dtype.name
+        wrong_shape = WeightShards({path: ([n + 1 for n in shape], dtype)}, [])
+        missing = WeightShards({}, [])  # nothing arrives for any parameter
+        for bad, words in ((wrong_shape, "the rollout holds"), (missing, "no block of it arrived")):
+            with pytest.raises(WorkerError, match="keeps serving version 2") as err:
+                rollout.load_weights(3, bad)
+            assert words in str(err.value)
+            assert rollout.weights_version() == [2]
+            for key, array in rollout.rollout_params()[0].items():
+                np.testing.assert_array_equal(array.view(np.uint16), after[key].view(np.uint16), err_msg=key)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.ray
+def test_staleness_one_overlaps_generation_with_training(ray_cluster, inputs, tmp_path):
+    history = run_rl(_config(inputs, tmp_path / "async1", "disaggregated", 8, staleness=1, steps=4))
+    assert [m["async/staleness"] for m in history] == [0, 1, 1, 1]
+    assert [m["async/weights_version"] for m in history] == [0, 0, 1, 2]
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values())
+    # step 0 trains on its own policy's samples; later steps on samples of the policy one update back
+    assert history[0]["rollout_corr/log_prob_abs_diff_max"] < 1e-5
+    assert all(m["rollout_corr/log_prob_abs_diff"] > 1e-4 for m in history[1:])
+    assert history[-1]["timeline/run_overlap_s"] > 0  # the rollout group generated while the trainer trained
+    spans = [json.loads(line) for line in (tmp_path / "async1" / "timeline.jsonl").read_text().splitlines()]
+    generated = sorted(s["step"] for s in spans if s["name"] == "generate_sequences" and s["group"] == "rollout")
+    assert generated == [0, 1, 2, 3]
+    # the rollout of step k+1 started before the trainer's update of step k ended
+    start = {s["step"]: s["start"] for s in spans if s["name"] == "generate_sequences" and s["group"] == "rollout"}
+    update_end = {s["step"]: s["end"] for s in spans if s["name"] == "update_actor"}
+    assert any(start[k + 1] < update_end[k] for k in range(3))
+
+
+def test_config_refuses_what_cannot_run_and_round_trips_the_async_section(inputs, tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer\.placement=disaggregated"):
+        _config(inputs, tmp_path, "colocate", 8, staleness=1)
+    with pytest.raises(ConfigError, match="max_staleness: expected >= 0"):
+        _config(inputs, tmp_path, "disaggregated", 8, staleness=-1)
+    local = rl_config(inputs, tmp_path, "grpo", trainer={"placement": "disaggregated"})
+    with pytest.raises(ConfigError, match=r"needs trainer\.backend=ray"):
+        load_rl_config(local)
+    cfg = _config(inputs, tmp_path, "disaggregated", 8, staleness=2)
+    assert cfg.worker_groups() == [["rollout"], ["actor"]]
+    saved = dump_yaml(cfg, tmp_path / "config.yaml")
+    assert "async:\n  max_staleness: 2" in saved.read_text()
+    assert load_rl_config(saved).async_.max_staleness == 2
+    assert load_rl_config(saved, ["async.max_staleness=0"]).async_.max_staleness == 0
+
+
+def test_rollout_and_training_log_probs_agree_in_float32_and_correction_runs(inputs, tmp_path):
+    """Colocated and synchronous, the engine's log probs of its samples equal the trainer's recomputed ones to
+    float32 rounding (the `rollout_corr/*` metrics); with both corrections on, nothing is truncated or masked then."""
+    correction = {"is_level": "token", "rs_level": "sequence", "rs_threshold": 1.01}
+    config = rl_config(inputs, tmp_path / "run", "grpo", trainer={"total_steps": 2})
+    config["actor"]["rollout_correction"] = correction
+    history = run_rl(load_rl_config(config))
+    for metrics in history:
+        assert metrics["rollout_corr/log_prob_abs_diff_max"] < 1e-5  # every token (measured: 4.8e-7)
+        assert abs(metrics["rollout_corr/kl"]) < 1e-5
+        assert metrics["rollout_corr/is_truncated_frac"] == metrics["rollout_corr/rs_masked_frac"] == 0
+        assert metrics["rollout_corr/ratio_mean"] == pytest.approx(1, abs=1e-5)
