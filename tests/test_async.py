@@ -44,8 +44,9 @@ def inputs(tmp_path_factory):
     return {**build_run_inputs(root), "reward": f"{varied}:compute_score"}
 
 
-def _config(inputs, run_dir, placement, devices_per_host, staleness=0, steps=3, **actor):
-    trainer = {"backend": "ray", "placement": placement, "devices_per_host": devices_per_host, "total_steps": steps}
+def _config(inputs, run_dir, placement, devices_per_host, staleness=0, steps=3, hosts=1, **actor):
+    trainer = {"backend": "ray", "placement": placement, "hosts": hosts, "devices_per_host": devices_per_host}
+    trainer["total_steps"] = steps
     sections = {**LAYOUTS, "actor": {**LAYOUTS["actor"], **actor}}
     config = rl_config(inputs, run_dir, "grpo", **sections, trainer=trainer)
     config["reward"] = {"function": inputs["reward"]}
@@ -62,20 +63,46 @@ def _weights(run_dir, out):
     return load_file(str(next(out.glob("*.safetensors"))))
 
 
+@pytest.fixture(scope="module")
+def synchronous(ray_cluster, inputs, tmp_path_factory):
+    """The synchronous colocated run of the layouts (one host, 4 devices): its metrics and final weights."""
+    root = tmp_path_factory.mktemp("sync")
+    history = run_rl(_config(inputs, root / "run", "colocate", 4))
+    assert history[0]["critic/advantages/max"] > 0  # the updates learn: equal weights mean equal updates
+    return history, _weights(root / "run", root / "hf")
+
+
 @pytest.mark.ray
-def test_staleness_zero_on_its_own_devices_equals_the_synchronous_loop(ray_cluster, inputs, tmp_path):
-    sync = run_rl(_config(inputs, tmp_path / "sync", "colocate", 4))
+def test_staleness_zero_on_its_own_devices_equals_the_synchronous_loop(synchronous, inputs, tmp_path):
+    sync, w_sync = synchronous
     disaggregated = run_rl(_config(inputs, tmp_path / "async0", "disaggregated", 8))
     assert len(sync) == len(disaggregated) == 3
-    assert sync[0]["critic/advantages/max"] > 0  # the updates learn: equal weights mean equal updates
     for step, (want, got) in enumerate(zip(sync, disaggregated, strict=True)):
         assert _deterministic(got) == _deterministic(want), f"step {step + 1}"
         assert got["async/staleness"] == 0 and got["async/weights_version"] == step
         assert got["sync/bytes"] > 0
-    w_sync, w_async = _weights(tmp_path / "sync", tmp_path / "hf_sync"), _weights(tmp_path / "async0", tmp_path / "hf")
+    w_async = _weights(tmp_path / "async0", tmp_path / "hf")
     assert w_sync.keys() == w_async.keys()
     for name in w_sync:
         np.testing.assert_array_equal(w_async[name], w_sync[name], err_msg=name)
+
+
+@pytest.mark.ray
+def test_disaggregated_groups_of_two_hosts_each_equal_one_host(synchronous, inputs, tmp_path):
+    """Trainer and rollout each on 2 simulated hosts x 2 devices: each trainer process sends the blocks it holds
+    first, each rollout process assembles them from both; the run equals the one-host synchronous loop to float32
+    rounding (reductions across processes add in another order)."""
+    sync, w_sync = synchronous
+    history = run_rl(_config(inputs, tmp_path / "hosts", "disaggregated", 2, hosts=4))
+    assert len(history) == 3
+    for step, (want, got) in enumerate(zip(sync, history, strict=True)):
+        got, want = _deterministic(got), _deterministic(want)
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), (step + 1, key)
+    w_hosts = _weights(tmp_path / "hosts", tmp_path / "hf")
+    for name in w_sync:
+        np.testing.assert_allclose(w_hosts[name], w_sync[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.ray

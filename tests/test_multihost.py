@@ -24,7 +24,7 @@ from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 pytest_plugins = ["ray_cluster"]
-# times (and idle fractions) vary; the KV cache per device depends on the placement (each host's engine has `rollout.slots` slots)
+# times (and idle fractions) vary; the KV cache per device depends on the placement (each host has `rollout.slots`)
 VARIABLE = (
     "timing_s/",
     "timeline/",

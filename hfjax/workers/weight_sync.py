@@ -27,7 +27,8 @@ class WeightSyncError(RuntimeError):
 @dataclasses.dataclass
 class WeightShards:
     """One trainer process's share of the weights: per parameter (by tree path) its global shape and dtype, and the
-    blocks it sends as `(path, index, array)` with `index` a tuple of `(start, stop)` per dimension."""
+    blocks it sends as `(path, index, array)` with `index` a tuple of `(start, stop)` per dimension (the array's bytes
+    as unsigned integers of the dtype's item size, viewed back as the dtype on arrival)."""
 
     shapes: dict[str, tuple[tuple[int, ...], str]]
     blocks: list[tuple[str, tuple[tuple[int, int], ...], np.ndarray]]
@@ -47,6 +48,12 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
+def _raw(block: np.ndarray) -> np.ndarray:
+    """The block's bytes as unsigned integers of its item size: numpy pickles arrays of extension dtypes (bfloat16)
+    into the pickle stream, plain ones as out-of-band buffers that Ray's object store passes without a copy."""
+    return block.view(f"u{block.dtype.itemsize}")
+
+
 def export_shards(params: Any, dtype: Any) -> WeightShards:
     """This process's blocks of `params` cast to `dtype` (on the devices, one parameter at a time), each block of
     each parameter from the one process holding its replica 0."""
@@ -58,7 +65,7 @@ def export_shards(params: Any, dtype: Any) -> WeightShards:
         cast = leaf if leaf.dtype == dtype else leaf.astype(dtype)
         for shard in cast.addressable_shards:
             if shard.replica_id == 0:
-                blocks.append((path, _bounds(shard.index, leaf.shape), np.asarray(shard.data)))
+                blocks.append((path, _bounds(shard.index, leaf.shape), _raw(np.asarray(shard.data))))
         del cast
     return WeightShards(shapes, blocks, time.perf_counter() - started)
 
@@ -77,6 +84,8 @@ def assemble(parts: list[WeightShards], expected: dict[str, tuple[tuple[int, ...
                     f"{expected[path][1]}{list(expected[path][0])}"
                 )
         for path, index, block in part.blocks:
+            if path in expected and block.dtype.itemsize == np.dtype(expected[path][1]).itemsize:
+                block = block.view(expected[path][1])
             by_path.setdefault(path, []).append((index, block))
     out = {}
     for path, (shape, dtype) in expected.items():
