@@ -128,10 +128,18 @@ class AsyncConfig:
     next batches while the trainer updates, and weights go to it after every update."""
 
     max_staleness: int = 0
+    # partial rollouts: a generation under way moves to newer weights as soon as they exist (checked every
+    # `check_every` decode steps); the samples not yet ended continue under them, re-prefilled with their tokens so far
+    partial_rollout: bool = False
+    check_every: int = 8
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness: expected >= 0, got {self.max_staleness}")
+        if self.check_every < 1:
+            raise ValueError(f"check_every: expected >= 1, got {self.check_every}")
+        if self.partial_rollout and not self.max_staleness:
+            raise ValueError("partial_rollout: needs max_staleness >= 1 (at 0 no weights change during a rollout)")
 
 
 @dataclasses.dataclass

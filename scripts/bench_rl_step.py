@@ -7,6 +7,9 @@ KL loss; PPO: a critic). Each algorithm runs `--steps` iterations; the table rep
 includes compiles); the JSON summaries (read by scripts/peers/compare_grpo.py) take, as the TRL peer does, the
 median step time and the tokens per second of the steps after the first. Model compute = time inside the
 workers' methods minus resharding; overhead = step - that.
+With `--placements colocate,disaggregated:0,disaggregated:1` each algorithm runs once per placement (`name:staleness`
+sets `async.max_staleness`; a disaggregated run gives half the devices to the rollout group), side by side in one
+run; the table adds the trainer group's idle share and the seconds both groups were busy at once (whole run).
 With `--hosts 1,2` each algorithm runs once per host count on a Ray cluster of simulated hosts on this machine
 (one raylet and one JAX process per host, `--devices` fake devices in all, gloo collectives between the processes),
 side by side in one run, and the table adds each host's share of the bytes the controller sent to and received
@@ -14,6 +17,7 @@ from the worker groups per step.
 Usage:
     python scripts/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json]
     python scripts/bench_rl_step.py --hosts 1,2 [--devices 8]
+    python scripts/bench_rl_step.py --backend ray --devices 8 --placements colocate,disaggregated:0,disaggregated:1
 """
 
 from __future__ import annotations
@@ -28,11 +32,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
 from bench_common import reference_checkpoint, report  # noqa: E402
 
-STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "reshard")
+STAGES = (
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "reshard",
+    "weight_sync",
+)
 
 
-def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argparse.Namespace, hosts: int) -> dict:
+def config(
+    ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argparse.Namespace, hosts: int, placement: str
+) -> dict:
+    name, _, staleness = placement.partition(":")
     return {
+        "async": {"max_staleness": int(staleness or 0)},
         "model_path": str(ckpt),
         "data": {"train_files": [str(workload)], "max_prompt_length": 64, "train_batch_size": args.prompts},
         "actor": {
@@ -53,9 +72,10 @@ def config(ckpt: Path, workload: Path, run_dir: Path, algorithm: str, args: argp
         "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
         "algorithm": {"name": algorithm},
         "trainer": {
-            "run_dir": str(run_dir / f"{algorithm}-{hosts}"),
+            "run_dir": str(run_dir / f"{algorithm}-{hosts}-{placement.replace(':', '')}"),
+            "placement": name,
             "total_steps": args.steps,
-            "backend": "ray" if args.hosts else args.backend,
+            "backend": "ray" if args.hosts or name == "disaggregated" else args.backend,
             "resume": "never",
             "tensorboard": False,
             "hosts": hosts,
@@ -92,6 +112,11 @@ def main() -> None:
         "--train-mesh",
         help="training mesh of actor, reference and critic, e.g. data=2,fsdp=4 (default: fsdp over all devices)",
     )
+    parser.add_argument(
+        "--placements",
+        default="colocate",
+        help="trainer.placement[:async.max_staleness] list, e.g. colocate,disaggregated:0,disaggregated:1",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench/rl_step.json"))
     args = parser.parse_args()
     args.devices = args.devices or (8 if args.hosts else 1)
@@ -109,8 +134,10 @@ def main() -> None:
     workload = write_workload(ckpt, ROOT / "runs" / "peers" / "workload.parquet", n=args.prompts)
     run_dir = Path(tempfile.mkdtemp(prefix="hfjax-bench-rl-"))
     rows, summaries = [], {}
-    for algorithm, hosts in [(a, h) for a in args.algorithms.split(",") for h in host_counts]:
-        run_config = config(ckpt, workload, run_dir, algorithm, args, hosts)
+    placements = args.placements.split(",")
+    runs = [(a, h, p) for a in args.algorithms.split(",") for h in host_counts for p in placements]
+    for algorithm, hosts, placement in runs:
+        run_config = config(ckpt, workload, run_dir, algorithm, args, hosts, placement)
         history = run_rl(load_rl_config(run_config))
         last = history[-1]
         step = last["timing_s/step"]
@@ -119,22 +146,29 @@ def main() -> None:
         tokens = last["perf/total_num_tokens"]
         stages = {s: last.get(f"timing_s/{s}", 0.0) for s in STAGES}
         moved = [last[f"perf/dispatch_bytes_{d}"] / hosts / 2**20 for d in ("sent", "received")]
+        steady = history[1:] or history  # as trl_grpo.py: the steps after the first (compiles), when there are any
+        trainer_lane = "+".join(n for n in load_rl_config(run_config).worker_groups()[-1])
+        idle = last.get(f"timeline/run_idle_frac/{trainer_lane}", 0.0)  # over the whole run
+        overlap = last.get("timeline/run_overlap_s", 0.0)
         rows.append(
             [
                 algorithm,
+                placement,
                 f"{hosts}x{args.devices // hosts}",
                 step,
                 *stages.values(),
                 tokens / step,
                 100 * overhead,
+                100 * idle,
+                overlap,
                 *moved,
             ]
         )
         group, response_length = run_config["rollout"]["n"], run_config["rollout"]["response_length"]
-        steady = history[1:] or history  # as trl_grpo.py: the steps after the first (compiles), when there are any
         steady_s = statistics.median(h["timing_s/step"] for h in steady)
         steady_rate = sum(h["perf/total_num_tokens"] for h in steady) / sum(h["timing_s/step"] for h in steady)
-        summaries[f"{algorithm}-{hosts}x{args.devices // hosts}" if args.hosts else algorithm] = {
+        key = f"{algorithm}-{hosts}x{args.devices // hosts}" if args.hosts else algorithm
+        summaries[key if placement == "colocate" else f"{key}-{placement}"] = {
             "seconds_per_step": steady_s,
             "tokens_per_s": steady_rate,
             "response_tokens_per_s": args.prompts * group * response_length / steady_s,
@@ -158,11 +192,14 @@ def main() -> None:
         f"(peak host memory of this process {hwm:.2f} GiB, now {peak_gib:.2f} GiB)",
         [
             "algorithm",
+            "placement",
             "hosts x devices",
             "step s",
             *[f"{s} s" for s in STAGES],
             "tokens/s",
             "outside model compute %",
+            "trainer idle % (run)",
+            "overlap s (run)",
             "MiB sent/host",
             "MiB received/host",
         ],

@@ -195,3 +195,19 @@ def test_rollout_and_training_log_probs_agree_in_float32_and_correction_runs(inp
         assert abs(metrics["rollout_corr/kl"]) < 1e-5
         assert metrics["rollout_corr/is_truncated_frac"] == metrics["rollout_corr/rs_masked_frac"] == 0
         assert metrics["rollout_corr/ratio_mean"] == pytest.approx(1, abs=1e-5)
+
+
+@pytest.mark.ray
+def test_partial_rollouts_take_newer_weights_as_they_appear(ray_cluster, inputs, tmp_path):
+    cfg = _config(inputs, tmp_path / "partial", "disaggregated", 8, staleness=1, steps=4)
+    cfg.async_.partial_rollout, cfg.async_.check_every = True, 1
+    cfg.rollout.response_length, cfg.rollout.ignore_eos = 24, True  # generations long enough to overlap updates
+    history = run_rl(cfg)
+    assert len(history) == 4
+    for step, metrics in enumerate(history):
+        assert all(math.isfinite(v) for v in metrics.values())
+        assert metrics["async/staleness"] <= 1  # no token older than max_staleness versions
+        assert 0 <= metrics["async/token_staleness_mean"] <= metrics["async/staleness"]
+        assert 0 <= metrics["async/partial_frac"] <= 1
+        assert step - 1 <= metrics["async/weights_version"] <= step
+    assert sum(m["sync/loads"] for m in history) >= 1  # the rollout took published weights itself

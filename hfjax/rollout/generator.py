@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -27,12 +27,14 @@ from hfjax.rollout.engine import JaxEngine
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_REJECTED = "stop", "length", "rejected"
+FINISH_INTERRUPTED = "interrupted"  # `generate(..., interrupt=...)` stopped before the sample ended
 
 
 @dataclasses.dataclass
 class SampleOutput:
-    """One sample of one prompt: response tokens and their logprobs, and why it ended (`stop`, `length`, or
-    `rejected` with `error` saying why the prompt could not run)."""
+    """One sample of one prompt: response tokens and their logprobs, and why it ended (`stop`, `length`,
+    `interrupted` with the tokens so far, or `rejected` with `error` saying why the prompt could not run); `versions`
+    is set by generation across weight versions (`hfjax.workers.partial_rollout`)."""
 
     request: int
     sample: int
@@ -40,6 +42,7 @@ class SampleOutput:
     logprobs: np.ndarray
     finish_reason: str
     error: str | None = None
+    versions: np.ndarray | None = None  # the policy version of each token (partial rollouts), else None
 
 
 @dataclasses.dataclass
@@ -55,6 +58,10 @@ def free_decode_state(state: Any) -> None:
     for leaf in jax.tree.leaves(state):
         if isinstance(leaf, jax.Array) and not leaf.is_deleted():
             leaf.delete()
+
+
+def _no_tokens() -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros(0, np.int32), np.zeros(0, np.float32)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -100,12 +107,20 @@ class OfflineGenerator:
         return None
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, first_request: int = 0
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        first_request: int | Sequence[int] = 0,
+        interrupt: Callable[[], bool] | None = None,
+        check_every: int = 8,
     ) -> list[SampleOutput]:
         """Samples `sampling.n` responses per prompt; returns them request-major (prompt 0's samples first).
         A prompt that cannot run (empty, too long) gives `rejected` samples with the reason instead of failing the
         batch. Prompt i samples with the keys of request `first_request + i` (its index in a larger batch, so that a
-        batch split over several generators samples what one generator would)."""
+        batch split over several generators samples what one generator would; a sequence gives each prompt its own
+        request index). `interrupt`, asked every
+        `check_every` decode steps, stops the loop when it returns True: every sample not yet ended comes back
+        `interrupted` with its tokens so far (none for those that had not started)."""
         capacity = self.engine.capacity - self.engine.max_prefill_length
         if sampling.max_new_tokens > capacity:
             raise SamplingError(
@@ -120,9 +135,14 @@ class OfflineGenerator:
                 if error is None:
                     queue.append((r, i))
                 else:
-                    empty_tokens, empty_logprobs = np.zeros(0, np.int32), np.zeros(0, np.float32)
-                    results[r, i] = SampleOutput(r, i, empty_tokens, empty_logprobs, FINISH_REJECTED, error)
-        ordered, steps, seconds = self._run(prompts, queue, results, sampling, first_request)
+                    results[r, i] = SampleOutput(r, i, *_no_tokens(), FINISH_REJECTED, error)
+        if isinstance(first_request, int):
+            request_ids = np.arange(first_request, first_request + len(prompts), dtype=np.int64)
+        else:
+            request_ids = np.asarray(first_request, np.int64).reshape(-1)
+            if len(request_ids) != len(prompts):
+                raise SamplingError(f"first_request: {len(request_ids)} request ids for {len(prompts)} prompts")
+        ordered, steps, seconds = self._run(prompts, queue, results, sampling, request_ids, interrupt, check_every)
         self.last_stats = {
             "decode_steps": steps,
             "seconds": seconds,
@@ -137,7 +157,9 @@ class OfflineGenerator:
         queue: deque[tuple[int, int]],
         results: dict[tuple[int, int], SampleOutput],
         sampling: SamplingParams,
-        first_request: int,
+        request_index: np.ndarray,
+        interrupt: Callable[[], bool] | None = None,
+        check_every: int = 8,
     ) -> tuple[list[SampleOutput], int, float]:
         """The continuous-batching loop over `queue`, from a new empty decode state (donated step by step; the last
         one is freed when this returns or fails). Returns the outputs in request order, decode steps and seconds."""
@@ -169,21 +191,31 @@ class OfflineGenerator:
         state = self.engine.init_decode_state()
         try:
             pending: tuple[Any, dict[int, _Running]] | None = None  # the step in flight, and who it ran for
+            since_check = 0  # decode steps since `interrupt` was last asked
             while queue or running:
+                check = interrupt is not None and since_check >= check_every  # then no step goes out until asked
+                if check and pending is None:
+                    since_check, check = 0, False
+                    if interrupt():
+                        for slot in list(running):
+                            finish(slot, FINISH_INTERRUPTED)
+                        for r, i in queue:
+                            results[r, i] = SampleOutput(r, i, *_no_tokens(), FINISH_INTERRUPTED)
+                        break
                 if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
                     batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
                     targets = [free.pop(0) for _ in batch]
-                    state, first = self._fill(state, prompts, batch, targets, sampling, first_request)
+                    state, first = self._fill(state, prompts, batch, targets, sampling, request_index)
                     for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
                         running[slot] = _Running(r, i, [], [])
                         record(slot, int(token), float(logprob))
                 ahead = int(pending is not None)
-                if any(len(run.tokens) + ahead < sampling.max_new_tokens for run in running.values()):
+                if not check and any(len(run.tokens) + ahead < sampling.max_new_tokens for run in running.values()):
                     # dispatched before the step in flight is read, so host bookkeeping overlaps device work; a slot
                     # that finishes in the step in flight computes one discarded token here
                     context = max(len(prompts[run.request]) + len(run.tokens) for run in running.values()) + ahead
                     state, out = self.engine.generate(self.params, state, kind, context)
-                    steps += 1
+                    steps, since_check = steps + 1, since_check + 1
                     dispatched = (out, dict(running))
                 else:
                     dispatched = None
@@ -206,7 +238,7 @@ class OfflineGenerator:
         batch: list[tuple[int, int]],
         targets: list[int],
         sampling: SamplingParams,
-        first_request: int,
+        request_index: np.ndarray,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
         """Prefills the distinct prompts of `batch` and inserts every sample into its target slot, one compiled call
         per prefill length bucket (a short prompt is not padded to the batch's longest). Returns each sample's first
@@ -219,7 +251,7 @@ class OfflineGenerator:
             for chunk in _row_chunks(members):
                 group = [batch[j] for j in chunk]
                 slots = [targets[j] for j in chunk]
-                state, first = self._fill_bucket(state, prompts, group, slots, length, sampling, first_request)
+                state, first = self._fill_bucket(state, prompts, group, slots, length, sampling, request_index)
                 tokens[chunk], logprobs[chunk] = first[0][: len(chunk)], first[1][: len(chunk)]
         return state, (tokens, logprobs)
 
@@ -231,7 +263,7 @@ class OfflineGenerator:
         targets: list[int],
         length: int,
         sampling: SamplingParams,
-        first_request: int,
+        request_index: np.ndarray,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
         """`_fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two."""
         requests = list(dict.fromkeys(r for r, _ in batch))
@@ -243,7 +275,7 @@ class OfflineGenerator:
         for row, r in enumerate(requests):
             tokens[row, : len(prompts[r])] = prompts[r]
             lengths[row] = len(prompts[r])
-            request_ids[row] = first_request + r
+            request_ids[row] = request_index[r]
         slot_ids = np.full(width, self.engine.max_concurrent_decodes, np.int32)  # out of range: dropped
         rows = np.zeros(width, np.int32)
         sample_ids = np.zeros(width, np.int32)

@@ -10,6 +10,10 @@ so a generation started after `sync(v)` runs with version `v`: the rollout of st
 `k - max_staleness`, is exactly `max_staleness` versions old when step `k` updates on it (0: the synchronous loop).
 At most `max_staleness + 1` rollouts are in flight (the bounded buffer); when the trainer is slower the rollout group
 waits (back-pressure), when the rollout is slower the trainer waits in `take` (`timing_s/gen`).
+With `async.partial_rollout` the weights are not queued on the rollout group but published in a `WeightMailbox`
+(a Ray actor holding the newest version's block refs); the rollout takes the newest at the start of each generation
+and part way through it (`hfjax.workers.partial_rollout`), so a rollout is at most `max_staleness` versions old where
+it starts and newer after; the batch records each token's version (`rollout_versions`).
 Imports `hfjax.config`, `hfjax.protocol` and this package's step and timeline.
 """
 
@@ -26,6 +30,37 @@ from hfjax.config import RLConfig
 from hfjax.protocol import DataProto
 from hfjax.trainer.step import group_names, rollout_meta
 from hfjax.trainer.timeline import Timeline
+
+
+class WeightMailbox:
+    """The newest published policy version and the object refs of its blocks (run as a Ray actor: the controller
+    publishes, the rollout processes poll `newest` and `take`). Holding the refs keeps the blocks alive until a newer
+    version replaces them."""
+
+    def __init__(self) -> None:
+        self.version, self.parts = -1, []
+
+    def publish(self, version: int, parts: list[Any]) -> None:
+        self.version, self.parts = version, parts
+
+    def newest(self) -> int:
+        return self.version
+
+    def take(self) -> tuple[int, list[Any]]:
+        return self.version, self.parts
+
+
+def token_staleness(step: int, versions: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """Staleness metrics of a partial rollout from each token's policy version: the oldest and mean (versions behind
+    the policy that updates at `step`), and the share of samples whose tokens come from more than one version."""
+    real = mask.astype(bool)
+    behind = (step - versions)[real]
+    spans = [len(np.unique(row[keep])) for row, keep in zip(versions, real, strict=True) if keep.any()]
+    return {
+        "async/staleness": float(behind.max(initial=0)),
+        "async/token_staleness_mean": float(behind.mean()) if behind.size else 0.0,
+        "async/partial_frac": float(np.mean([n > 1 for n in spans])) if spans else 0.0,
+    }
 
 
 def _values(meta: dict[str, Any], key: str) -> list[float]:
@@ -63,16 +98,22 @@ class PendingRollout:
                     self.timeline.record(self.lane, "load_weights", self.step, r["started_at"], r["ended_at"])
         out = self.future.get()
         versions = set(_values(out.meta_info, "weights_version"))
-        if versions != {float(self.version)}:
+        partial = "rollout_versions" in out.batch
+        if (min(versions) < self.version) if partial else (versions != {float(self.version)}):
             raise RuntimeError(
                 f"the rollout of step {self.step} ran with weights version(s) {sorted(versions)}, expected "
-                f"{self.version}: a weight sync was lost"
+                f"{self.version}{' or newer' if partial else ''}: a weight sync was lost"
             )
         starts, ends = _values(out.meta_info, "gen_started_at"), _values(out.meta_info, "gen_ended_at")
         if self.timeline is not None and starts:
             self.timeline.record(self.lane, "generate_sequences", self.step, min(starts), max(ends))
         self.metrics["async/staleness"] = float(self.staleness)
-        self.metrics["async/weights_version"] = float(self.version)
+        self.metrics["async/weights_version"] = float(min(versions))
+        if partial:
+            batch = out.batch
+            self.metrics.update(token_staleness(self.step, batch["rollout_versions"], batch["response_mask"]))
+            self.metrics["sync/loads"] = sum(_values(out.meta_info, "weight_loads"))
+            self.metrics["timing_s/weight_sync"] = max(_values(out.meta_info, "weight_load_seconds"))
         return out
 
 
@@ -93,11 +134,20 @@ class RolloutStream:
         self.next_step: int | None = None
         self.version: int | None = None
         self.unchecked: list[Any] = []
+        self.mailbox = None
+        if cfg.async_.partial_rollout:
+            import ray
+
+            self.mailbox = ray.remote(num_cpus=0)(WeightMailbox).remote()
+            roles["rollout"].follow(self.mailbox)
 
     def sync(self, version: int) -> None:
         """Queues the trainer's current weights to the rollout group as policy `version` (returns at once)."""
         shards = self.roles["actor"].weights_for_rollout()  # a future: the blocks stay in the cluster
-        self.unchecked.append(self.roles["rollout"].load_weights.submit(version, *shards.parts))
+        if self.mailbox is not None:  # the rollout takes it when it looks, even part way through a generation
+            self.mailbox.publish.remote(version, shards.parts)
+        else:
+            self.unchecked.append(self.roles["rollout"].load_weights.submit(version, *shards.parts))
         self.version = version
 
     def take(self, step: int) -> PendingRollout:

@@ -8,12 +8,14 @@ Imports `hfjax.rollout`, `hfjax.protocol` and this package's sequences and confi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hfjax.protocol import ROW_OFFSET, DataProto
 from hfjax.rollout import OfflineGenerator, SamplingParams
+from hfjax.rollout.generator import SampleOutput
 from hfjax.workers.config import RolloutConfig
 from hfjax.workers.sequences import assemble, prompt_token_lists
 
@@ -34,16 +36,22 @@ def sampling_params(rollout: RolloutConfig, meta: dict[str, Any]) -> SamplingPar
 
 
 def generate_batch(
-    generator: OfflineGenerator, prompts: DataProto, sampling: SamplingParams, pad_id: int
+    generator: OfflineGenerator,
+    prompts: DataProto,
+    sampling: SamplingParams,
+    pad_id: int,
+    run: Callable[[list[np.ndarray], SamplingParams, int], list[SampleOutput]] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Runs `generator` (its parameters already set) over the left-padded prompts; returns the rollout batch's arrays
     and the timing metrics (`gen_tokens`, `gen_seconds`, `gen_decode_steps`, `gen_kv_cache_bytes`, and the wall
-    clock `gen_started_at` / `gen_ended_at` for timelines). Sample keys follow each prompt's index in the whole batch
-    (`ROW_OFFSET`), so samples do not depend on placement. A prompt the generator rejects is an error naming it."""
+    clock `gen_started_at` / `gen_ended_at` for timelines). `run(prompts, sampling, first_request)` replaces
+    `generator.generate` (e.g. generation across weight versions). Sample keys follow each prompt's index in the
+    whole batch (`ROW_OFFSET`), so samples do not depend on placement. A prompt the generator rejects is an error
+    naming it."""
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     first = int(prompts.meta_info.get(ROW_OFFSET, 0))
     started = time.time()
-    outputs = generator.generate(prompt_token_lists(ids, mask), sampling, first_request=first)
+    outputs = (run or generator.generate)(prompt_token_lists(ids, mask), sampling, first)
     rejected = [o for o in outputs if o.finish_reason == "rejected"]
     if rejected:
         raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")

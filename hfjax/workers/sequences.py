@@ -37,7 +37,8 @@ def assemble(
     pad_id: int,
 ) -> dict[str, np.ndarray]:
     """Tensors of the rollout batch: each prompt row repeated `n` times (interleaved, the order `outputs` come in)
-    and joined with its responses, padded to `response_length`."""
+    and joined with its responses, padded to `response_length`; `rollout_versions` when the outputs carry the policy
+    version of each token."""
     rows = len(outputs)
     responses = np.full((rows, response_length), pad_id, np.int32)
     response_mask = np.zeros((rows, response_length), np.int32)
@@ -50,7 +51,7 @@ def assemble(
     prompts = np.repeat(prompt_ids, n, axis=0).astype(np.int32)
     masks = np.repeat(prompt_mask, n, axis=0).astype(np.int32)
     attention_mask = np.concatenate([masks, response_mask], axis=1)
-    return {
+    batch = {
         "prompts": prompts,
         "responses": responses,
         "response_mask": response_mask,
@@ -59,6 +60,12 @@ def assemble(
         "position_ids": position_ids(attention_mask),
         "rollout_log_probs": logprobs,
     }
+    if any(out.versions is not None for out in outputs):  # partial rollouts: each token's policy version (-1: none)
+        versions = np.full((rows, response_length), -1, np.int32)
+        for i, out in enumerate(outputs):
+            versions[i, : len(out.tokens)] = out.versions
+        batch["rollout_versions"] = versions
+    return batch
 
 
 def response_slice(per_token: jax.Array, response_length: int) -> jax.Array:

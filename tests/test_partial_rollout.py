@@ -1,0 +1,120 @@
+"""Partial rollouts: a generation interrupted part way returns each sample's tokens so far, and generation across a
+weight change gives, per sample, the first policy's tokens up to the change and then the second policy's
+continuation of that prefix, with each token's log prob under the policy that sampled it (checked against the
+uninterrupted generations and a teacher-forced forward of each policy) and its version."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from checkpoints import save_hf_model
+from flax import nnx
+
+from hfjax.models import load_hf
+from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+from hfjax.workers.partial_rollout import generate_across_versions
+from hfjax.workers.sequences import assemble
+
+VOCAB, NEW = 96, 10
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    """Two policies of one architecture (different random weights): the model and parameters of each."""
+    root = tmp_path_factory.mktemp("partial")
+    out = []
+    for seed in (0, 1):
+        _, path = save_hf_model(root, "llama", seed=seed, vocab_size=VOCAB, eos_token_id=7)
+        model = load_hf(path, dtype="float32")
+        out.append((model, nnx.split(model, nnx.Param, ...)[1]))
+    return out
+
+
+def _generator(model, params, slots=4):
+    engine = JaxEngine(model, max_concurrent_decodes=slots, max_prefill_length=32, max_new_tokens=NEW)
+    return OfflineGenerator(engine, params, progress=False)
+
+
+def _prompts(lengths=(5, 9, 12)):
+    rng = np.random.default_rng(3)
+    return [rng.integers(8, VOCAB, n).astype(np.int32) for n in lengths]
+
+
+def test_interrupt_returns_each_samples_tokens_so_far(policies):
+    (model, params), _ = policies
+    generator = _generator(model, params, slots=2)  # the third prompt waits for a slot
+    greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0, stop_token_ids=())
+    full = generator.generate(_prompts(), greedy)
+    asked = []
+    cut = generator.generate(_prompts(), greedy, interrupt=lambda: asked.append(1) or True, check_every=3)
+    assert len(asked) == 1
+    assert [o.finish_reason for o in cut] == ["interrupted"] * 3
+    assert [len(o.tokens) for o in cut] == [4, 4, 0]  # the first token from prefill, then 3 decode steps
+    for got, want in zip(cut, full, strict=True):
+        n = len(got.tokens)
+        assert got.tokens.tolist() == want.tokens[:n].tolist()
+        np.testing.assert_allclose(got.logprobs, want.logprobs[:n], rtol=1e-5, atol=1e-6)
+    # an interrupt that never fires changes nothing
+    calm = generator.generate(_prompts(), greedy, interrupt=lambda: False, check_every=2)
+    assert [o.tokens.tolist() for o in calm] == [o.tokens.tolist() for o in full]
+
+
+def _log_softmax(logits):
+    return np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1))
+
+
+def _teacher_forced_logprobs(model, prompt, tokens):
+    """Log prob of each of `tokens` after `prompt` under `model` (one forward over the whole sequence)."""
+    sequence = np.concatenate([prompt, tokens])[None]
+    logits = np.asarray(model(sequence))[0]
+    rows = _log_softmax(logits[len(prompt) - 1 : len(sequence[0]) - 1])
+    return rows[np.arange(len(tokens)), tokens]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_across_a_weight_change_concatenates_both_policies(policies, temperature):
+    (model_a, params_a), (model_b, params_b) = policies
+    generator = _generator(model_a, params_a)
+    sampling = SamplingParams(max_new_tokens=NEW, temperature=temperature, stop_token_ids=(), seed=5)
+    if temperature == 0:
+        reference_a = generator.generate(_prompts(), sampling)
+    published = {"version": 0}
+
+    def newer():
+        published["version"] = 1  # the second policy appears after the first look
+        return generator.params is params_a
+
+    def load_newest():
+        generator.update_params(params_b)
+        return published["version"]
+
+    prompts = _prompts()
+    out = generate_across_versions(
+        generator, prompts, sampling, 0, version=0, newer=newer, load_newest=load_newest, check_every=3
+    )
+    switched = 0
+    for o, prompt in zip(out, prompts, strict=True):
+        assert len(o.tokens) == NEW and o.finish_reason == "length"
+        assert np.all(np.diff(o.versions) >= 0) and set(o.versions.tolist()) <= {0, 1}
+        m = int(np.sum(o.versions == 0))
+        switched += 0 < m < NEW
+        # each token's log prob is the one of the policy that sampled it, given everything before it
+        want = np.concatenate(
+            [
+                _teacher_forced_logprobs(model_a, prompt, o.tokens[:m]),
+                _teacher_forced_logprobs(model_b, np.concatenate([prompt, o.tokens[:m]]), o.tokens[m:]),
+            ]
+        )
+        np.testing.assert_allclose(o.logprobs, want, rtol=1e-4, atol=1e-4)
+        if temperature == 0:  # greedy: the first policy's tokens, then the second policy's continuation
+            assert o.tokens[:m].tolist() == reference_a[o.request].tokens[:m].tolist()
+            resumed = _generator(model_b, params_b).generate(
+                [np.concatenate([prompt, o.tokens[:m]])], dataclasses.replace(sampling, max_new_tokens=NEW - m)
+            )[0]
+            assert o.tokens[m:].tolist() == resumed.tokens.tolist()
+    assert switched == len(prompts)  # every sample was under way when the weights changed
+    batch = assemble(np.zeros((3, 1), np.int32), np.ones((3, 1), np.int32), out, 1, NEW, 0)
+    np.testing.assert_array_equal(batch["rollout_versions"], np.stack([o.versions for o in out]))
