@@ -88,6 +88,7 @@ def test_staleness_zero_on_its_own_devices_equals_the_synchronous_loop(synchrono
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_disaggregated_groups_of_two_hosts_each_equal_one_host(synchronous, inputs, tmp_path):
     """Trainer and rollout each on 2 simulated hosts x 2 devices: each trainer process sends the blocks it holds
     first, each rollout process assembles them from both; the run equals the one-host synchronous loop to float32
@@ -116,7 +117,7 @@ def test_weight_sync_delivers_the_trainers_weights_and_a_failed_sync_keeps_the_o
         before = rollout.rollout_params()[0]  # the checkpoint, loaded in bfloat16
         trainer.fit()
         assert rollout.weights_version() == [2]
-        after = rollout.rollout_params()[0]
+        after = rollout.rollout_params()[0]  # every device's shard checked against the whole
         master = _weights(tmp_path / "run", tmp_path / "hf")  # the trainer's float32 master after 2 updates
         # the rollout holds the master cast to bfloat16, bit for bit, and it moved since the checkpoint
         config, _ = read_config(inputs["policy"])
@@ -198,6 +199,7 @@ def test_rollout_and_training_log_probs_agree_in_float32_and_correction_runs(inp
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_partial_rollouts_take_newer_weights_as_they_appear(ray_cluster, inputs, tmp_path):
     cfg = _config(inputs, tmp_path / "partial", "disaggregated", 8, staleness=1, steps=4)
     cfg.async_.partial_rollout, cfg.async_.check_every = True, 1

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.parallel import layout_or_default
@@ -174,5 +175,13 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout_params(self) -> dict[str, Any]:
-        """This process's weights as host arrays by parameter path (tests compare them with the trainer's)."""
-        return {path: jax.device_get(leaf) for path, leaf in param_paths(self.policy.params)}
+        """This process's weights as host arrays by parameter path (tests compare them with the trainer's), after
+        checking that every device's shard holds exactly its part of them (raises naming the first that does not)."""
+        out = {}
+        for path, leaf in param_paths(self.policy.params):
+            whole = np.asarray(jax.device_get(leaf))
+            for shard in leaf.addressable_shards:
+                if not np.array_equal(np.asarray(shard.data), whole[shard.index]):
+                    raise RuntimeError(f"rollout_params: {path} on device {shard.device} differs from its other copies")
+            out[path] = whole
+        return out
