@@ -3,9 +3,11 @@ equal the engine's, resume equals an uninterrupted run, a damaged latest checkpo
 
 from __future__ import annotations
 
+import gc
 import math
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from rl_setup import build_run_inputs, rl_config
@@ -153,3 +155,16 @@ def test_split_placement_on_ray(ray_cluster, inputs, tmp_path):
     history = run_rl(load_rl_config(rl_config(inputs, tmp_path / "run", "ppo", trainer=trainer)))
     assert len(history) == 2
     _finite(history)
+
+
+def test_an_in_process_run_leaves_no_arrays_alive(inputs, tmp_path):
+    """After `run_rl` with the local backend returns, none of its arrays (parameters, optimizer state, caches) is
+    still alive: JAX's compile cache keeps the static arguments of the training step, so the loss functions must not
+    be bound methods of the workers."""
+    gc.collect()
+    earlier = jax.live_arrays()
+    run_rl(load_rl_config(rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1})))
+    gc.collect()
+    before = {id(a) for a in earlier}
+    left = [a for a in jax.live_arrays() if id(a) not in before]
+    assert not left, f"{len(left)} arrays ({sum(a.nbytes for a in left)} bytes) outlived the run"

@@ -221,10 +221,11 @@ class TrainState:
 
         `loss_fn(model, batch, **static) -> (loss, aux)`: each micro-batch's loss must already be normalised by the
         whole step's counts (tokens, sequences), so the summed gradients are the step's gradient. `loss_fn` and the
-        `static` values must be hashable and stable (a module-level function or a bound method, not a new lambda
-        per call): they key the compiled program. Returns `loss` (sum over micro-batches), `grad_norm` (before
-        clipping), `lr` (of this update), `skipped` (1 when the norm was not finite) and each aux metric averaged
-        over micro-batches.
+        `static` values must be hashable and stable (a module-level function, or one `functools.partial` of it kept
+        for the caller's life; not a new lambda per call): they key the compiled program, and JAX's compile cache
+        keeps them alive, so a bound method of an object holding arrays would keep those arrays alive too. Returns
+        `loss` (sum over micro-batches), `grad_norm` (before clipping), `lr` (of this update), `skipped` (1 when the
+        norm was not finite) and each aux metric averaged over micro-batches.
         """
         if not micro_batches:
             raise ValueError("TrainState.update: expected at least one micro-batch, got none")

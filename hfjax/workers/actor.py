@@ -12,6 +12,7 @@ Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.rollout`, `h
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -49,6 +50,63 @@ def _response_logprobs(model: Any, batch: dict[str, jax.Array], temperature: flo
     return logprobs_from_logits(scaled, batch["responses"]), scaled
 
 
+def actor_loss(
+    cfg: ActorConfig, temperature: float, model: Any, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The PPO-family policy loss of one micro-batch (normalised by the mini-batch counts in the batch), with the
+    off-policy correction and the KL loss as configured, and its metrics. A module function bound to its settings
+    (`functools.partial`), not a worker method: the compile cache keeps its static arguments alive, and a bound method
+    would keep the whole worker (parameters, optimizer state) alive after the run."""
+    mask = batch["response_mask"]
+    counts = {"global_tokens": batch["global_tokens"][0], "global_seqs": batch["global_seqs"][0]}
+    logp, scaled = _response_logprobs(model, batch, temperature)
+    # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
+    old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
+    clip = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
+    options = {"ppo": {**clip, "clip_ratio_c": cfg.clip_ratio_c}, "gspo": clip}.get(cfg.policy_loss, {})
+    loss_mask, correction = mask, {}
+    if "rollout_log_probs" in batch:  # off-policy correction towards the policy that sampled the tokens
+        rc = cfg.rollout_correction
+        weights, kept, correction = rollout_correction(
+            old_log_probs,
+            batch["rollout_log_probs"],
+            mask,
+            is_level=rc.is_level,
+            is_threshold=rc.is_threshold,
+            rs_level=rc.rs_level,
+            rs_threshold=rc.rs_threshold,
+            rs_threshold_lower=rc.rs_threshold_lower,
+        )
+        options["token_weights"] = weights if rc.is_level != "none" else None
+        loss_mask = kept if rc.rs_level != "none" else mask
+    pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
+        cfg.policy_loss,
+        old_log_probs,
+        logp,
+        batch["advantages"],
+        loss_mask,
+        loss_agg_mode=cfg.loss_agg_mode,
+        **options,
+        **counts,
+    )
+    entropy = agg_loss(entropy_from_logits(scaled), mask, cfg.loss_agg_mode, **counts)
+    # at coefficient 0 the entropy is a metric only: no backward pass through it over [rows, response, vocab]
+    loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
+    metrics = {
+        "actor/pg_loss": pg_loss,
+        "actor/pg_clipfrac": clipfrac,
+        "actor/ppo_kl": ppo_kl,
+        "actor/pg_clipfrac_lower": clipfrac_lower,
+        "actor/entropy": entropy,
+        **correction,
+    }
+    if cfg.use_kl_loss:
+        kl = agg_loss(kl_penalty(logp, batch["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
+        loss = loss + cfg.kl_loss_coef * kl
+        metrics["actor/kl_loss"] = kl
+    return loss, metrics
+
+
 class ActorRolloutRefWorker(TrainedRole):
     """One policy checkpoint serving the roles named by `role` (one of `ROLES`)."""
 
@@ -67,6 +125,7 @@ class ActorRolloutRefWorker(TrainedRole):
         self.total_steps = total_steps
         self.max_prompt_length = max_prompt_length
         self.has_actor, self.has_rollout, self.has_ref = "actor" in role, "rollout" in role, "ref" in role
+        self.loss_fn = functools.partial(actor_loss, actor, rollout.temperature)  # one object: one compile key
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -179,57 +238,6 @@ class ActorRolloutRefWorker(TrainedRole):
         out = self._log_probs(self._ref_logprob, self.ref_params, data)
         return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
 
-    def _loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        cfg = self.cfg
-        mask = batch["response_mask"]
-        counts = {"global_tokens": batch["global_tokens"][0], "global_seqs": batch["global_seqs"][0]}
-        logp, scaled = _response_logprobs(model, batch, self.rollout_cfg.temperature)
-        # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
-        old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
-        clip = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
-        options = {"ppo": {**clip, "clip_ratio_c": cfg.clip_ratio_c}, "gspo": clip}.get(cfg.policy_loss, {})
-        loss_mask, correction = mask, {}
-        if "rollout_log_probs" in batch:  # off-policy correction towards the policy that sampled the tokens
-            rc = cfg.rollout_correction
-            weights, kept, correction = rollout_correction(
-                old_log_probs,
-                batch["rollout_log_probs"],
-                mask,
-                is_level=rc.is_level,
-                is_threshold=rc.is_threshold,
-                rs_level=rc.rs_level,
-                rs_threshold=rc.rs_threshold,
-                rs_threshold_lower=rc.rs_threshold_lower,
-            )
-            options["token_weights"] = weights if rc.is_level != "none" else None
-            loss_mask = kept if rc.rs_level != "none" else mask
-        pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
-            cfg.policy_loss,
-            old_log_probs,
-            logp,
-            batch["advantages"],
-            loss_mask,
-            loss_agg_mode=cfg.loss_agg_mode,
-            **options,
-            **counts,
-        )
-        entropy = agg_loss(entropy_from_logits(scaled), mask, cfg.loss_agg_mode, **counts)
-        # at coefficient 0 the entropy is a metric only: no backward pass through it over [rows, response, vocab]
-        loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
-        metrics = {
-            "actor/pg_loss": pg_loss,
-            "actor/pg_clipfrac": clipfrac,
-            "actor/ppo_kl": ppo_kl,
-            "actor/pg_clipfrac_lower": clipfrac_lower,
-            "actor/entropy": entropy,
-            **correction,
-        }
-        if cfg.use_kl_loss:
-            kl = agg_loss(kl_penalty(logp, batch["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
-            loss = loss + cfg.kl_loss_coef * kl
-            metrics["actor/kl_loss"] = kl
-        return loss, metrics
-
     @register(Dispatch.DP_COMPUTE_PROTO)
     @reports_seconds
     def update_actor(self, data: DataProto) -> DataProto:
@@ -249,7 +257,7 @@ class ActorRolloutRefWorker(TrainedRole):
             )
         return self.ppo_epochs(
             arrays,
-            self._loss,
+            self.loss_fn,
             cfg.ppo_epochs,
             cfg.ppo_mini_batch_size,
             cfg.micro_batch_size,

@@ -7,6 +7,7 @@ Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.protocol` an
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -30,12 +31,30 @@ def _values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     return response_slice(values, batch["responses"].shape[1])
 
 
+def critic_loss(cfg: CriticConfig, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The clipped value loss of one micro-batch and its metrics (a module function bound with `functools.partial`,
+    for the reason `actor_loss` gives)."""
+    vpreds = _values(model, batch)
+    loss, clipfrac = value_loss(
+        vpreds,
+        batch["returns"],
+        batch["values"],
+        batch["response_mask"],
+        cliprange_value=cfg.cliprange_value,
+        loss_agg_mode=cfg.loss_agg_mode,
+        global_tokens=batch["global_tokens"][0],
+        global_seqs=batch["global_seqs"][0],
+    )
+    return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
+
+
 class CriticWorker(TrainedRole):
     """A value model trained with PPO's clipped value loss."""
 
     def __init__(self, critic: CriticConfig, *, total_steps: int = 0):
         self.cfg = critic
         self.total_steps = total_steps
+        self.loss_fn = functools.partial(critic_loss, critic)  # one object: one compile key
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -58,20 +77,6 @@ class CriticWorker(TrainedRole):
         out = self.critic.map_rows(self._values, self.state.params, arrays, self.cfg.micro_batch_size, trim)
         return DataProto.from_dict({"values": out["values"]})
 
-    def _loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        vpreds = _values(model, batch)
-        loss, clipfrac = value_loss(
-            vpreds,
-            batch["returns"],
-            batch["values"],
-            batch["response_mask"],
-            cliprange_value=self.cfg.cliprange_value,
-            loss_agg_mode=self.cfg.loss_agg_mode,
-            global_tokens=batch["global_tokens"][0],
-            global_seqs=batch["global_seqs"][0],
-        )
-        return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
-
     @register(Dispatch.DP_COMPUTE_PROTO)
     @reports_seconds
     def update_critic(self, data: DataProto) -> DataProto:
@@ -81,7 +86,7 @@ class CriticWorker(TrainedRole):
         arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
         return self.ppo_epochs(
             arrays,
-            self._loss,
+            self.loss_fn,
             cfg.ppo_epochs,
             cfg.ppo_mini_batch_size,
             cfg.micro_batch_size,
