@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,13 +81,9 @@ def _number(value: object, where: str, key: str) -> float:
     return float(value)
 
 
-def load_metrics(run: str | Path) -> dict[str, Series]:
-    """Every metric of a run's metrics file as (steps, values) sorted by step. A step logged twice (a resumed run)
-    keeps its last value; null values are NaN (a gap in the curve). Blank lines are skipped."""
-    path = metrics_path(run)
-    if not path.is_file():
-        raise PlotError(f"{path}: no such file; expected the {METRICS_FILE} a training run writes")
-    points: dict[str, dict[int, float]] = {}
+def _step_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """(`file:line`, row) of every non-blank line of a JSONL file whose rows are objects with an integer `step`;
+    `PlotError` naming the line otherwise."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -102,9 +98,20 @@ def load_metrics(run: str | Path) -> dict[str, Series]:
             step = row.get("step")
             if isinstance(step, bool) or not isinstance(step, int):
                 raise PlotError(f"{where}: field 'step': expected an integer, got {step!r}")
-            for key, value in row.items():
-                if key != "step":
-                    points.setdefault(key, {})[step] = _number(value, where, key)
+            yield where, row
+
+
+def load_metrics(run: str | Path) -> dict[str, Series]:
+    """Every metric of a run's metrics file as (steps, values) sorted by step. A step logged twice (a resumed run)
+    keeps its last value; null values are NaN (a gap in the curve). Blank lines are skipped."""
+    path = metrics_path(run)
+    if not path.is_file():
+        raise PlotError(f"{path}: no such file; expected the {METRICS_FILE} a training run writes")
+    points: dict[str, dict[int, float]] = {}
+    for where, row in _step_rows(path):
+        for key, value in row.items():
+            if key != "step":
+                points.setdefault(key, {})[row["step"]] = _number(value, where, key)
     if not points:
         raise PlotError(f'{path}: no metrics found; expected lines like {{"step": 1, "critic/score/mean": 0.5}}')
     series = {}
@@ -151,27 +158,14 @@ def load_timeline(run: str | Path) -> list[dict]:
     if not path.is_file():
         raise PlotError(f"{path}: no such file; expected the {TIMELINE_FILE} a training run writes")
     spans = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PlotError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
-            if not isinstance(row, dict):
-                raise PlotError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            step = row.get("step")
-            if isinstance(step, bool) or not isinstance(step, int):
-                raise PlotError(f"{where}: field 'step': expected an integer, got {step!r}")
-            for key in ("group", "name"):
-                if not isinstance(row.get(key), str) or not row[key]:
-                    raise PlotError(f"{where}: field '{key}': expected a non-empty string, got {row.get(key)!r}")
-            start, end = (_number(row.get(k), where, k) for k in ("start", "end"))
-            if not (math.isfinite(start) and math.isfinite(end) and start <= end):
-                raise PlotError(f"{where}: expected finite 'start' <= 'end', got {start!r} and {end!r}")
-            spans.append({"step": step, "group": row["group"], "name": row["name"], "start": start, "end": end})
+    for where, row in _step_rows(path):
+        for key in ("group", "name"):
+            if not isinstance(row.get(key), str) or not row[key]:
+                raise PlotError(f"{where}: field '{key}': expected a non-empty string, got {row.get(key)!r}")
+        start, end = (_number(row.get(k), where, k) for k in ("start", "end"))
+        if not (math.isfinite(start) and math.isfinite(end) and start <= end):
+            raise PlotError(f"{where}: expected finite 'start' <= 'end', got {start!r} and {end!r}")
+        spans.append({"step": row["step"], "group": row["group"], "name": row["name"], "start": start, "end": end})
     return spans
 
 

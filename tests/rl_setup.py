@@ -25,6 +25,17 @@ def build_run_inputs(root: Path) -> dict[str, str]:
     return {"policy": str(policy), "scorer": str(scorer), "train": str(files["train"]), "test": str(files["test"])}
 
 
+def write_varied_reward(root: Path) -> str:
+    """A reward function file scoring a response by its distinct characters (it differs between random samples, so
+    advantages are not all zero); returns its `path.py:name` for `reward.function`."""
+    path = root / "distinct_characters.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(len(set(solution_str)))\n"
+    )
+    return f"{path}:compute_score"
+
+
 def rl_config(inputs: dict[str, str], run_dir: Path, algorithm: str = "grpo", **sections: Any) -> dict[str, Any]:
     """A 3-step config on 8 devices, in-process unless `trainer.backend` is overridden."""
     config = {

@@ -310,12 +310,17 @@ def _token_nll(model, batch, *, attention: str):
     return -(logp * mask).sum() / mask.sum(), {}
 
 
+def _padded_batch(seed: int, width: int, lengths: list[int]) -> dict[str, np.ndarray]:
+    """Random token ids with a left-padded attention mask of `width` columns and the given real lengths."""
+    mask = np.asarray(left_padded(width, lengths), np.int32)
+    ids = np.random.default_rng(seed).integers(1, TINY.vocab_size, mask.shape).astype(np.int32)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def test_training_step_per_shard_equals_xla(monkeypatch):
     """A TrainState update over 8 devices (rows over fsdp 4, heads over tensor 2): the splash kernels (forward and
     backward) run per shard and give the xla loss and gradient norm."""
-    rng = np.random.default_rng(16)
-    mask = np.asarray(left_padded(12, [12, 7, 3, 12, 10, 1, 5, 9]), np.int32)
-    batch = {"input_ids": rng.integers(1, TINY.vocab_size, mask.shape).astype(np.int32), "attention_mask": mask}
+    batch = _padded_batch(16, 12, [12, 7, 3, 12, 10, 1, 5, 9])
     calls = _record_kernel_calls(monkeypatch)
     metrics = {}
     for name in ("xla", "pallas_interpret"):
@@ -336,9 +341,8 @@ def test_model_role_rows_per_shard_equal_xla(tmp_path, monkeypatch):
     model = random_model(TWO_LAYERS, seed=5)
     nnx.update(model, jax.device_put(nnx.state(model)))  # numpy weights to jax arrays, as save_hf reads them
     loaded = LoadedModel(str(save_hf(model, tmp_path / "model")), FSDP4_TENSOR2, dtype="float32", head=None)
-    rng = np.random.default_rng(17)
-    mask = np.asarray(left_padded(10, [10, 7, 3, 10, 2, 1, 5, 9]), np.int32)
-    batch = {"input_ids": rng.integers(1, TINY.vocab_size, mask.shape).astype(np.int32), "attention_mask": mask}
+    batch = _padded_batch(17, 10, [10, 7, 3, 10, 2, 1, 5, 9])
+    mask = batch["attention_mask"]
     calls = _record_kernel_calls(monkeypatch)
     logits = {}
     for name in ("xla", "pallas_interpret"):

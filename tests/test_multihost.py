@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from rl_setup import build_run_inputs, rl_config, write_varied_reward
 from safetensors.numpy import load_file
 
 from hfjax.config import load_rl_config
@@ -44,12 +44,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multihost")
-    varied = root / "distinct_characters.py"  # a reward that differs between random samples: advantages != 0
-    varied.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(len(set(solution_str)))\n"
-    )
-    return {**build_run_inputs(root), "reward": f"{varied}:compute_score"}
+    return {**build_run_inputs(root), "reward": write_varied_reward(root)}
 
 
 def _config(inputs, run_dir, algorithm, hosts, **trainer):

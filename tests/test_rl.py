@@ -10,7 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from rl_setup import build_run_inputs, rl_config, write_varied_reward
 
 from hfjax.config import ALGORITHMS, load_rl_config
 from hfjax.controller import LocalWorkerGroup
@@ -58,16 +58,12 @@ def test_update_reusing_its_log_probs_equals_a_recomputed_old_log_prob_pass(inpu
     """One optimizer step per iteration: `old_log_prob: auto` skips the separate pass and must train exactly as
     verl's recompute does (same losses, KL and gradient norms over 2 iterations)."""
     single_step = {"ppo_mini_batch_size": 8, "micro_batch_size": 4}
-    varied = tmp_path / "distinct_characters.py"  # a reward that differs between random samples: advantages != 0
-    varied.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return float(len(set(solution_str)))\n"
-    )
+    varied = write_varied_reward(tmp_path)
     runs = {}
     for mode in ("auto", "recompute"):
         config = rl_config(inputs, tmp_path / mode, "grpo", actor={**single_step, "old_log_prob": mode})
         config["trainer"]["total_steps"] = 2
-        config["reward"] = {"function": f"{varied}:compute_score"}
+        config["reward"] = {"function": varied}
         cfg = load_rl_config(config)
         assert cfg.reuses_update_log_probs == (mode == "auto")
         runs[mode] = run_rl(cfg)

@@ -166,16 +166,16 @@ class RolloutStream:
         return item
 
     def _start(self, step: int) -> None:
-        prompts = self.next_prompts(step)
-        request = DataProto(
-            prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **rollout_meta(self.cfg, step)}
-        )
-        future = self.roles["rollout"].generate_sequences.submit(request)
         staleness = step - self.version
         if staleness > self.max_staleness:
             raise RuntimeError(
                 f"step {step} would train on weights {staleness} versions old (max {self.max_staleness})"
             )
+        prompts = self.next_prompts(step)
+        request = DataProto(
+            prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **rollout_meta(self.cfg, step)}
+        )
+        future = self.roles["rollout"].generate_sequences.submit(request)
         self.pending.append(
             PendingRollout(
                 step, prompts, request, future, self.version, self.unchecked, staleness, self.lane, self.timeline

@@ -67,13 +67,9 @@ class Step:
         key = f"timing_s/{name}"
         self.metrics[key] = self.metrics.get(key, 0.0) + time.perf_counter() - start
 
-    @contextlib.contextmanager
-    def on_lane(self, lane: str, name: str) -> Iterator[None]:
-        """Records the block on the timeline as `name` on `lane`."""
-        start = time.time()
-        yield
-        if self.timeline is not None:
-            self.timeline.record(lane, name, self.step, start, time.time())
+    def on_lane(self, lane: str, name: str) -> contextlib.AbstractContextManager[None]:
+        """Records the block on the timeline (if any) as `name` on `lane`."""
+        return self.timeline.span(lane, name, self.step) if self.timeline is not None else contextlib.nullcontext()
 
     def _call(self, role: str, method: str, data: DataProto) -> tuple[DataProto, dict[str, float]]:
         """A role's group method: its rows (without `meta_info`, so that they union with the batch) and its metrics
