@@ -30,9 +30,9 @@ from hfjax.trainer.rl_metrics import data_metrics
 from hfjax.trainer.rollout_stream import RolloutStream
 from hfjax.trainer.step import Step, group_names
 from hfjax.trainer.timeline import Timeline, truncate
-from hfjax.training.checkpoint import CheckpointManager
+from hfjax.training.checkpoint import CheckpointError, CheckpointManager, UnreadableStepError
 from hfjax.training.metrics import MetricsLogger
-from hfjax.typed_config import dump_yaml
+from hfjax.training.run_dir import RunDirLock, save_run_config
 from hfjax.workers.rule_reward import RuleReward
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,19 @@ class RLTrainer:
     def __init__(self, cfg: RLConfig):
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, self.run_dir / "config.yaml")
+        self.roles: dict[str, Any] = {}
+        self.pools: list[Any] = []
+        self.logger: MetricsLogger | None = None
+        self.state_checkpoints: CheckpointManager | None = None
+        self.lock = RunDirLock(self.run_dir).acquire()  # before anything in the directory is touched
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
         data = cfg.data
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         options = {"max_prompt_length": data.max_prompt_length, "truncation": data.truncation}
@@ -67,9 +78,14 @@ class RLTrainer:
         self.program = PROGRAMS[algo.name]
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.state_checkpoints = CheckpointManager(self.checkpoint_dir / "trainer", max_to_keep=cfg.trainer.max_to_keep)
+        saved = self.state_checkpoints.all_steps()
+        if saved and cfg.trainer.resume == "never":
+            raise ValueError(
+                f"trainer.resume=never but {self.state_checkpoints.directory} holds checkpoints {saved}; choose "
+                "another trainer.run_dir or set trainer.resume=auto"
+            )
         self.roles, self.pools = spawn_roles(cfg)
         self.role_info = {name: handle.init_model() for name, handle in self.roles.items()}
-        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard)
         self.gen_role = "rollout" if cfg.disaggregated else "actor"
         self.timeline = Timeline(self.run_dir / TIMELINE_FILE)
         self.loader_states: dict[int, dict[str, Any]] = {}  # before the prompts of each step were taken
@@ -100,6 +116,9 @@ class RLTrainer:
         trainer = self.cfg.trainer
         if trainer.resume == "auto":
             self.resume()
+        save_run_config(self.cfg, self.run_dir)  # every check passed and the checkpoints (if any) restored
+        # records after the restored step, from the interrupted run, are dropped (JSONL) and purged (TensorBoard)
+        self.logger = MetricsLogger(self.run_dir, tensorboard=trainer.tensorboard, start_step=self.step)
         history = []
         if trainer.val_before_train and self.val_data is not None and self.step == 0:
             self.logger.log(0, self.validate())
@@ -170,12 +189,12 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        for name in TRAINED_ROLES:
-            if name in self.roles:
-                self.roles[name].save_checkpoint(str(self.checkpoint_dir / name), self.step)
-        for name in TRAINED_ROLES:
-            if name in self.roles:
-                self.roles[name].wait_for_checkpoint()
+        """Saves every trained role's state, then the trainer's record, which marks the step complete."""
+        keep = self.cfg.trainer.max_to_keep
+        for name in self.trained_roles():
+            self.roles[name].save_checkpoint(str(self.checkpoint_dir / name), self.step, keep)
+        for name in self.trained_roles():
+            self.roles[name].wait_for_checkpoint()
         state = {
             "loader": self.loader_states.get(self.step, self.loader.state_dict()),
             "kl_ctrl": self.kl_ctrl.state_dict(),
@@ -184,24 +203,59 @@ class RLTrainer:
         self.state_checkpoints.save(self.step, {}, state)
         self.state_checkpoints.wait()
 
+    def trained_roles(self) -> list[str]:
+        return [name for name in TRAINED_ROLES if name in self.roles]
+
     def resume(self) -> None:
-        """Continues from the latest complete checkpoint (falling back past a damaged one), if there is one."""
-        if self.state_checkpoints.latest_step() is None:
-            return
-        step, _, state = self.state_checkpoints.restore(None, {})
-        for name in TRAINED_ROLES:
-            if name in self.roles:
-                self.roles[name].load_checkpoint(str(self.checkpoint_dir / name), step)
+        """Continues from the newest step that the trainer's record and every trained role can restore. A step
+        unreadable for any of them is set aside (`<step>.unreadable`) with a warning naming the role and the error,
+        and the step before it is tried; steps newer than the restored one are discarded, so every role and the
+        record continue from the same step."""
+        skipped: list[str] = []
+        for step in reversed(self.state_checkpoints.all_steps()):
+            try:
+                _, _, state = self.state_checkpoints.restore(step, {})
+                problem = self._restore_roles(step)
+            except UnreadableStepError as e:
+                self.state_checkpoints.set_aside(step)
+                problem = f"the trainer's record is unreadable ({e})"
+            if problem is None:
+                self._continue_from(step, state)
+                return
+            skipped.append(f"step {step}: {problem}")
+            log.warning("resume: step %d cannot be restored: %s; falling back to the previous step", step, problem)
+        if skipped:
+            raise CheckpointError(f"{self.checkpoint_dir}: no step can be restored by every role: {'; '.join(skipped)}")
+
+    def _restore_roles(self, step: int) -> str | None:
+        """Restores every trained role at `step`; returns the first role's reason when one cannot."""
+        for name in self.trained_roles():
+            reasons = [r for r in self.roles[name].try_load_checkpoint(str(self.checkpoint_dir / name), step) if r]
+            if reasons:
+                return f"{name}: {reasons[0]}"
+        return None
+
+    def _continue_from(self, step: int, state: dict[str, Any]) -> None:
+        for name in self.trained_roles():
+            self.roles[name].discard_checkpoints_after(str(self.checkpoint_dir / name), step)
+        self.state_checkpoints.discard_after(step)
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.lagrange = float(state["lagrange"])
         self.step = step
         truncate(self.run_dir / TIMELINE_FILE, step - 1)
-        log.info("resumed from step %d", step)
+        log.info("resumed %s from step %d", self.run_dir, step)
 
     def close(self) -> None:
-        self.logger.close()
-        for handle in {id(h.group): h.group for h in self.roles.values()}.values():
-            handle.shutdown()
-        for pool in self.pools:
-            pool.release()
+        """Stops the workers, closes the logs and releases the run directory."""
+        try:
+            if self.logger is not None:
+                self.logger.close()
+            for handle in {id(h.group): h.group for h in self.roles.values()}.values():
+                handle.shutdown()
+            for pool in self.pools:
+                pool.release()
+            if self.state_checkpoints is not None:
+                self.state_checkpoints.close()
+        finally:
+            self.lock.release()

@@ -35,6 +35,14 @@ class CheckpointError(RuntimeError):
     """No readable checkpoint, or one that does not match what is restored into it."""
 
 
+class UnreadableStepError(CheckpointError):
+    """A step that exists but cannot be read (damaged or partly deleted files); `step` names it."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 def flatten(tree: Any) -> dict[str, Any]:
     """`{key path: leaf}` with paths like `model.layers.0.mlp.up_kernel.value`; raises if two paths collide."""
     flat: dict[str, Any] = {}
@@ -61,6 +69,7 @@ class CheckpointManager:
         if not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"max_to_keep: expected a positive int, got {max_to_keep!r}")
         self.directory = Path(directory).absolute()
+        self.max_to_keep = max_to_keep
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=async_save
         )
@@ -121,8 +130,8 @@ class CheckpointManager:
                 raise CheckpointError(f"{self.directory / str(candidate)}: {e}") from e
             except Exception as e:  # orbax, tensorstore and json raise many types for damaged files
                 if step is not None:
-                    raise CheckpointError(
-                        f"{self.directory / str(candidate)}: unreadable ({type(e).__name__}: {str(e)[:300]})"
+                    raise UnreadableStepError(
+                        f"{self.directory / str(candidate)}: unreadable ({type(e).__name__}: {str(e)[:300]})", candidate
                     ) from e
                 log.warning(
                     "checkpoint step %d in %s is unreadable (%s: %.200s); falling back to the previous step",
@@ -131,7 +140,7 @@ class CheckpointManager:
                     type(e).__name__,
                     str(e),
                 )
-                self._set_aside(candidate)
+                self.set_aside(candidate)
         raise CheckpointError(f"{self.directory}: none of the steps {steps} is readable")
 
     def _restore_step(self, step: int, targets: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -190,8 +199,10 @@ class CheckpointManager:
             self._manager.delete(s)
         return newer
 
-    def _set_aside(self, step: int) -> None:
-        if jax.process_index() == 0:
+    def set_aside(self, step: int) -> None:
+        """Renames step `step` to `<step>.unreadable` (kept for inspection, no longer a step)."""
+        self.wait()
+        if jax.process_index() == 0 and (self.directory / str(step)).exists():
             source = self.directory / str(step)
             target = self.directory / f"{step}.unreadable"
             suffix = 1

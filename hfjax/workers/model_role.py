@@ -25,7 +25,7 @@ from hfjax.models import load_hf
 from hfjax.models.attention import attention_layout
 from hfjax.parallel import Layout
 from hfjax.protocol import PADDING_ROWS, DataProto
-from hfjax.training.checkpoint import CheckpointManager
+from hfjax.training.checkpoint import CheckpointManager, UnreadableStepError
 from hfjax.training.train_state import TrainState, batch_sharding, place_batch, split_rows
 from hfjax.workers.sequences import trimmed_chunks
 
@@ -174,21 +174,42 @@ class TrainedRole(Worker):
         return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps)})
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, directory: str, step: int) -> None:
-        """Parameters, optimizer state and counters under `directory` (orbax, asynchronous), as step `step`."""
-        self.checkpoints = _manager(self.checkpoints, directory)
+    def save_checkpoint(self, directory: str, step: int, max_to_keep: int = 3) -> None:
+        """Parameters, optimizer state and counters under `directory` (orbax, asynchronous), as step `step`; only
+        the newest `max_to_keep` steps stay."""
+        self.checkpoints = _manager(self.checkpoints, directory, max_to_keep)
         self.checkpoints.save(step, self.state.items(), {"counters": self.state.counters()})
 
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str, step: int | None) -> int:
-        """Restores step `step` (None: the latest readable one) and drops newer steps (a run resumes from the step
-        it completed); returns the step restored."""
+        """Restores step `step` (None: the latest readable one); returns the step restored. Other steps are left
+        as they are."""
         self.checkpoints = _manager(self.checkpoints, directory)
         restored, items, extra = self.checkpoints.restore(step, self.state.abstract_items())
-        self.checkpoints.discard_after(restored)
         self.state.load_items(items)
         self.state.load_counters(extra["counters"])
         return restored
+
+    @register(Dispatch.ONE_TO_ALL)
+    def try_load_checkpoint(self, directory: str, step: int) -> str | None:
+        """Restores step `step` when it is saved and readable and returns None; otherwise returns why not (an
+        unreadable step is set aside as `<step>.unreadable`) and leaves the state as it was. A step that does not
+        match this role's model still raises."""
+        self.checkpoints = _manager(self.checkpoints, directory)
+        if step not in self.checkpoints.all_steps():
+            return f"{directory} has no step {step} (saved: {self.checkpoints.all_steps()})"
+        try:
+            self.load_checkpoint(directory, step)
+        except UnreadableStepError as e:
+            self.checkpoints.set_aside(step)
+            return str(e)
+        return None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def discard_checkpoints_after(self, directory: str, step: int) -> list[int]:
+        """Deletes this role's steps newer than `step` (a resumed run saves them again); returns them."""
+        self.checkpoints = _manager(self.checkpoints, directory)
+        return self.checkpoints.discard_after(step)
 
     @register(Dispatch.ONE_TO_ALL)
     def wait_for_checkpoint(self) -> None:
@@ -196,9 +217,16 @@ class TrainedRole(Worker):
             self.checkpoints.wait()
 
 
-def _manager(manager: CheckpointManager | None, directory: str) -> CheckpointManager:
-    if manager is not None and manager.directory == Path(directory).absolute():
+def _manager(manager: CheckpointManager | None, directory: str, max_to_keep: int | None = None) -> CheckpointManager:
+    """`manager` when it serves `directory` (and keeps `max_to_keep` steps, when given), else a new one."""
+    if (
+        manager is not None
+        and manager.directory == Path(directory).absolute()
+        and max_to_keep in (None, manager.max_to_keep)
+    ):
         return manager
+    if manager is not None:
+        manager.close()
     # several processes: synchronous saves, since two roles' async finalize threads in one process race on orbax's
     # cross-process barrier (seen once: "Barrier ... set_value_start is already ongoing")
-    return CheckpointManager(directory, async_save=jax.process_count() == 1)
+    return CheckpointManager(directory, max_to_keep or 3, async_save=jax.process_count() == 1)
