@@ -122,30 +122,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hfjax.parallel import Layout
     from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
     from hfjax.rollout.prompt_file import read_prompts, write_results
+    from hfjax.trainer.preflight import check_generation, model_config
+    from hfjax.typed_config import ConfigError
 
-    sampling = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        n=args.n,
-        seed=args.seed,
-        stop_token_ids=None if args.stop is None else tuple(int(t) for t in args.stop.split(",") if t),
-    )
-    tokenizer = load_tokenizer(args.model)
-    rows, prompts = read_prompts(args.prompts, tokenizer)
-    layout = Layout.from_config(_layout_config(args)) if args.mesh else None
+    try:  # every argument checked before the model loads: one line each, no traceback
+        stop = None if args.stop is None else tuple(int(t) for t in args.stop.split(",") if t)
+        sampling = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            n=args.n,
+            seed=args.seed,
+            stop_token_ids=stop,
+        )
+        for flag, value in (("--slots", args.slots), ("--max-prefill-length", args.max_prefill_length or 1)):
+            if value < 1:
+                raise ConfigError(f"{flag}: expected >= 1, got {value}")
+        model_cfg = model_config(args.model, "--model")
+        tokenizer = load_tokenizer(args.model)
+        rows, prompts = read_prompts(args.prompts, tokenizer)
+        layout = Layout.from_config(_layout_config(args)) if args.mesh else None
+        prefill = args.max_prefill_length or max([1, *map(len, prompts)])
+        devices = layout.size if layout is not None else 1
+        check_generation(model_cfg, prefill, args.max_new_tokens, args.slots, args.dtype, devices)
+    except ValueError as exc:  # ConfigError, SamplingError, DataError, LayoutError, CheckpointError, a bad --stop
+        raise SystemExit(f"hfjax generate: {exc}") from None
     model = load_hf(args.model, dtype=args.dtype, layout=layout)
     if model.head_kind != "causal_lm":
         raise SystemExit(f"--model: {args.model} is a {model.head_kind} checkpoint; generation needs a causal LM")
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    longest = max((len(p) for p in prompts), default=1)
     engine = JaxEngine(
-        model,
-        layout,
-        max_concurrent_decodes=args.slots,
-        max_prefill_length=args.max_prefill_length or max(longest, 1),
-        max_new_tokens=args.max_new_tokens,
+        model, layout, max_concurrent_decodes=args.slots, max_prefill_length=prefill, max_new_tokens=args.max_new_tokens
     )
     generator = OfflineGenerator(engine, params, eos_token_ids=_eos_ids(args.model, model, tokenizer))
     outputs = generator.generate(prompts, sampling)
@@ -174,11 +182,30 @@ def _eos_ids(model_dir: str, model: Any, tokenizer: Any) -> tuple[int, ...]:
     return () if eos_id is None else (int(eos_id),)
 
 
+def run_errors() -> tuple[type[BaseException], ...]:
+    """hfjax's own errors of a run: what the user must change (config, data, run directory, checkpoints) or what
+    stopped it (a worker that failed, died or hung; a run that cannot learn). The CLI prints them without a traceback
+    of this process and exits with code 2."""
+    from hfjax.controller.worker_group import WorkerError
+    from hfjax.data.records import DataError
+    from hfjax.rewards import RewardError
+    from hfjax.trainer.health import RunStalledError
+    from hfjax.training.checkpoint import CheckpointError
+    from hfjax.training.run_dir import RunDirLockedError
+    from hfjax.typed_config import ConfigError
+
+    return ConfigError, DataError, RewardError, RunDirLockedError, CheckpointError, WorkerError, RunStalledError
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from hfjax.config import load_rl_config
     from hfjax.trainer.launch import run_rl
 
-    history = run_rl(load_rl_config(args.config, args.overrides))
+    try:
+        history = run_rl(load_rl_config(args.config, args.overrides))
+    except run_errors() as exc:
+        print(f"hfjax train: {exc}", file=sys.stderr)
+        return 2
     last = history[-1] if history else {}
     keys = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step")
     print("final step: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last))

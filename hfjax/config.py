@@ -1,7 +1,9 @@
 """The RL run config: data, roles (actor, rollout, critic, reward/cost models), algorithm and trainer sections.
 
 Loaded with `load_rl_config(path, overrides)` — YAML plus `key=value` overrides, validated into these dataclasses
-before any worker starts (an unknown key or a bad value names its full path and what was expected). `model_path`
+before any worker starts (an unknown key, a number out of its range, an unknown registry name or sizes that do not
+fit together name the full path and what was expected). What needs files (checkpoints, datasets, the reward
+function) and the device memory is checked by `hfjax.trainer.preflight.check_rl_run`. `model_path`
 at the top is the default checkpoint of every role that does not name its own.
 Imports `hfjax.typed_config` and the role sections of `hfjax.workers.config`.
 """
@@ -9,15 +11,17 @@ Imports `hfjax.typed_config` and the role sections of `hfjax.workers.config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from hfjax.controller.liveness import LivenessConfig
 from hfjax.controller.resource_pool import group_hosts
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import Layout
-from hfjax.typed_config import load_config
-from hfjax.workers.config import ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
+from hfjax.typed_config import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_fields, check_name, load_config
+from hfjax.workers.config import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "remax", "safe_rlhf")
 PLACEMENTS = ("colocate", "split", "standalone", "disaggregated")
@@ -35,6 +39,15 @@ class DataConfig:
     val_batch_size: int = 64
     shuffle: bool = True
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            max_prompt_length=AT_LEAST_1,
+            train_batch_size=AT_LEAST_1,
+            val_batch_size=AT_LEAST_1,
+            seed=NON_NEGATIVE,
+        )
 
 
 @dataclasses.dataclass
@@ -55,6 +68,20 @@ class AlgorithmConfig:
     lambda_init: float = 1.0
     lambda_lr: float = 0.05
 
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            gamma=FRACTION,
+            lam=FRACTION,
+            kl_coef=NON_NEGATIVE,
+            target_kl=POSITIVE,
+            horizon=AT_LEAST_1,
+            cost_limit=(math.isfinite, "a finite number"),
+            lambda_init=NON_NEGATIVE,  # a Lagrange multiplier
+            lambda_lr=NON_NEGATIVE,
+        )
+        check_name("kl_penalty", self.kl_penalty, KL_NAMES, "KL estimator")
+
 
 @dataclasses.dataclass
 class RewardConfig:
@@ -62,8 +89,33 @@ class RewardConfig:
 
     function: str | None = None
     use_rule: bool = True
+    # a rule reward that raises or returns no finite number: stop the run (`raise`), or score the sample 0 and count
+    # it in the metric `reward/errors` (`skip`)
+    on_error: Literal["raise", "skip"] = "raise"
     reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
     cost_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
+
+    def __post_init__(self) -> None:
+        if self.function is not None:
+            path, sep, name = self.function.rpartition(":")
+            if not (sep and path.endswith(".py") and name.isidentifier()):
+                raise ValueError(f"function: expected 'path/to/file.py:function_name', got {self.function!r}")
+
+
+@dataclasses.dataclass
+class HealthConfig:
+    """When a run that cannot learn stops (`trainer.health`): after `max_skipped_steps` consecutive steps with updates
+    skipped for non-finite gradients, or `max_flat_reward_steps` consecutive steps in which every response scored the
+    same; 0 turns a check off. `on_stall: warn` logs instead of stopping."""
+
+    max_skipped_steps: int = 3
+    max_flat_reward_steps: int = 20
+    on_stall: Literal["stop", "warn"] = "stop"
+
+    def __post_init__(self) -> None:
+        for name in ("max_skipped_steps", "max_flat_reward_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0 (0 turns the check off), got {getattr(self, name)}")
 
 
 @dataclasses.dataclass
@@ -88,6 +140,11 @@ class TrainerConfig:
     max_to_keep: int = 3
     tensorboard: bool = True
     progress: bool = True
+    liveness: LivenessConfig = dataclasses.field(default_factory=LivenessConfig)  # heartbeats and call deadlines
+    health: HealthConfig = dataclasses.field(default_factory=HealthConfig)  # stop runs that cannot learn
+    # memory of one device in GiB, for the memory check before start; null: host RAM per device on CPU, and no
+    # check of device memory on accelerators (the controller never opens them)
+    device_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -96,9 +153,20 @@ class TrainerConfig:
                 "each host) and trainer.hosts (how many hosts, default 1); write "
                 f"trainer.devices_per_host={self.devices} for the old meaning on one host"
             )
-        for name in ("total_steps", "hosts", "devices_per_host"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"trainer.{name}: expected >= 1, got {getattr(self, name)}")
+        check_fields(
+            self,
+            run_dir=(bool, "a directory path (not empty)"),
+            total_steps=AT_LEAST_1,
+            critic_warmup=NON_NEGATIVE,
+            hosts=AT_LEAST_1,
+            devices_per_host=AT_LEAST_1,
+            save_freq=(lambda v: v >= 0, ">= 0 (0: at the end only)"),
+            test_freq=(lambda v: v >= 0, ">= 0 (0: at the end only)"),
+            max_to_keep=AT_LEAST_1,
+            device_memory_gib=(lambda v: v is None or 0 < v < math.inf, "a number of GiB > 0 or null"),
+        )
+        if self.ray_address is not None and not self.ray_address.strip():
+            raise ValueError("ray_address: expected a Ray address (host:port) or null, got ''")
         if self.backend == "local" and self.hosts > 1:
             raise ValueError(
                 f"trainer.hosts={self.hosts}: several hosts need trainer.backend=ray (local is one process)"
@@ -222,9 +290,11 @@ class RLConfig:
         roles = {name for group in groups for name in group}
         shape = f"{hosts} host(s) x {per_host} devices" if hosts > 1 else f"{per_host} devices"
         for key, (role, config) in layouts.items():
-            if config is None or role not in roles:
+            if config is None:
                 continue
-            layout = Layout.from_config(config, key)
+            layout = Layout.from_config(config, key)  # checked even for a role this run does not start
+            if role not in roles:
+                continue
             if layout.size != devices:
                 raise ValueError(
                     f"{key}: {layout.describe()} has {layout.size} devices, but the {role} group has {shape} "

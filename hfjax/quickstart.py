@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hfjax.config import RLConfig
+from hfjax.config import RLConfig, load_rl_config
 from hfjax.data.synthetic import DATA_SOURCE, AdditionTask, build_addition_tokenizer, write_addition_task
-from hfjax.typed_config import load_config
+from hfjax.typed_config import ConfigError, load_config
 
 ACCURACY_KEY = f"val/test_score/{DATA_SOURCE}"
 
@@ -37,13 +38,49 @@ class BaseModelSection:
 
 @dataclasses.dataclass
 class QuickstartConfig:
-    """Task, base model, and the SFT and RL configs (their model and data paths are filled in by the pipeline)."""
+    """Task, base model, and the SFT and RL configs (their model and data paths are filled in by the pipeline). All
+    of them are checked when this loads, before anything runs (the paths the pipeline fills in as placeholders)."""
 
     run_dir: str = "runs/quickstart"
     task: dict[str, Any] = dataclasses.field(default_factory=dict)
     model: BaseModelSection = dataclasses.field(default_factory=BaseModelSection)
     sft: dict[str, Any] = dataclasses.field(default_factory=dict)
     rl: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        placeholder = Path(self.run_dir) / "not-yet-written"
+        files = {name: placeholder for name in ("sft", "train", "test")}
+        for section, load in (
+            ("task", lambda: load_config(AdditionTask, self.task)),
+            ("sft", lambda: sft_config(self, placeholder, files)),
+            ("rl", lambda: rl_config(self, placeholder, files)),
+        ):
+            try:
+                load()
+            except ConfigError as exc:
+                raise ValueError("\n".join(f"{section}.{line}" for line in str(exc).splitlines())) from None
+
+
+def sft_config(cfg: QuickstartConfig, base: Path, files: Mapping[str, Path]) -> Any:
+    """The SFT stage's config: `cfg.sft` with the base model, the SFT data and its run directory filled in."""
+    from hfjax.trainer.sft import SFTConfig
+
+    paths = {
+        "model": {"path": str(base)},
+        "data": {"train_files": [str(files["sft"])]},
+        "trainer": {"run_dir": str(Path(cfg.run_dir) / "sft"), "resume": "never"},
+    }
+    return load_config(SFTConfig, _merge(cfg.sft, paths))
+
+
+def rl_config(cfg: QuickstartConfig, model: Path, files: Mapping[str, Path]) -> RLConfig:
+    """The RL stage's config: `cfg.rl` with the model, the prompts and its run directory filled in."""
+    paths = {
+        "model_path": str(model),
+        "data": {"train_files": [str(files["train"])], "val_files": [str(files["test"])]},
+        "trainer": {"run_dir": str(Path(cfg.run_dir) / "rl"), "val_before_train": True, "resume": "never"},
+    }
+    return load_rl_config(_merge(cfg.rl, paths))
 
 
 def build_base_model(out_dir: Path, spec: BaseModelSection, tokenizer: Any) -> Path:
@@ -82,9 +119,10 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
     """Runs the whole pipeline; returns accuracies and timings (also written to `run_dir/result.json`)."""
-    from hfjax.config import load_rl_config
     from hfjax.trainer.launch import run_rl
-    from hfjax.trainer.sft import SFTConfig, run_sft
+    from hfjax.trainer.preflight import check_rl_run
+    from hfjax.trainer.sft import run_sft
+    from hfjax.trainer.supervised import check_supervised_run
 
     run_dir = Path(cfg.run_dir)
     earlier = [part for part in ("sft", "rl") if (run_dir / part).is_dir() and any((run_dir / part).iterdir())]
@@ -94,34 +132,15 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
             " expected a new or empty directory: pass run_dir=ANOTHER_DIR or remove that one"
         )
     started = time.perf_counter()
-    task = AdditionTask(**cfg.task)
-    files = write_addition_task(task, run_dir / "data")
+    files = write_addition_task(AdditionTask(**cfg.task), run_dir / "data")
     tokenizer = build_addition_tokenizer()
     base = build_base_model(run_dir / "base", cfg.model, tokenizer)
-    sft_cfg = load_config(
-        SFTConfig,
-        _merge(
-            cfg.sft,
-            {
-                "model": {"path": str(base)},
-                "data": {"train_files": [str(files["sft"])]},
-                "trainer": {"run_dir": str(run_dir / "sft"), "resume": "never"},
-            },
-        ),
-    )
+    sft_cfg = sft_config(cfg, base, files)
+    check_supervised_run(sft_cfg)
+    check_rl_run(rl_config(cfg, base, files))  # the SFT model has the base model's shape: the RL run fits it too
     run_sft(sft_cfg)
-    sft_model = run_dir / "sft" / "hf"
     sft_s = time.perf_counter() - started
-    rl_cfg: RLConfig = load_rl_config(
-        _merge(
-            cfg.rl,
-            {
-                "model_path": str(sft_model),
-                "data": {"train_files": [str(files["train"])], "val_files": [str(files["test"])]},
-                "trainer": {"run_dir": str(run_dir / "rl"), "val_before_train": True, "resume": "never"},
-            },
-        )
-    )
+    rl_cfg = rl_config(cfg, run_dir / "sft" / "hf", files)
     history = run_rl(rl_cfg)
     before = _first_validation(run_dir / "rl" / "metrics.jsonl")
     after = history[-1][ACCURACY_KEY]
@@ -162,6 +181,11 @@ def _print_table(result: dict[str, Any], rl_cfg: RLConfig) -> None:
 
 
 def quickstart_main(config_path: str | None, overrides: Sequence[str]) -> int:
-    """`hfjax quickstart [CONFIG] [key=value ...]`."""
-    run_quickstart(load_config(QuickstartConfig, config_path, overrides))
+    """`hfjax quickstart [CONFIG] [key=value ...]`. Exit code 2 on a config error (printed with the key's path)."""
+    try:
+        cfg = load_config(QuickstartConfig, config_path, overrides)
+    except ConfigError as e:
+        print(f"config error in {config_path}:\n{e}", file=sys.stderr)
+        return 2
+    run_quickstart(cfg)
     return 0

@@ -10,10 +10,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
@@ -133,8 +134,27 @@ def _build_dataclass(cls: type[T], data: Any, path: str, origins: _Origins, base
         raise ConfigError("\n".join(problems))
     try:
         return cls(**kwargs)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{path or cls.__name__}: {exc} (from {origins.of(path)})") from exc
+    except (ValueError, TypeError, ArithmeticError) as exc:
+        raise ConfigError(_check_problem(cls, path, str(exc), origins)) from exc
+
+
+def _check_problem(cls: type, path: str, message: str, origins: _Origins) -> str:
+    """A `__post_init__` error as one problem per line, each naming the full dotted path: a line that starts with
+    one of `cls`'s fields (`name: ...`, `name=...`, `name.key ...`, or the section's own name first, as in
+    `optim.lr: ...` inside `actor.optim`) gets the section's path in front; any other line names the section."""
+    fields = {yaml_key(f.name) for f in dataclasses.fields(cls)}
+    section = path.rsplit(".", 1)[-1]
+    lines = []
+    for line in message.splitlines() or [message]:
+        if section and line.startswith(section + "."):
+            line = line[len(section) + 1 :]
+        head = re.match(r"[A-Za-z_][A-Za-z0-9_]*", line)
+        if head and head.group() in fields and line[head.end() : head.end() + 1] in (":", "=", ".", " ", "["):
+            where = _join(path, re.split(r"[:= \[]", line, maxsplit=1)[0])
+            lines.append(f"{_join(path, line)} (from {origins.of(where)})")
+        else:
+            lines.append(f"{path or cls.__name__}: {line} (from {origins.of(path)})")
+    return "\n".join(lines)
 
 
 def yaml_key(field_name: str) -> str:
@@ -161,7 +181,13 @@ def _convert(tp: Any, value: Any, path: str, origins: _Origins, default: Any = d
     if origin is Literal:
         if value in args and all(type(value) is type(a) for a in args if a == value):
             return value
-        raise ConfigError(_problem(path, f"one of {', '.join(map(repr, args))}", value, origins))
+        close = (
+            difflib.get_close_matches(value, [a for a in args if isinstance(a, str)], n=1)
+            if isinstance(value, str)
+            else []
+        )
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(_problem(path, f"one of {', '.join(map(repr, args))}", value, origins) + hint)
     if origin in (Union, types.UnionType):
         return _convert_union(args, value, path, origins)
     if origin in (list, tuple) or tp in (list, tuple):
@@ -211,27 +237,38 @@ def _convert_scalar(tp: Any, value: Any, path: str, origins: _Origins) -> Any:
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp is float:
-        # PyYAML reads 1e-5 (no dot) as a string; accept such numeric strings for float fields.
-        number = value if isinstance(value, int | float) and not isinstance(value, bool) else _float_or_none(value)
+        number = _float_or_none(value)
         if number is not None:
-            return float(number)
+            return number
     if tp is str and isinstance(value, str):
         return value
     if tp is Path and isinstance(value, str | Path):
         return Path(value)
     if tp not in (bool, int, float, str, Path):
         raise ConfigError(f"{path}: unsupported field type {_describe(tp)} in the config dataclass")
-    raise ConfigError(_problem(path, _describe(tp), value, origins))
+    nan = isinstance(value, float) and math.isnan(value)
+    raise ConfigError(_problem(path, "a float that is not NaN" if nan else _describe(tp), value, origins))
 
 
 def _float_or_none(value: Any) -> float | None:
-    try:
-        return float(value) if isinstance(value, str) else None
-    except ValueError:
+    """A number or a numeric string (PyYAML reads 1e-5, without a dot, as a string) as a float; None for anything
+    else, for NaN (never a setting: every comparison with it is false) and for ints beyond the float range."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return None if math.isnan(number) else number
 
 
-_NAMES = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string", Path: "a path string"}
+_NAMES = {
+    int: "an int",
+    float: "a float",
+    bool: "a bool (true/false)",
+    str: "a string",
+    Path: "a path string",
+}
 
 
 def _describe(tp: Any) -> str:
@@ -246,6 +283,32 @@ def _describe(tp: Any) -> str:
 def _problem(path: str, expected: str, value: Any, origins: _Origins) -> str:
     got = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     return f"{path or '<top level>'}: expected {expected}, got {got} (from {origins.of(path)})"
+
+
+def check_fields(section: Any, **rules: tuple[Callable[[Any], bool], str]) -> None:
+    """Raises ValueError `name: expected EXPECTED, got VALUE` for the first field of `section` whose value fails its
+    rule `(predicate, expected)`, e.g. `check_fields(self, slots=AT_LEAST_1)`; `load_config` puts the section's
+    path in front."""
+    for name, (ok, expected) in rules.items():
+        value = getattr(section, name)
+        if not ok(value):
+            raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def check_name(field: str, value: str, known: Sequence[str], kind: str) -> None:
+    """Raises ValueError naming `field` when `value` is not one of the `known` names of a registry of `kind`
+    (e.g. "policy loss"), with the closest known name."""
+    if value in known:
+        return
+    close = difflib.get_close_matches(str(value), list(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"{field}: expected a registered {kind} ({', '.join(known)}), got {value!r}{hint}")
+
+
+AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+POSITIVE = (lambda v: v > 0, "> 0")
+FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def _join(path: str, key: str) -> str:

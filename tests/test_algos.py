@@ -25,9 +25,11 @@ from hfjax.algos import (
     make_kl_controller,
     mask_counts,
     masked_mean,
+    masked_seq_mean,
     masked_var,
     masked_whiten,
     policy_loss,
+    token_share,
     value_loss,
 )
 
@@ -223,6 +225,8 @@ def test_masked_statistics_match_reference(rng, dtype):
         close(masked_whiten(x.astype(dtype), m), ref_whiten(x, m), dtype)
         close(masked_whiten(x.astype(dtype), m, shift_mean=False), ref_whiten(x, m) + mean, dtype)
         close(masked_mean(x.astype(dtype), m, axis=-1), [ref_masked_mean(x[i], m[i]) for i in range(BS)], dtype)
+        # row 0 has no valid token: it counts as 0 (verl's reward KL average)
+        close(masked_seq_mean(x.astype(dtype), m), np.mean([ref_masked_mean(x[i], m[i]) for i in range(BS)]), dtype)
 
 
 def test_masked_statistics_ignore_nan_outside_mask_and_flag_undefined_variance(rng):
@@ -451,6 +455,40 @@ def test_micro_batches_with_global_counts_sum_to_the_mini_batch(rng):
         for key in params:
             np.testing.assert_allclose(sum(p[mode][1][key] for p in parts), full_grad[key], rtol=2e-5, atol=1e-6)
         assert abs(np.mean([p[mode][0] for p in local]) - full_loss) > 1e-4, mode
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "pg", "value"])
+def test_loss_metrics_of_micro_batches_with_global_counts_sum_to_the_mini_batch_token_means(rng, name):
+    """Clip fractions and ppo_kl given the mini-batch's counts are each micro-batch's share of the mini-batch's token
+    mean (not the micro-batch's own mean): summed over micro-batches of unequal token counts they equal the numpy
+    token means over the whole mini-batch."""
+    bs, micro = 12, 3
+    m = ragged_mask(rng, bs=bs)
+    old, adv = rng.normal(size=(bs, T)), rng.normal(size=(bs, T))
+    new = old + rng.normal(size=(bs, T)) * 0.8
+    new[1, :2], adv[1, :2] = old[1, :2] + 1.5, -np.abs(adv[1, :2])  # the dual clip bounds these tokens
+    old, new, adv = (a.astype(np.float32) for a in (old, new, adv))  # the flags compare float32 terms, as in training
+    tokens, seqs = (float(c) for c in mask_counts(m))
+
+    def metrics(rows, **counts):
+        if name == "value":
+            return value_loss(new[rows], adv[rows], old[rows], m[rows], cliprange_value=0.5, **counts)
+        return policy_loss(name, old[rows], new[rows], adv[rows], m[rows], **counts)
+
+    full = metrics(slice(0, bs))
+    parts = [metrics(slice(i, i + micro), global_tokens=tokens, global_seqs=seqs) for i in range(0, bs, micro)]
+    local = [metrics(slice(i, i + micro)) for i in range(0, bs, micro)]
+    for position, value in enumerate(full):
+        np.testing.assert_allclose(sum(float(p[position]) for p in parts), float(value), rtol=1e-5, atol=1e-7)
+    _, clipped, lower = ref_ppo_tokens(old, new, adv, 0.2, 0.2, 3.0)
+    if name == "ppo":
+        for position, flags in ((1, clipped), (2, old - new), (3, lower)):
+            close(full[position], ref_masked_mean(flags, m), np.float32)
+        assert abs(np.mean([float(p[1]) for p in local]) - float(full[1])) > 1e-3  # a mean of means would differ
+    if name == "value":
+        v_clip = np.clip(new, old - 0.5, old + 0.5)
+        close(full[1], ref_masked_mean((v_clip - adv) ** 2 > (new - adv) ** 2, m), np.float32)
+    assert float(token_share(old - new, m, global_tokens=0.0)) == 0.0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -128,7 +128,10 @@ def test_export_writes_hf_checkpoint(inputs, tmp_path):
     out = tmp_path / "hf"
     assert export_run(tmp_path / "run", None, out) == 1
     model = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert model.config.vocab_size == load_tokenizer(out).vocab_size or len(load_tokenizer(out))
+    # the checkpoint's vocabulary (the tokenizer's, added tokens included), not the padded one the model trains with
+    vocab = tf.AutoConfig.from_pretrained(inputs["policy"]).vocab_size
+    assert model.config.vocab_size == vocab == len(load_tokenizer(out))
+    assert model.get_input_embeddings().weight.shape[0] == vocab
     shutil.rmtree(out)
 
 

@@ -95,7 +95,7 @@ def test_scalar_coercions():
         ("seed=[1]", "seed: expected an int or a string, got [1] (from overrides)"),
         ("seed=null", "seed: expected an int or a string, got None (from overrides)"),
         ("actor.optim=3", "actor.optim: expected a mapping of Optim fields, got 3 (from overrides)"),
-        ("actor.optim.lr=-1", "actor.optim: lr must be > 0, got -1.0 (from overrides)"),
+        ("actor.optim.lr=-1", "actor.optim.lr must be > 0, got -1.0 (from overrides)"),
         ("actor.optim.lrr=0.1", "actor.optim.lrr: unknown key (from overrides); did you mean 'lr'?"),
         ("actor.path.x=1", "actor.path: expected a string, got {'x': 1} (from overrides)"),
     ],
@@ -113,8 +113,8 @@ def test_file_errors_name_the_file_and_collect_all_problems(tmp_path):
     assert len(lines) == 3
     assert "name: missing required key" in _error(Run, {})
     assert "zzz: unknown key (from the given mapping); known keys: name, actor" in _error(Run, {"name": "n", "zzz": 0})
-    # A section checked as a whole, with values from the file and the overrides: both are named.
-    assert f"actor.optim: lr must be > 0, got -1.0 (from {path} + overrides)" in _error(
+    # A section's check that names its field is reported at that field, with where the field's value came from.
+    assert f"actor.optim.lr must be > 0, got -1.0 (from {path})" in _error(
         Run, _yaml(tmp_path, {"name": "n", "actor": {"optim": {"lr": -1.0}}}), ["actor.optim.warmup_steps=2"]
     )
 

@@ -21,9 +21,10 @@ from hfjax.algos.losses import (
     policy_losses,
     ppo_policy_loss,
     register_policy_loss,
+    token_share,
     value_loss,
 )
-from hfjax.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from hfjax.algos.masked import masked_mean, masked_seq_mean, masked_sum, masked_var, masked_whiten
 from hfjax.algos.rollout_correction import CORRECTION_LEVELS, rollout_correction
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "make_kl_controller",
     "mask_counts",
     "masked_mean",
+    "masked_seq_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
@@ -53,5 +55,6 @@ __all__ = [
     "register_advantage_estimator",
     "register_policy_loss",
     "rollout_correction",
+    "token_share",
     "value_loss",
 ]

@@ -4,9 +4,11 @@ value loss, and token log-probs / entropy from logits.
 Pure `jax.numpy`, differentiable, for jitted training steps. Aggregation takes optional GLOBAL normalisers (token
 count, sequence count of the whole mini-batch): a worker that splits a mini-batch into micro-batches passes the
 mini-batch's counts to every micro-batch, and the sum of the micro-batch losses (and of their gradients) then equals
-the mini-batch loss (and gradient). Policy losses take optional per-token `token_weights` (e.g. rollout-correction
-importance weights) that scale the token losses before aggregation. Imports `hfjax.algos.masked` and `.registry`; must
-not import workers, trainer or models.
+the mini-batch loss (and gradient). The token-mean metrics (clip fractions, ppo_kl) follow the same rule: with
+`global_tokens` each is this batch's share of the mini-batch's token mean, so the micro-batch values sum to the
+mini-batch's (whatever the micro-batch size). Policy losses take optional per-token `token_weights` (e.g.
+rollout-correction importance weights) that scale the token losses before aggregation. Imports `hfjax.algos.masked`
+and `.registry`; must not import workers, trainer or models.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ def _safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
     """numerator / denominator, and 0 where the denominator is 0 (gradients stay finite)."""
     denominator = jnp.asarray(denominator, numerator.dtype)
     return jnp.where(denominator != 0, numerator / jnp.where(denominator != 0, denominator, 1), 0)
+
+
+def token_share(values: jax.Array, mask: jax.Array, global_tokens: jax.Array | float | None = None) -> jax.Array:
+    """Masked token mean of `values` over this batch, or with `global_tokens` (the mini-batch's valid tokens) this
+    batch's share of the mini-batch's token mean: masked sum / global_tokens (0 when it is 0)."""
+    if global_tokens is None:
+        return masked_mean(values, mask)
+    return _safe_divide(masked_sum(values, mask), global_tokens)
 
 
 def mask_counts(loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -145,7 +155,7 @@ def ppo_policy_loss(
 
     Token loss max(-A r, -A clip(r, 1 - low, 1 + high)), and for A < 0 also at most -A * clip_ratio_c.
     pg_clipfrac: share of valid tokens where the clipped term wins; pg_clipfrac_lower: share where the dual clip
-    bounds the loss; ppo_kl: masked mean of old_logp - logp.
+    bounds the loss; ppo_kl: token mean of old_logp - logp (each a `token_share`).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c (dual-clip PPO's lower bound on the ratio) must be > 1.0, got {clip_ratio_c}")
@@ -165,9 +175,10 @@ def ppo_policy_loss(
         global_seqs=global_seqs,
         norm_length=norm_length,
     )
-    pg_clipfrac = masked_mean((clipped > unclipped).astype(ratio.dtype), response_mask)
-    pg_clipfrac_lower = masked_mean(((clip_loss > dual_bound) & negative).astype(ratio.dtype), response_mask)
-    return pg_loss, pg_clipfrac, masked_mean(-log_ratio, response_mask), pg_clipfrac_lower
+    pg_clipfrac = token_share((clipped > unclipped).astype(ratio.dtype), response_mask, global_tokens)
+    lower = ((clip_loss > dual_bound) & negative).astype(ratio.dtype)
+    pg_clipfrac_lower = token_share(lower, response_mask, global_tokens)
+    return pg_loss, pg_clipfrac, token_share(-log_ratio, response_mask, global_tokens), pg_clipfrac_lower
 
 
 @register_policy_loss("gspo")
@@ -188,7 +199,8 @@ def gspo_policy_loss(
     """GSPO (arXiv 2507.18071): PPO clipping on the sequence-level ratio s = exp(mean over valid tokens of log r).
 
     The token ratio is sg[s] * pi / sg[pi] (value s, gradient of log pi), its log clamped at 10. verl always
-    aggregates GSPO with seq-mean-token-mean, this function's default; pg_clipfrac_lower is 0.
+    aggregates GSPO with seq-mean-token-mean, this function's default; pg_clipfrac (token level) and ppo_kl are
+    `token_share`s; pg_clipfrac_lower is 0.
     """
     mask = jnp.asarray(response_mask).astype(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
@@ -205,8 +217,8 @@ def gspo_policy_loss(
         global_seqs=global_seqs,
         norm_length=norm_length,
     )
-    pg_clipfrac = masked_mean((clipped > unclipped).astype(ratio.dtype), mask)
-    return pg_loss, pg_clipfrac, masked_mean(-log_ratio, mask), jnp.zeros((), ratio.dtype)
+    pg_clipfrac = token_share((clipped > unclipped).astype(ratio.dtype), mask, global_tokens)
+    return pg_loss, pg_clipfrac, token_share(-log_ratio, mask, global_tokens), jnp.zeros((), ratio.dtype)
 
 
 @register_policy_loss("pg")
@@ -224,7 +236,7 @@ def pg_policy_loss(
 ) -> PolicyLossOutput:
     """Plain policy gradient, token loss -A * logp (no ratio, no clipping; clip fractions are 0).
 
-    ppo_kl is still reported (masked mean of old_logp - logp) to watch how far the policy moved.
+    ppo_kl is still reported (`token_share` of old_logp - logp) to watch how far the policy moved.
     """
     pg_loss = agg_loss(
         _weighted(-advantages * log_prob, token_weights),
@@ -235,7 +247,7 @@ def pg_policy_loss(
         norm_length=norm_length,
     )
     zero = jnp.zeros((), pg_loss.dtype)
-    return pg_loss, zero, masked_mean(old_log_prob - log_prob, response_mask), zero
+    return pg_loss, zero, token_share(old_log_prob - log_prob, response_mask, global_tokens), zero
 
 
 def value_loss(
@@ -252,7 +264,7 @@ def value_loss(
 ) -> tuple[jax.Array, jax.Array]:
     """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)) -> (vf_loss, vf_clipfrac).
 
-    vf_clipfrac: share of valid tokens where the clipped term is larger.
+    vf_clipfrac: share of valid tokens where the clipped term is larger (a `token_share`).
     """
     vpreds_clipped = jnp.clip(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = jnp.square(vpreds - returns)
@@ -265,7 +277,8 @@ def value_loss(
         global_seqs=global_seqs,
         norm_length=norm_length,
     )
-    return vf_loss, masked_mean((clipped > unclipped).astype(vf_loss.dtype), response_mask)
+    clipfrac = token_share((clipped > unclipped).astype(vf_loss.dtype), response_mask, global_tokens)
+    return vf_loss, clipfrac
 
 
 def _at_least_f32(logits: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Masked reductions over response tokens: sum, mean, unbiased variance and whitening, with verl's conventions.
+"""Masked reductions over response tokens: sum, mean, mean of per-sequence means, unbiased variance and whitening,
+with verl's conventions.
 
 Pure `jax.numpy` functions: they run inside jitted training steps and on numpy arrays on the controller. A mask may be
 bool, integer or float; positions where it is 0 never reach a result, even when they hold NaN or inf. Imports only
@@ -35,6 +36,13 @@ def masked_mean(values: jax.Array, mask: jax.Array, axis: int | None = None) -> 
     """`masked_sum / (mask.sum() + 1e-8)`: an all-masked input gives 0, not NaN."""
     values, mask = _float_mask(values, mask)
     return masked_sum(values, mask, axis) / (jnp.sum(mask, axis=axis) + MEAN_EPS)
+
+
+@jax.jit
+def masked_seq_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean over rows (dimension 0) of each row's masked mean over its last axis; a row without valid elements
+    counts as 0 (verl's average of the reward KL penalty, which its adaptive KL controller follows)."""
+    return jnp.mean(masked_mean(values, mask, axis=-1))
 
 
 @partial(jax.jit, static_argnames="unbiased")

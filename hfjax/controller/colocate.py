@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hfjax.controller.liveness import LivenessConfig
 from hfjax.controller.ray_worker_group import RayWorkerGroup
 from hfjax.controller.resource_pool import ResourcePool
 from hfjax.controller.worker import Worker, check_worker_cls, construct_worker
@@ -51,12 +52,15 @@ class Colocated:
             raise ValueError("colocate: expected at least one role")
         self.roles = {name: _role_spec(name, worker) for name, worker in roles.items()}
 
-    def spawn(self, resource_pool: ResourcePool | None = None) -> dict[str, RoleGroup]:
-        """One group over `resource_pool` (Ray), or in this process when no pool is given; a handle per role."""
+    def spawn(
+        self, resource_pool: ResourcePool | None = None, liveness: LivenessConfig | None = None
+    ) -> dict[str, RoleGroup]:
+        """One group over `resource_pool` (Ray, its calls watched as `liveness` says), or in this process when no
+        pool is given; a handle per role."""
         if resource_pool is None:
             group = LocalWorkerGroup(ColocatedWorker, self.roles)
         else:
-            group = RayWorkerGroup(resource_pool, ColocatedWorker, self.roles)
+            group = RayWorkerGroup(resource_pool, ColocatedWorker, self.roles, liveness=liveness)
         return {name: group.role(name, cls) for name, (cls, _, _) in self.roles.items()}
 
 

@@ -12,25 +12,30 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
+from hfjax.controller.liveness import LivenessConfig, Watchdog
 from hfjax.controller.resource_pool import ResourcePool
 from hfjax.controller.worker import Worker, WorkerInfo, check_worker_cls, start_worker
 from hfjax.controller.worker_group import WorkerDiedError, WorkerError, WorkerGroup
 
-START_TIMEOUT_S = 360
 _INLINE_TYPES = (str, bytes, int, float, bool, type(None), ray.ObjectRef)
 
 
 class WorkerHost:
-    """The Ray actor of one group process: holds the worker and runs the group's calls on it."""
+    """The Ray actor of one group process: holds the worker and runs the group's calls on it; `ping` answers on a
+    thread of its own (concurrency group `liveness`) while a call runs."""
 
     def __init__(self) -> None:
         self.worker: Worker | None = None
+
+    @ray.method(concurrency_group="liveness")
+    def ping(self) -> int:
+        """Answers a heartbeat (this process's pid)."""
+        return os.getpid()
 
     def coordinator_address(self) -> str:
         """`ip:port` with a port that was free on this node, for jax.distributed's coordinator."""
@@ -74,24 +79,32 @@ class RayWorkerGroup(WorkerGroup):
 
     on_ray = True
 
-    def __init__(self, resource_pool: ResourcePool, worker_cls: type[Worker], *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        resource_pool: ResourcePool,
+        worker_cls: type[Worker],
+        *args: Any,
+        liveness: LivenessConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
         check_worker_cls(worker_cls)
         self.resource_pool, self._label = resource_pool, worker_cls.__name__
+        self.liveness = liveness or LivenessConfig()
         world_size = resource_pool.world_size
-        host_cls = ray.remote(WorkerHost)
+        host_cls = ray.remote(concurrency_groups={"liveness": 1})(WorkerHost)
         self._hosts = [host_cls.options(**resource_pool.actor_options(r)).remote() for r in range(world_size)]
         try:
             coordinator = None
             if world_size > 1:
                 address_ref = self._hosts[0].coordinator_address.remote()
-                coordinator = self._gather(f"{self._label} start", [0], [address_ref], START_TIMEOUT_S)[0]
+                coordinator = self._gather(f"{self._label} start", [0], [address_ref], "start")[0]
             starts = [
                 host.start.remote(
                     worker_cls, WorkerInfo(r, world_size, coordinator, resource_pool.device), args, kwargs
                 )
                 for r, host in enumerate(self._hosts)
             ]
-            self.pids = self._gather(f"{self._label}.__init__", list(range(world_size)), starts, START_TIMEOUT_S)
+            self.pids = self._gather(f"{self._label}.__init__", list(range(world_size)), starts, "start")
         except BaseException:
             self.shutdown()
             raise
@@ -104,20 +117,20 @@ class RayWorkerGroup(WorkerGroup):
         return [self._hosts[r].execute.remote(path, *a, **k) for r, a, k in zip(ranks, args, kwargs, strict=True)]
 
     def _fetch(self, label: str, ranks: list[int], parts: list[Any]) -> list[Any]:
-        return self._gather(label, ranks, parts, None)
+        return self._gather(label, ranks, parts, label)
 
-    def _gather(self, label: str, ranks: list[int], refs: list[Any], timeout_s: float | None) -> list[Any]:
-        """Values of `refs` (one per rank in `ranks`); raises for the first rank that fails, as soon as it does."""
+    def _gather(self, label: str, ranks: list[int], refs: list[Any], method: str) -> list[Any]:
+        """Values of `refs` (one per rank in `ranks`); raises for the first rank that fails, as soon as it does, and
+        `WorkerHungError` for a rank silent too long or a call past `method`'s deadline (`Watchdog`)."""
         position = {ref: i for i, ref in enumerate(refs)}
         out: list[Any] = [None] * len(refs)
         pending = list(refs)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        watchdog = Watchdog(self._hosts, label, method, self.liveness)
         while pending:
-            wait_s = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=self.liveness.heartbeat_s)
             if not ready:
-                late = sorted(ranks[position[r]] for r in pending)
-                raise TimeoutError(f"{label}: ranks {late} of {len(self._hosts)} gave no answer within {timeout_s} s")
+                watchdog.check(sorted(ranks[position[r]] for r in pending))
+                continue
             if pending:
                 more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
                 ready += more

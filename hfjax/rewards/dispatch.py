@@ -33,7 +33,11 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
             f"no rule reward for data_source {data_source!r} (known: {sorted(SCORERS)}); register one with "
             "register_scorer or give a reward function as 'path/to/file.py:function_name'"
         )
-    return as_score(scorer(solution_str, ground_truth, extra_info or {}), f"the {data_source!r} scorer")
+    try:
+        value = scorer(solution_str, ground_truth, extra_info or {})
+    except Exception as exc:  # a registered scorer may raise anything
+        raise RewardError(f"the {data_source!r} scorer raised {type(exc).__name__}: {exc}") from exc
+    return as_score(value, f"the {data_source!r} scorer")
 
 
 def make_reward_function(spec: str | None = None) -> ScoreFn:

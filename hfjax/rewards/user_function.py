@@ -1,6 +1,7 @@
 """User reward functions given as `path/to/file.py:function_name`, loaded with importlib, called like verl's
-`compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)`, their result checked to be a
-finite number (or a dict with a "score"). Imports only the standard library and `hfjax.rewards.errors`."""
+`compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)` (the signature is checked when
+the file loads), their result checked to be a finite number (or a dict with a "score"); whatever a call raises
+becomes a `RewardError` naming the function. Imports only the standard library and `hfjax.rewards.errors`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 from hfjax.rewards.errors import RewardError
 
 ScoreFn = Callable[..., float]
+ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")  # what a reward function is called with
 
 
 def as_score(value: Any, source: str) -> float:
@@ -22,7 +24,22 @@ def as_score(value: Any, source: str) -> float:
     raw = value.get("score") if isinstance(value, dict) else value
     if isinstance(raw, numbers.Real) and math.isfinite(float(raw)):
         return float(raw)
-    raise RewardError(f"{source} returned {value!r}; expected a finite number or a dict with a finite 'score'")
+    got = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise RewardError(f"{source} returned {got}; expected a finite number or a dict with a finite 'score'")
+
+
+def check_signature(fn: Callable[..., Any], spec: str) -> None:
+    """Raises RewardError unless `fn` can be called with the keyword arguments `ARGUMENTS` (verl's convention)."""
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(ARGUMENTS))
+    except TypeError as exc:
+        raise RewardError(
+            f"reward function {spec!r}: cannot be called as {getattr(fn, '__name__', spec)}"
+            f"({', '.join(f'{a}=...' for a in ARGUMENTS)}) ({exc}); expected "
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None)"
+        ) from None
+    except ValueError:  # no signature to inspect (some builtins): it is checked at the first call
+        return
 
 
 def load_reward_function(spec: str) -> ScoreFn:
@@ -48,11 +65,15 @@ def load_reward_function(spec: str) -> ScoreFn:
     fn = getattr(module, name)
     if not callable(fn):
         raise RewardError(f"reward function {spec!r}: '{name}' is a {type(fn).__name__}, not a function")
+    check_signature(fn, spec)
 
     def score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
-        result = fn(
-            data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
-        )
+        try:
+            result = fn(
+                data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
+            )
+        except Exception as exc:  # the user's function may raise anything
+            raise RewardError(f"reward function {spec!r} raised {type(exc).__name__}: {exc}") from exc
         return as_score(result, f"reward function {spec!r}")
 
     return score

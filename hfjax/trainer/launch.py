@@ -4,33 +4,66 @@ Imports `hfjax.config`, `hfjax.workers` and this package."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from hfjax.config import RLConfig, load_rl_config
+from hfjax.trainer.preflight import check_rl_run
 from hfjax.trainer.rl import RLTrainer
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 log = logging.getLogger(__name__)
 
 
-def connect_ray(cfg: RLConfig) -> bool:
-    """Joins the Ray cluster at `trainer.ray_address` (else `RAY_ADDRESS`) or, with neither, starts a local Ray;
-    returns whether this call connected (False when Ray was already initialised)."""
+@contextlib.contextmanager
+def ray_session(cfg: RLConfig) -> Iterator[None]:
+    """Ray for one run. With Ray already initialised in this process it is used as it is. Otherwise this joins the
+    cluster at `trainer.ray_address` (else `RAY_ADDRESS`), or starts a Ray of this machine alone whose servers listen
+    on the loopback interface only (`_start_local_ray`); either is shut down at the end. A local Ray's temp directory
+    is removed after a run that succeeded and kept, with its path logged, after one that failed (its logs)."""
     import ray
 
     if ray.is_initialized():
-        return False
+        yield
+        return
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    temp = None
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
         temp = os.environ.get("HFJAX_RAY_TMPDIR") or tempfile.mkdtemp(prefix="hfjax-ray-")
+        _start_local_ray(temp)
+    try:
+        yield
+    except BaseException:
+        if temp is not None:
+            log.error("Ray's logs of this run are kept in %s", temp)
+        raise
+    finally:
+        ray.shutdown()
+    if temp is not None and not os.environ.get("HFJAX_RAY_TMPDIR"):
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _start_local_ray(temp: str) -> None:
+    """Starts Ray on this machine with every server bound to 127.0.0.1. Ray resolves "localhost" to the machine's
+    network address unless clusters are off (its switch for platforms without clusters), so it is switched off while
+    Ray starts; `tests/test_faults.py` checks that every socket Ray listens on is a loopback one."""
+    import ray
+    from ray._private import ray_constants
+
+    clusters = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
         ray.init(include_dashboard=False, _temp_dir=temp, log_to_driver=False)
-    return True
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = clusters
 
 
 def pin_controller_to_cpu() -> None:
@@ -51,20 +84,22 @@ def pin_controller_to_cpu() -> None:
 
 
 def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
-    """Trains; for `backend: ray` connects to Ray first (`connect_ray`) unless this process already has, and keeps
-    the controller's JAX on the CPU (`pin_controller_to_cpu`)."""
-    if cfg.trainer.backend == "ray":
-        pin_controller_to_cpu()
-    started_ray = cfg.trainer.backend == "ray" and connect_ray(cfg)
+    """Checks the run (`check_rl_run`), then trains; for `backend: ray` in a `ray_session`, with the controller's JAX
+    on the CPU (`pin_controller_to_cpu`)."""
+    check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
+    if cfg.trainer.backend != "ray":
+        return _train(cfg)
+    pin_controller_to_cpu()
+    with ray_session(cfg):
+        return _train(cfg)
+
+
+def _train(cfg: RLConfig) -> list[dict[str, float]]:
     trainer = RLTrainer(cfg)
     try:
         return trainer.fit()
     finally:
         trainer.close()
-        if started_ray:
-            import ray
-
-            ray.shutdown()
 
 
 def export_run(run_dir: str | Path, step: int | None, out_dir: str | Path) -> int:

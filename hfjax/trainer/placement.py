@@ -84,5 +84,5 @@ def spawn_roles(cfg: RLConfig) -> tuple[dict[str, Any], list[ResourcePool]]:
     handles: dict[str, Any] = {}
     pools = group_pools(cfg, len(groups))
     for group, pool in zip(groups, pools, strict=True):
-        handles.update(colocate(group).spawn(pool))
+        handles.update(colocate(group).spawn(pool, trainer.liveness))
     return handles, pools

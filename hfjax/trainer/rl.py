@@ -24,6 +24,7 @@ from hfjax.config import RLConfig
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_tokenizer
 from hfjax.protocol import DataProto
+from hfjax.trainer.health import RunHealth
 from hfjax.trainer.placement import spawn_roles
 from hfjax.trainer.programs import PROGRAMS
 from hfjax.trainer.rl_metrics import data_metrics
@@ -33,6 +34,7 @@ from hfjax.trainer.timeline import Timeline, truncate
 from hfjax.training.checkpoint import CheckpointError, CheckpointManager, UnreadableStepError
 from hfjax.training.metrics import MetricsLogger
 from hfjax.training.run_dir import RunDirLock, save_run_config
+from hfjax.typed_config import ConfigError
 from hfjax.workers.rule_reward import RuleReward
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,9 @@ class RLTrainer:
         self.train_data = PromptDataset(data.train_files, self.tokenizer, **options)
         self.loader = BatchLoader(self.train_data, data.train_batch_size, seed=data.seed, shuffle=data.shuffle)
         self.val_data = PromptDataset(data.val_files, self.tokenizer, **options) if data.val_files else None
-        self.rule_reward = RuleReward(self.tokenizer, cfg.reward.function) if cfg.reward.use_rule else None
+        reward = cfg.reward
+        self.rule_reward = RuleReward(self.tokenizer, reward.function, reward.on_error) if reward.use_rule else None
+        self.reward_errors = 0  # samples whose reward function failed (`reward.on_error: skip`) in this step
         algo = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
             algo.kl_ctrl, kl_coef=algo.kl_coef, target_kl=algo.target_kl, horizon=algo.horizon
@@ -80,7 +84,7 @@ class RLTrainer:
         self.state_checkpoints = CheckpointManager(self.checkpoint_dir / "trainer", max_to_keep=cfg.trainer.max_to_keep)
         saved = self.state_checkpoints.all_steps()
         if saved and cfg.trainer.resume == "never":
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.resume=never but {self.state_checkpoints.directory} holds checkpoints {saved}; choose "
                 "another trainer.run_dir or set trainer.resume=auto"
             )
@@ -89,6 +93,7 @@ class RLTrainer:
         self.gen_role = "rollout" if cfg.disaggregated else "actor"
         self.timeline = Timeline(self.run_dir / TIMELINE_FILE)
         self.loader_states: dict[int, dict[str, Any]] = {}  # before the prompts of each step were taken
+        self.health = RunHealth(cfg.trainer.health)
         self.step = 0
 
     # ------------------------------------------------------------------------------------------------ rewards
@@ -96,7 +101,9 @@ class RLTrainer:
         """One score per response: the rule reward plus the reward model's score, as configured."""
         scores = np.zeros(len(data), np.float32)
         if self.rule_reward is not None:
-            scores += self.rule_reward(data).batch["scores"]
+            out = self.rule_reward(data)
+            scores += out.batch["scores"]
+            self.reward_errors += int(out.meta_info.get("metrics", {}).get("reward/errors", 0))
         if "reward_model" in self.roles:
             scores += self.roles["reward_model"].compute_rm_score(data).batch["rm_scores"]
         return scores
@@ -130,6 +137,7 @@ class RLTrainer:
         bar = tqdm(range(self.step, trainer.total_steps), desc="rl", unit="step", disable=not trainer.progress)
         for step in bar:
             started, started_at = time.perf_counter(), self.timeline.now()
+            self.reward_errors = 0
             if stream is None:
                 state = Step(self.cfg, self.roles, self._prompts(batches, step), step, self, timeline=self.timeline)
             else:
@@ -141,6 +149,8 @@ class RLTrainer:
                 stream.sync(self.step)  # queued behind the generation already under way
             metrics = {**state.metrics, **data_metrics(state.batch, self.cfg.uses_critic)}
             metrics["timing_s/step"] = time.perf_counter() - started
+            if self.rule_reward is not None:
+                metrics["reward/errors"] = float(self.reward_errors)
             tokens = float(state.batch.batch["attention_mask"].sum())
             metrics["perf/total_num_tokens"] = tokens
             metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
@@ -159,6 +169,7 @@ class RLTrainer:
                 self.save()
             self.logger.log(self.step, metrics)
             history.append(metrics)
+            self.health.observe(self.step, metrics, state.batch.batch["scores"])
             bar.set_postfix({"score": f"{metrics.get('critic/score/mean', 0):.3f}"})
         if stream is not None:
             stream.drain()

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hfjax.algos import compute_advantage, kl_penalty, masked_mean
+from hfjax.algos import compute_advantage, kl_penalty, masked_mean, masked_seq_mean
 from hfjax.config import RLConfig
 from hfjax.protocol import DataProto
 from hfjax.trainer.timeline import Timeline
@@ -166,7 +166,9 @@ class Step:
 
     # --------------------------------------------------------------------------------------------- advantages
     def _rewards(self, scores_key: str) -> np.ndarray:
-        """Token-level rewards: the scores, minus the KL penalty to the reference when it is in the reward."""
+        """Token-level rewards: the scores, minus the KL penalty to the reference when it is in the reward. The KL
+        logged (`actor/reward_kl_penalty`) and given to the KL controller is verl's: the mean over sequences of
+        each sequence's token-mean KL."""
         scores = self.batch.batch[scores_key]
         if not self.cfg.algorithm.use_kl_in_reward:
             return scores
@@ -176,7 +178,7 @@ class Step:
             * mask
         )
         beta = self.trainer.kl_ctrl.value
-        current = float(masked_mean(kl, mask))
+        current = float(masked_seq_mean(kl, mask))
         self.trainer.kl_ctrl.update(current, len(mask))
         self.metrics.update({"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta})
         return scores - beta * kl

@@ -5,7 +5,8 @@ evaluation, orbax checkpoints with `trainer.resume: auto`, metrics, and the fina
 What differs between trainers is an `Objective`: the model head, the dataset, the loss (normalised by the whole
 step's counts, added to each batch by `normalisers`) and the evaluation sums. A checkpoint holds parameters,
 optimizer state, the step counters and the data position, so a resumed run repeats the uninterrupted run's steps.
-Imports `hfjax.training`, `hfjax.data`, `hfjax.models`, `hfjax.parallel`, `hfjax.typed_config`; never workers.
+Imports `hfjax.training`, `hfjax.data`, `hfjax.models`, `hfjax.parallel`, `hfjax.typed_config` and the checks of
+`hfjax.trainer.preflight`; never workers.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from tqdm.auto import tqdm
 
 from hfjax.data import BatchLoader
 from hfjax.models import load_hf, load_tokenizer, save_hf
-from hfjax.parallel import layout_or_default
+from hfjax.parallel import Layout, layout_or_default
+from hfjax.trainer.preflight import check_positions, model_config
 from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
+from hfjax.training.run_dir import RunDirLock, save_run_config
 from hfjax.training.train_state import split_rows
-from hfjax.typed_config import ConfigError, dump_yaml, load_config, to_dict
+from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, ConfigError, check_fields, load_config, to_dict
 from hfjax.workers.config import Dtype, warn_low_precision_master
 
 CHECKPOINT_DIR = "checkpoints"
@@ -47,6 +50,9 @@ class ModelSection:
     layout: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        check_fields(self, path=(bool, "a Hugging Face model directory (not empty)"))
+        if self.layout is not None:
+            Layout.from_config(self.layout, "layout")
         warn_low_precision_master("model", self.param_dtype)
 
 
@@ -64,15 +70,13 @@ class DataSection:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_length", "batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
+        check_fields(self, max_length=AT_LEAST_1, batch_size=AT_LEAST_1, micro_batch_size=AT_LEAST_1)
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size ({self.micro_batch_size})"
+                f"batch_size: expected a multiple of micro_batch_size={self.micro_batch_size}, got {self.batch_size}"
             )
         if not self.train_files:
-            raise ValueError("train_files: expected at least one parquet or JSONL file")
+            raise ValueError("train_files: expected at least one parquet or JSONL file, got []")
 
 
 @dataclasses.dataclass
@@ -93,14 +97,18 @@ class TrainerSection:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "log_freq", "max_to_keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)!r}")
-        for name in ("save_freq", "val_freq"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected an int >= 0 (0: at the end only), got {getattr(self, name)!r}")
-        if self.total_steps is not None and self.total_steps < 1:
-            raise ValueError(f"total_steps: expected a positive int or null, got {self.total_steps!r}")
+        at_end = (lambda v: v >= 0, ">= 0 (0: at the end only)")
+        check_fields(
+            self,
+            run_dir=(bool, "a directory path (not empty)"),
+            epochs=AT_LEAST_1,
+            log_freq=AT_LEAST_1,
+            max_to_keep=AT_LEAST_1,
+            save_freq=at_end,
+            val_freq=at_end,
+            total_steps=(lambda v: v is None or v >= 1, ">= 1 or null"),
+            seed=NON_NEGATIVE,
+        )
 
 
 @dataclasses.dataclass
@@ -191,11 +199,35 @@ def export(state: TrainState, tokenizer: Any, out_dir: Path) -> Path:
     return path
 
 
+def check_supervised_run(cfg: SupervisedConfig) -> None:
+    """Before anything loads: `model.path` (and `model.tokenizer_path`) are local model directories, sequences of
+    `data.max_length` fit the model's positions, and the data files exist. Raises ConfigError naming the field."""
+    model = model_config(cfg.model.path, "model.path")
+    if cfg.model.tokenizer_path is not None and not Path(cfg.model.tokenizer_path).expanduser().is_dir():
+        raise ConfigError(f"model.tokenizer_path: no such directory {cfg.model.tokenizer_path!r}")
+    check_positions(model, cfg.data.max_length, f"data.max_length {cfg.data.max_length}", "model.path")
+    for field in ("train_files", "val_files"):
+        for i, file in enumerate(getattr(cfg.data, field)):
+            if not Path(file).is_file():
+                raise ConfigError(f"data.{field}[{i}]: no such file {file!r}")
+
+
 def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, float]:
-    """Trains `objective` as configured; returns the last step's metrics with the final held-out metrics."""
+    """Trains `objective` as configured (checked first by `check_supervised_run`); returns the last step's metrics
+    with the final held-out metrics."""
+    check_supervised_run(cfg)
+    is_main = jax.process_index() == 0
+    lock = RunDirLock(cfg.trainer.run_dir).acquire() if is_main else None  # one run per directory
+    try:
+        return _run_in_dir(cfg, objective, is_main)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_in_dir(cfg: SupervisedConfig, objective: Objective, is_main: bool) -> dict[str, float]:
     trainer, data = cfg.trainer, cfg.data
     run_dir = Path(trainer.run_dir)
-    is_main = jax.process_index() == 0
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     train_set = objective.load_dataset(data.train_files, tokenizer, data)
     val_set = objective.load_dataset(data.val_files, tokenizer, data) if data.val_files else None
@@ -218,7 +250,7 @@ def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, flo
     try:
         start = _restore(state, loader, manager, trainer.resume, run_dir)
         if is_main:
-            dump_yaml(cfg, run_dir / "config.yaml")
+            save_run_config(cfg, run_dir)
         logger = MetricsLogger(run_dir, start_step=start or 0, write=is_main)  # drops records past the restart
         last = _train(cfg, objective, state, loader, val_set, manager, logger, total_steps)
         if val_set is not None and not any(k.startswith("val/") for k in last):
@@ -277,6 +309,7 @@ def cli_main(
     config error (printed with the key's path), else 0."""
     try:
         cfg = load_config(cls, config_path, overrides)
+        check_supervised_run(cfg)
     except ConfigError as e:
         print(f"config error in {config_path}:\n{e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.rollout`, `h
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,14 +52,20 @@ def _response_logprobs(model: Any, batch: dict[str, jax.Array], temperature: flo
 
 
 def actor_loss(
-    cfg: ActorConfig, temperature: float, model: Any, batch: dict[str, jax.Array]
+    cfg: ActorConfig, temperature: float, response_length: int, model: Any, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The PPO-family policy loss of one micro-batch (normalised by the mini-batch counts in the batch), with the
-    off-policy correction and the KL loss as configured, and its metrics. A module function bound to its settings
-    (`functools.partial`), not a worker method: the compile cache keeps its static arguments alive, and a bound method
-    would keep the whole worker (parameters, optimizer state) alive after the run."""
+    """The PPO-family policy loss of one micro-batch (normalised by the mini-batch counts in the batch, and in
+    seq-mean-token-sum-norm by the untrimmed `response_length`, whatever width the micro-batch is trimmed to), with
+    the off-policy correction and the KL loss as configured, and its metrics (those named `actor/` are this
+    micro-batch's shares of the mini-batch's values: they sum over micro-batches). A module function bound to its
+    settings (`functools.partial`), not a worker method: the compile cache keeps its static arguments alive, and a
+    bound method would keep the whole worker (parameters, optimizer state) alive after the run."""
     mask = batch["response_mask"]
-    counts = {"global_tokens": batch["global_tokens"][0], "global_seqs": batch["global_seqs"][0]}
+    counts = {
+        "global_tokens": batch["global_tokens"][0],
+        "global_seqs": batch["global_seqs"][0],
+        "norm_length": response_length,
+    }
     logp, scaled = _response_logprobs(model, batch, temperature)
     # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
     old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
@@ -125,7 +132,7 @@ class ActorRolloutRefWorker(TrainedRole):
         self.total_steps = total_steps
         self.max_prompt_length = max_prompt_length
         self.has_actor, self.has_rollout, self.has_ref = "actor" in role, "rollout" in role, "ref" in role
-        self.loss_fn = functools.partial(actor_loss, actor, rollout.temperature)  # one object: one compile key
+        self.loss_fns: dict[int, Callable[..., Any]] = {}  # per response length; one object: one compile key
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -255,9 +262,13 @@ class ActorRolloutRefWorker(TrainedRole):
                 "update_actor: no old_log_probs, but this update makes several optimizer steps "
                 f"(ppo_epochs={cfg.ppo_epochs}, {len(data)} rows, ppo_mini_batch_size={cfg.ppo_mini_batch_size})"
             )
+        length = arrays["responses"].shape[1]
+        loss_fn = self.loss_fns.setdefault(
+            length, functools.partial(actor_loss, cfg, self.rollout_cfg.temperature, length)
+        )
         return self.ppo_epochs(
             arrays,
-            self.loss_fn,
+            loss_fn,
             cfg.ppo_epochs,
             cfg.ppo_mini_batch_size,
             cfg.micro_batch_size,

@@ -1,9 +1,11 @@
 """Typed config sections of the model roles (actor, rollout, reference, critic, reward model).
 
 Plain dataclasses with defaults beside their fields; `hfjax.config` composes them into the run config and
-`hfjax.typed_config` validates YAML and `key=value` overrides into them. Layouts stay dicts in `Layout.from_config`
-form; `None` means "all of this process's devices" (fsdp for training, data parallel for generation).
-Imports `hfjax.training.optim` only.
+`hfjax.typed_config` validates YAML and `key=value` overrides into them. Every number is checked against its range
+and every name of a registry (policy losses, KL estimators) against that registry when the config loads. Layouts
+stay dicts in `Layout.from_config` form; `None` means "all of this process's devices" (fsdp for training, data
+parallel for generation).
+Imports `hfjax.training.optim`, the registries of `hfjax.algos` and the checks of `hfjax.typed_config`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,21 @@ import dataclasses
 import warnings
 from typing import Any, Literal
 
+from hfjax.algos.kl import KL_ALIASES, KL_KINDS
+from hfjax.algos.losses import policy_losses
 from hfjax.training.optim import OptimConfig
+from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_fields, check_name
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+KL_NAMES = (*KL_KINDS, *KL_ALIASES)
+
+
+def check_batch_sizes(section: Any) -> None:
+    """`ppo_epochs`, `ppo_mini_batch_size` and `micro_batch_size` are >= 1, and micro-batches divide a mini-batch."""
+    check_fields(section, ppo_epochs=AT_LEAST_1, ppo_mini_batch_size=AT_LEAST_1, micro_batch_size=AT_LEAST_1)
+    mini, micro = section.ppo_mini_batch_size, section.micro_batch_size
+    if mini % micro:
+        raise ValueError(f"ppo_mini_batch_size: expected a multiple of micro_batch_size={micro}, got {mini}")
 
 
 def warn_low_precision_master(section: str, param_dtype: str) -> None:
@@ -48,10 +62,17 @@ class RolloutConfig:
     keep_host_memory: bool = True  # CPU: malloc keeps freed memory, so train <-> gen transitions reuse it
 
     def __post_init__(self) -> None:
-        if self.n < 1 or self.response_length < 1 or self.slots < 1:
-            raise ValueError("n, response_length and slots must be >= 1")
-        if not 0.0 < self.top_p <= 1.0 or self.temperature < 0:
-            raise ValueError("expected top_p in (0, 1] and temperature >= 0")
+        check_fields(
+            self,
+            n=AT_LEAST_1,
+            response_length=AT_LEAST_1,
+            slots=AT_LEAST_1,
+            seed=NON_NEGATIVE,
+            # log probs are computed at this temperature (logits / temperature): 0 is no distribution
+            temperature=(lambda v: 0 < v < float("inf"), "> 0 (finite; the log probs are taken at it)"),
+            top_k=(lambda v: v >= 0, ">= 0 (0 = off)"),
+            top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
+        )
 
 
 @dataclasses.dataclass
@@ -111,15 +132,18 @@ class ActorConfig:
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
-        for name in ("ppo_epochs", "ppo_mini_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_batch_sizes(self)
+        check_name("policy_loss", self.policy_loss, policy_losses(), "policy loss")
+        check_name("kl_loss_type", self.kl_loss_type, KL_NAMES, "KL estimator")
+        check_fields(
+            self,
+            clip_ratio_low=(lambda v: 0 <= v < 1, "in [0, 1) (the ratio's lower bound is 1 - clip_ratio_low > 0)"),
+            clip_ratio_high=NON_NEGATIVE,
+            clip_ratio_c=(lambda v: v > 1, "> 1 (dual-clip bound on the loss of negative advantages)"),
+            entropy_coeff=NON_NEGATIVE,
+            kl_loss_coef=NON_NEGATIVE,
+        )
         warn_low_precision_master("actor", self.param_dtype)
-        if self.ppo_mini_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size})"
-            )
 
 
 @dataclasses.dataclass
@@ -141,11 +165,8 @@ class CriticConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.ppo_mini_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"ppo_mini_batch_size ({self.ppo_mini_batch_size}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size})"
-            )
+        check_batch_sizes(self)
+        check_fields(self, cliprange_value=POSITIVE)
         warn_low_precision_master("critic", self.param_dtype)
 
 
@@ -157,6 +178,9 @@ class RewardModelConfig:
     dtype: Dtype = "float32"
     layout: dict[str, Any] | None = None
     micro_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        check_fields(self, micro_batch_size=AT_LEAST_1)
 
     @property
     def enabled(self) -> bool:

@@ -8,6 +8,7 @@ Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.protocol` an
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,9 +32,12 @@ def _values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     return response_slice(values, batch["responses"].shape[1])
 
 
-def critic_loss(cfg: CriticConfig, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The clipped value loss of one micro-batch and its metrics (a module function bound with `functools.partial`,
-    for the reason `actor_loss` gives)."""
+def critic_loss(
+    cfg: CriticConfig, response_length: int, model: Any, batch: dict[str, jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The clipped value loss of one micro-batch and its metrics, normalised as `actor_loss` is (mini-batch counts,
+    untrimmed `response_length`; the metrics are shares that sum over micro-batches). A module function bound with
+    `functools.partial`, for the reason `actor_loss` gives."""
     vpreds = _values(model, batch)
     loss, clipfrac = value_loss(
         vpreds,
@@ -44,6 +48,7 @@ def critic_loss(cfg: CriticConfig, model: Any, batch: dict[str, jax.Array]) -> t
         loss_agg_mode=cfg.loss_agg_mode,
         global_tokens=batch["global_tokens"][0],
         global_seqs=batch["global_seqs"][0],
+        norm_length=response_length,
     )
     return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
 
@@ -54,7 +59,7 @@ class CriticWorker(TrainedRole):
     def __init__(self, critic: CriticConfig, *, total_steps: int = 0):
         self.cfg = critic
         self.total_steps = total_steps
-        self.loss_fn = functools.partial(critic_loss, critic)  # one object: one compile key
+        self.loss_fns: dict[int, Callable[..., Any]] = {}  # per response length; one object: one compile key
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -84,9 +89,11 @@ class CriticWorker(TrainedRole):
         cfg = self.cfg
         keys = (*VALUE_KEYS, "response_mask", "values", "returns")
         arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
+        length = arrays["responses"].shape[1]
+        loss_fn = self.loss_fns.setdefault(length, functools.partial(critic_loss, cfg, length))
         return self.ppo_epochs(
             arrays,
-            self.loss_fn,
+            loss_fn,
             cfg.ppo_epochs,
             cfg.ppo_mini_batch_size,
             cfg.micro_batch_size,

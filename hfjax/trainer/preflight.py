@@ -1,0 +1,216 @@
+"""Checks of a loaded config against what it points at, before Ray, any worker or any device memory: model
+directories and their `config.json` (no weights), sequence lengths against the models' positions, the KV cache and
+the run's memory per device (the cost model's memory of `hfjax.mapping.cost`) against the device's memory, the
+dataset files and rows (ground truth where a rule reward needs it), and the reward function (file, import, name,
+signature). Each failure is one line naming the config field and what was expected.
+
+The device memory a run is checked against: `trainer.device_memory_gib` when set; on CPU (`trainer.device: cpu`, or
+`auto` with `JAX_PLATFORMS=cpu`) the host's RAM shared by its fake devices; unknown otherwise (the controller never
+opens an accelerator), and then only the model-position checks run.
+Imports `hfjax.config`, `hfjax.data`, `hfjax.mapping`, `hfjax.models.hf`, `hfjax.rewards` and `automap_run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from hfjax.config import RLConfig
+from hfjax.data.prompts import parse_prompt_row
+from hfjax.data.records import DataError, read_rows
+from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
+from hfjax.mapping.cost import CostOptions, InfeasibleError
+from hfjax.models.config import ModelConfig
+from hfjax.models.hf import read_config
+from hfjax.parallel.layout import LayoutError
+from hfjax.rewards import SCORERS, RewardError, load_reward_function
+from hfjax.trainer.automap_run import predict_run
+from hfjax.typed_config import ConfigError
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_MEMORY_ONLY = DeviceProfile("memory check", 1.0, 1.0, 1.0, 1.0)  # the cost model's seconds are not used here
+
+
+def model_config(path: str, field: str) -> ModelConfig:
+    """The `config.json` of the local Hugging Face directory `path` (no weights read); ConfigError naming `field`."""
+    if not path:
+        raise ConfigError(f"{field}: expected a Hugging Face model directory, got {path!r}")
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        hub = "/" in path and not path.startswith((".", "/", "~")) and len(Path(path).parts) == 2
+        hint = " (Hub ids are not supported: download the model and give its directory)" if hub else ""
+        raise ConfigError(f"{field}: no such directory {path!r}; expected a local Hugging Face model directory{hint}")
+    try:
+        return read_config(directory)[0]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{field}: {path} is not a readable Hugging Face model directory ({exc})") from exc
+
+
+def check_positions(model: ModelConfig, tokens: int, lengths: str, field: str) -> None:
+    """Raises when `tokens` (described by `lengths`, e.g. "data.max_length 512") exceed the positions of the model
+    at config `field`."""
+    if tokens > model.max_position_embeddings:
+        raise ConfigError(
+            f"{lengths} = {tokens} tokens: expected at most the max_position_embeddings "
+            f"{model.max_position_embeddings} of the model at {field}"
+        )
+
+
+def kv_cache_bytes(model: ModelConfig, slots: int, tokens: int, itemsize: int) -> int:
+    """Bytes of a KV cache of `slots` sequences of `tokens` tokens: keys and values of every layer and KV head."""
+    return slots * tokens * model.num_layers * model.num_kv_heads * model.head_dim * 2 * itemsize
+
+
+def kv_cache_formula(model: ModelConfig, slots: int, tokens: int, itemsize: int) -> str:
+    """The KV cache's size as its factors, e.g. "64 slots x 2048 tokens x 24 layers x ... = 6.0 GiB"."""
+    total = kv_cache_bytes(model, slots, tokens, itemsize)
+    return (
+        f"{slots} slots x {tokens} tokens x {model.num_layers} layers x {model.num_kv_heads} KV heads x "
+        f"{model.head_dim} head dim x 2 (keys, values) x {itemsize} bytes = {total / GIB:.2f} GiB"
+    )
+
+
+def host_memory_per_device(devices_per_host: int) -> float:
+    """The host's RAM divided among its `devices_per_host` (fake CPU) devices, in bytes."""
+    import psutil
+
+    return psutil.virtual_memory().total / devices_per_host
+
+
+def device_memory(cfg: RLConfig) -> tuple[float, str] | None:
+    """(bytes per device, where that number comes from) for the memory check, or None when it is not known."""
+    trainer = cfg.trainer
+    if trainer.device_memory_gib is not None:
+        return trainer.device_memory_gib * GIB, f"trainer.device_memory_gib={trainer.device_memory_gib}"
+    on_cpu = trainer.device == "cpu" or (trainer.device == "auto" and os.environ.get("JAX_PLATFORMS") == "cpu")
+    if not on_cpu:
+        return None
+    per_device = host_memory_per_device(trainer.devices_per_host)
+    return per_device, f"host RAM / trainer.devices_per_host={trainer.devices_per_host}"
+
+
+def check_rl_run(cfg: RLConfig) -> None:
+    """Every check of the module docstring for an RL run; raises ConfigError (or DataError for a dataset row)."""
+    roles = {"actor.model_path" if cfg.actor.model_path != cfg.model_path else "model_path": cfg.actor.model_path}
+    if cfg.uses_critic:
+        roles["critic.model_path" if cfg.critic.model_path != cfg.model_path else "model_path"] = cfg.critic.model_path
+    for name in ("reward_model", "cost_model"):
+        section = getattr(cfg.reward, name)
+        if section.enabled:
+            roles[f"reward.{name}.model_path"] = section.model_path
+    models = {field: model_config(path, field) for field, path in roles.items()}
+    if not Path(cfg.tokenizer_path).expanduser().is_dir():
+        raise ConfigError(f"tokenizer_path: no such directory {cfg.tokenizer_path!r}; expected a local tokenizer")
+    prompt, response = cfg.data.max_prompt_length, cfg.rollout.response_length
+    lengths = f"data.max_prompt_length {prompt} + rollout.response_length {response}"
+    for field, model in models.items():
+        check_positions(model, prompt + response, lengths, field)
+    if cfg.reward.function is not None:
+        try:
+            load_reward_function(cfg.reward.function)
+        except RewardError as exc:
+            raise ConfigError(f"reward.function: {exc}") from exc
+    needs_truth = cfg.reward.use_rule and cfg.reward.function is None
+    check_prompt_files(cfg.data.train_files, "data.train_files", needs_truth, required=True)
+    check_prompt_files(cfg.data.val_files, "data.val_files", needs_truth, required=False)
+    check_memory(cfg, next(iter(models.values())))
+
+
+def check_prompt_files(files: Sequence[str], field: str, needs_truth: bool, required: bool) -> None:
+    """The prompt files exist and every row parses; with `needs_truth` (the built-in rule rewards), every row's
+    `data_source` has a scorer and its `reward_model.ground_truth` is set."""
+    if required and not files:
+        raise ConfigError(f"{field}: expected at least one parquet or JSONL file, got []")
+    for i, file in enumerate(files):
+        if not Path(file).is_file():
+            raise ConfigError(f"{field}[{i}]: no such file {file!r}")
+    for ref, row in read_rows(files):
+        fields = parse_prompt_row(ref, row)
+        if not needs_truth:
+            continue
+        if fields["data_source"] not in SCORERS:
+            raise ref.error("data_source", f"a data source with a rule reward ({', '.join(sorted(SCORERS))})", row)
+        if fields["ground_truth"] is None:
+            raise DataError(
+                f"{ref}: missing field 'reward_model.ground_truth', which the rule reward of data_source "
+                f"{fields['data_source']!r} scores against (or give reward.function, or set reward.use_rule=false)"
+            )
+
+
+def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
+    """The run's memory per device from the cost model (master weights, optimizer state, gradients, generation
+    copy, activations), and the KV cache of `rollout.slots` on top of the actor's resident state, against the
+    device's memory (`device_memory`); skipped where that is unknown."""
+    known = device_memory(cfg)
+    if known is None:
+        return
+    per_device, source = known
+    options = CostOptions()
+    usable = per_device * options.usable_memory_fraction
+    hosts, per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))
+    resident = 0.0
+    if cfg.rollout.gen_layout is None:  # the default: data parallel over the actor group's devices
+        default = {"mesh": {"data": hosts * per_host}, "rules": "dp_tp_gen"}
+        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gen_layout=default))
+    try:
+        cluster = ClusterSpec(cfg.trainer.hosts, cfg.trainer.devices_per_host, max(1, int(per_device)), _MEMORY_ONLY)
+        roles = predict_run(cfg, cluster).roles
+    except (InfeasibleError, LayoutError) as exc:
+        raise ConfigError(f"memory: {exc} ({source})") from exc
+    except ValueError:
+        roles = {}  # a placement or mesh the cost model does not model (disaggregated, other mesh axes)
+    if "actor" in roles:
+        actor_cost = roles["actor"]
+        resident = actor_cost.static_bytes + actor_cost.memory.get("gen_extra_params", 0.0)
+        resident += roles["ref"].static_bytes if "ref" in roles else 0.0
+    tokens = cfg.data.max_prompt_length + cfg.rollout.response_length
+    itemsize = ITEMSIZE[cfg.actor.dtype]
+    slots = cfg.rollout.slots
+    kv = kv_cache_bytes(actor, slots, tokens, itemsize) / per_host  # one engine per process (host), sharded
+    if resident + kv > usable:
+        raise ConfigError(
+            f"rollout.slots={slots}: the KV cache of {kv_cache_formula(actor, slots, tokens, itemsize)} is "
+            f"{kv / GIB:.2f} GiB per device on {per_host} devices, which with {resident / GIB:.2f} GiB of the actor's "
+            f"resident state exceeds the {usable / GIB:.2f} GiB usable of {per_device / GIB:.2f} GiB per device "
+            f"({source}); lower rollout.slots, rollout.response_length or data.max_prompt_length"
+        )
+
+
+def local_device_memory(devices: int) -> tuple[float, str] | None:
+    """(bytes per device, where from) of this process's accelerator (its allocator's limit), or on CPU the host's RAM
+    shared by `devices` devices; None when the backend does not say."""
+    import jax
+
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        return host_memory_per_device(devices), f"host RAM / {devices} devices"
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return None if limit is None else (float(limit), f"{device.device_kind} memory limit")
+
+
+def check_generation(
+    model: ModelConfig, prompt_tokens: int, new_tokens: int, slots: int, dtype: str, devices: int
+) -> None:
+    """`hfjax generate`: prompts of `prompt_tokens` plus `new_tokens` fit the model's positions, and its weights in
+    `dtype` with the KV cache of `slots` sequences, spread over `devices`, fit a device (`local_device_memory`)."""
+    lengths = f"--max-prefill-length (or the longest prompt) {prompt_tokens} + --max-new-tokens {new_tokens}"
+    check_positions(model, prompt_tokens + new_tokens, lengths, "--model")
+    if dtype not in ITEMSIZE:
+        raise ConfigError(f"--dtype: expected one of {', '.join(ITEMSIZE)}, got {dtype!r}")
+    known = local_device_memory(devices)
+    if known is None:
+        return
+    per_device, source = known
+    itemsize = ITEMSIZE[dtype]
+    kv = kv_cache_bytes(model, slots, prompt_tokens + new_tokens, itemsize) / devices
+    weights = model.num_params * itemsize / devices
+    usable = per_device * CostOptions().usable_memory_fraction
+    if kv + weights > usable:
+        raise ConfigError(
+            f"--slots {slots}: the KV cache of {kv_cache_formula(model, slots, prompt_tokens + new_tokens, itemsize)} "
+            f"is {kv / GIB:.2f} GiB per device on {devices} devices, which with {weights / GIB:.2f} GiB of weights "
+            f"exceeds the {usable / GIB:.2f} GiB usable of {per_device / GIB:.2f} GiB per device ({source}); lower "
+            "--slots, --max-new-tokens or --max-prefill-length"
+        )

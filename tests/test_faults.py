@@ -1,0 +1,401 @@
+"""Faults a run must survive with nothing lost and nothing silent: two runs on one directory, an interrupt between
+checkpoints, a rejected relaunch, a damaged latest step of each role, a driver killed during a save, runs that cannot
+learn (NaN weights, flat rewards), and on Ray a killed, a stopped and a hung worker. Each test asserts what the user
+gets: the error text, the time to detect, the checkpoints left, and resumed metrics equal to an uninterrupted run
+with each step logged once (JSONL and TensorBoard)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import safetensors.numpy
+import yaml
+from rl_setup import build_run_inputs, rl_config
+from tensorboardX.proto.event_pb2 import Event
+
+from hfjax.config import load_rl_config
+from hfjax.controller import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
+from hfjax.controller.liveness import LivenessConfig, WorkerHungError
+from hfjax.controller.worker_group import WorkerDiedError
+from hfjax.trainer.health import RunStalledError
+from hfjax.trainer.launch import export_run, run_rl
+from hfjax.trainer.rl import RLTrainer
+from hfjax.training import read_metrics
+from hfjax.training.checkpoint import CheckpointError
+from hfjax.training.run_dir import RunDirLock, RunDirLockedError
+
+pytest_plugins = ["ray_cluster"]
+
+REPO = Path(__file__).resolve().parents[1]
+VARIABLE = ("timing_s/", "timeline/", "perf/throughput", "perf/samples_per_s", "perf/worker_seconds")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    return build_run_inputs(tmp_path_factory.mktemp("faults"))
+
+
+def _deterministic(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith(VARIABLE) and k != "step"}
+
+
+def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got, want, strict=True):
+        a, b = _deterministic(a), _deterministic(b)
+        assert a.keys() == b.keys()
+        for key in b:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a.get("step"), key)
+
+
+def _tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, list[float]]:
+    """The values of `tag` per step as TensorBoard shows them: event files in order, and a file that starts with a
+    purge step (a restart) drops what earlier files logged at or after that step."""
+    values: dict[int, list[float]] = {}
+    for path in sorted((run_dir / "tb").glob("events.out.tfevents.*")):
+        data, offset, first = path.read_bytes(), 0, True
+        while offset < len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            event = Event.FromString(data[offset + 12 : offset + 12 + length])
+            offset += 12 + length + 4
+            if first and event.file_version and event.step:
+                values = {s: v for s, v in values.items() if s < event.step}
+            first = first and not event.summary.value
+            for value in event.summary.value:
+                if value.tag == tag:
+                    values.setdefault(event.step, []).append(value.simple_value)
+    return values
+
+
+# --- the run directory ---------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_on_a_directory_refuses_and_a_dead_holders_lock_is_taken_over(inputs, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from hfjax.training.run_dir import RunDirLock; RunDirLock({str(run_dir)!r}).acquire()"
+            "; print('held', flush=True); import time; time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        cfg = load_rl_config(rl_config(inputs, run_dir, "grpo", trainer={"total_steps": 1}))
+        started = time.perf_counter()
+        with pytest.raises(
+            RunDirLockedError, match=rf"trainer.run_dir: {run_dir} is in use by pid {holder.pid} on host"
+        ):
+            RLTrainer(cfg)
+        assert time.perf_counter() - started < 1  # before any worker or dataset
+        assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(rl_config(inputs, run_dir, "grpo")))
+        cli = subprocess.run(
+            [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")], capture_output=True, text=True
+        )
+        assert cli.returncode == 2
+        assert cli.stderr.strip().splitlines()[-1].startswith(f"hfjax train: trainer.run_dir: {run_dir} is in use by")
+        assert "Traceback" not in cli.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    caplog.set_level("INFO")
+    history = run_rl(cfg)  # the killed holder's lock is free: the run takes it over
+    assert len(history) == 1
+    assert f"taking over the lock of pid {holder.pid}" in caplog.text
+    RunDirLock(run_dir).acquire().release()  # and released it at the end
+
+
+def test_an_interrupt_between_checkpoints_then_resume_logs_every_step_once(inputs, tmp_path, monkeypatch):
+    four = {"total_steps": 4, "save_freq": 2}
+    run_rl(load_rl_config(rl_config(inputs, tmp_path / "full", "grpo", trainer=four)))
+    save = RLTrainer.save
+
+    def interrupted_save(self):
+        if self.step == 4:  # steps 3 was logged after the checkpoint of step 2: Ctrl-C before step 4 is saved
+            raise KeyboardInterrupt
+        save(self)
+
+    monkeypatch.setattr(RLTrainer, "save", interrupted_save)
+    run_dir = tmp_path / "part"
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer=four)))
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    monkeypatch.setattr(RLTrainer, "save", save)
+    resumed = run_rl(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer=four)))
+    assert len(resumed) == 2  # steps 3 and 4, from the checkpoint of step 2
+    _assert_same_steps(read_metrics(run_dir), read_metrics(tmp_path / "full"))
+    tb = _tensorboard_scalars(run_dir, "actor/pg_loss")
+    assert sorted(tb) == [1, 2, 3, 4] and all(len(v) == 1 for v in tb.values())
+    want = {m["step"]: m["actor/pg_loss"] for m in read_metrics(tmp_path / "full")}
+    assert {s: v[0] for s, v in tb.items()} == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_a_rejected_relaunch_keeps_config_yaml_and_a_changed_config_keeps_the_previous_one(inputs, tmp_path):
+    run_dir = tmp_path / "run"
+    two = {"total_steps": 2, "save_freq": 1}
+    run_rl(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer=two)))
+    first = (run_dir / "config.yaml").read_bytes()
+    with pytest.raises(ValueError, match=r"trainer.resume=never but .* holds checkpoints"):
+        RLTrainer(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer={**two, "resume": "never"})))
+    for step in (1, 2):  # every record damaged: resume must refuse rather than start over
+        for file in (run_dir / "checkpoints" / "trainer" / str(step)).rglob("*"):
+            if file.is_file():
+                file.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="no step can be restored by every role"):
+        run_rl(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer={**two, "total_steps": 3})))
+    assert (run_dir / "config.yaml").read_bytes() == first
+    assert export_run(run_dir, None, tmp_path / "hf") == 2  # the finished run still exports
+
+    shutil.rmtree(run_dir / "checkpoints")
+    run_rl(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer={"total_steps": 1})))
+    kept = list(run_dir.glob("config.*.yaml"))
+    assert len(kept) == 1 and kept[0].read_bytes() == first
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["trainer"]["total_steps"] == 1
+
+
+def test_max_to_keep_applies_to_every_role(inputs, tmp_path):
+    run_dir = tmp_path / "run"
+    trainer = {"total_steps": 3, "save_freq": 1, "max_to_keep": 1}
+    run_rl(load_rl_config(rl_config(inputs, run_dir, "ppo", trainer=trainer)))
+    for role in ("actor", "critic", "trainer"):
+        steps = sorted(p.name for p in (run_dir / "checkpoints" / role).iterdir() if p.name.isdigit())
+        assert steps == ["3"], role
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_damaged_step_of_one_role_resumes_every_role_from_the_step_before(inputs, tmp_path, role, caplog):
+    two = {"total_steps": 2, "save_freq": 1}
+    full = run_rl(load_rl_config(rl_config(inputs, tmp_path / "full", "ppo", trainer=two)))
+    run_dir = tmp_path / "run"
+    run_rl(load_rl_config(rl_config(inputs, run_dir, "ppo", trainer=two)))
+    for file in (run_dir / "checkpoints" / role / "2").rglob("*"):
+        if file.is_file() and file.stat().st_size > 0:
+            file.write_bytes(b"garbage")
+    again = run_rl(load_rl_config(rl_config(inputs, run_dir, "ppo", trainer={**two, "total_steps": 2})))
+    assert f"step 2 cannot be restored: {role}:" in caplog.text and "falling back to the previous step" in caplog.text
+    assert len(again) == 1  # step 2 redone from step 1, by every role
+    _assert_same_steps(read_metrics(run_dir), read_metrics(tmp_path / "full"))
+    assert _deterministic(again[0]) == pytest.approx(_deterministic(full[1]), rel=1e-6, abs=1e-7)
+    assert (run_dir / "checkpoints" / role / "2.unreadable").is_dir()  # kept for inspection
+
+
+def test_a_driver_killed_during_a_save_leaves_the_last_complete_step(inputs, tmp_path):
+    run_dir = tmp_path / "run"
+    config = rl_config(inputs, run_dir, "grpo", trainer={"total_steps": 50, "save_freq": 1, "progress": False})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    actor = run_dir / "checkpoints" / "actor"
+    try:
+        deadline = time.monotonic() + 300
+        while not (
+            (run_dir / "checkpoints" / "trainer" / "1").is_dir() and any("tmp" in p.name for p in actor.glob("*"))
+        ):
+            assert driver.poll() is None and time.monotonic() < deadline, "no save seen"
+            time.sleep(0.005)
+        driver.send_signal(signal.SIGKILL)  # during a save of the actor, after step 1 completed
+    finally:
+        driver.kill()
+        driver.wait()
+    complete = sorted(int(p.name) for p in (run_dir / "checkpoints" / "trainer").iterdir() if p.name.isdigit())
+    assert complete and [m["step"] for m in read_metrics(run_dir)][-1] >= complete[-1]
+    resumed = run_rl(load_rl_config({**config, "trainer": {**config["trainer"], "total_steps": complete[-1] + 1}}))
+    assert len(resumed) == 1
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert steps == list(range(1, complete[-1] + 2))
+
+
+# --- runs that cannot learn ----------------------------------------------------------------------------------------
+
+
+def test_nan_weights_stop_the_run_after_consecutive_skipped_updates(inputs, tmp_path):
+    model = tmp_path / "nan_policy"
+    shutil.copytree(inputs["policy"], model)
+    weights = safetensors.numpy.load_file(model / "model.safetensors")
+    name = next(k for k in weights if k.endswith("mlp.down_proj.weight"))
+    weights[name] = np.full_like(weights[name], np.nan)
+    safetensors.numpy.save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    config = rl_config({**inputs, "policy": str(model)}, tmp_path / "run", "grpo", trainer={"total_steps": 6})
+    config["trainer"]["health"] = {"max_skipped_steps": 2}
+    with pytest.raises(
+        RunStalledError, match=r"step 2: updates were skipped for non-finite gradients in 2 consecutive"
+    ):
+        run_rl(load_rl_config(config))
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]  # the steps that ran are logged
+
+
+def test_flat_rewards_stop_the_run_or_warn(inputs, tmp_path, caplog):
+    constant = tmp_path / "constant.py"
+    constant.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    config = rl_config(inputs, tmp_path / "stop", "grpo", trainer={"total_steps": 4})
+    config["reward"] = {"function": f"{constant}:compute_score"}
+    config["trainer"]["health"] = {"max_flat_reward_steps": 3}
+    with pytest.raises(RunStalledError, match="step 3: every response scored 1 in 3 consecutive steps"):
+        run_rl(load_rl_config(config))
+    config["trainer"].update(run_dir=str(tmp_path / "warn"), health={"max_flat_reward_steps": 3, "on_stall": "warn"})
+    assert len(run_rl(load_rl_config(config))) == 4
+    assert "on_stall=warn: the run goes on" in caplog.text
+
+
+def test_local_ray_listens_on_loopback_only_and_removes_its_temp_dir(inputs, tmp_path):
+    config = rl_config(inputs, tmp_path / "run", "grpo", trainer={"backend": "ray"})
+    temp = Path(tempfile.mkdtemp(prefix="hfx"))  # short: Ray's socket paths must fit in 107 bytes
+    script = f"""
+import json, tempfile, psutil, ray
+from hfjax.config import load_rl_config
+from hfjax.trainer.launch import ray_session
+tempfile.tempdir = {str(temp)!r}
+cfg = load_rl_config(json.loads({json.dumps(config)!r}))
+with ray_session(cfg):
+    ray.get(ray.remote(lambda: 1).remote())
+    pids = {{p.pid for p in psutil.Process().children(recursive=True)}} | {{psutil.Process().pid}}
+    addresses = [c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in pids]
+print(json.dumps(addresses))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    addresses = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(addresses) >= 3  # the GCS, the raylet, the workers
+    assert all(a in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for a in addresses), addresses
+    assert not list(temp.iterdir())  # Ray's temp dir was removed after the run
+    temp.rmdir()
+
+
+# --- workers that die, stop or hang (Ray) --------------------------------------------------------------------------
+
+
+class Napper(Worker):
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def nap(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def spin(self, seconds: float) -> int:
+        """Busy in Python (holding the GIL between switches) for `seconds`."""
+        end, count = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            count += 1
+        return count
+
+
+@pytest.mark.ray
+def test_a_stopped_worker_is_reported_within_a_minute(ray_cluster):
+    group = RayWorkerGroup(ResourcePool([1, 1]), Napper)  # default liveness
+    try:
+        pending = group.nap(600.0)
+        os.kill(group.pids[1], signal.SIGSTOP)
+        started = time.perf_counter()
+        with pytest.raises(
+            WorkerHungError, match=r"Napper.nap failed on rank 1 of 2:\nthe worker process has answered"
+        ):
+            pending.get()
+        detected = time.perf_counter() - started
+        assert LivenessConfig().silent_after_s <= detected < 60
+    finally:
+        os.kill(group.pids[1], signal.SIGCONT)
+        group.shutdown()
+
+
+@pytest.mark.ray
+def test_a_call_past_its_deadline_is_reported_and_a_busy_worker_is_not(ray_cluster):
+    liveness = LivenessConfig(heartbeat_s=0.5, silent_after_s=2.0, deadline_s={"nap": 3.0})
+    group = RayWorkerGroup(ResourcePool([1, 1]), Napper, liveness=liveness)
+    try:
+        assert min(group.spin(6.0)) > 0  # 6 s busy in Python: heartbeats still answered, nothing reported
+        started = time.perf_counter()
+        with pytest.raises(WorkerHungError, match=r"Napper.nap failed on rank 0 of 2:\nstill running after 3 s, past"):
+            group.nap(600.0).get()
+        assert time.perf_counter() - started < 6
+    finally:
+        group.shutdown()
+
+
+def _worker_pids() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if "ray::WorkerHost" in " ".join(p.info["cmdline"] or [])]
+
+
+def _when(condition, action, timeout_s: float = 300) -> threading.Thread:
+    """Runs `action()` on a thread as soon as `condition()` holds."""
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        action()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill during a save", "stop mid-step"])
+def test_a_worker_killed_or_stopped_stops_the_run_and_it_resumes_from_the_last_checkpoint(
+    ray_cluster, inputs, tmp_path, fault
+):
+    two = {"total_steps": 2, "save_freq": 1}
+    run_rl(load_rl_config(rl_config(inputs, tmp_path / "full", "grpo", trainer=two)))
+    run_dir = tmp_path / "run"
+    ray_trainer = {**two, "backend": "ray", "liveness": {"heartbeat_s": 1.0, "silent_after_s": 5.0}}
+    config = rl_config(inputs, run_dir, "grpo", trainer=ray_trainer)
+    stopped: list[int] = []
+
+    def saving() -> bool:  # step 1 is complete and the actor is saving step 2
+        actor = run_dir / "checkpoints" / "actor"
+        return (run_dir / "checkpoints" / "trainer" / "1").is_dir() and any("tmp" in p.name for p in actor.glob("*"))
+
+    def kill() -> None:
+        for pid in _worker_pids():
+            os.kill(pid, signal.SIGKILL)
+
+    def stop() -> None:
+        for pid in _worker_pids():
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+
+    if fault == "kill during a save":
+        watcher, error = _when(saving, kill), WorkerDiedError
+    else:
+        watcher, error = _when(lambda: len(read_metrics(run_dir)) >= 1, stop), WorkerHungError
+    started = time.perf_counter()
+    try:
+        with pytest.raises(error, match="rank 0 of 1"):
+            run_rl(load_rl_config(config))
+    finally:
+        watcher.join()
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert time.perf_counter() - started < 120
+    assert not _worker_pids() or stopped  # the run's workers were shut down
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "trainer").iterdir() if p.name.isdigit()) == ["1"]
+    resumed = run_rl(load_rl_config(config))
+    assert len(resumed) == 1
+    _assert_same_steps(read_metrics(run_dir), read_metrics(tmp_path / "full"))
