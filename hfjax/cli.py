@@ -206,6 +206,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     except run_errors() as exc:
         print(f"hfjax train: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            "hfjax train: interrupted; the workers are stopped and the last checkpoint kept: run the same command to "
+            "resume from it (trainer.resume=auto)",
+            file=sys.stderr,
+        )
+        return 130
     last = history[-1] if history else {}
     keys = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step")
     print("final step: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last))

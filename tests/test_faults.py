@@ -198,7 +198,8 @@ def test_a_damaged_step_of_one_role_resumes_every_role_from_the_step_before(inpu
     assert (run_dir / "checkpoints" / role / "2.unreadable").is_dir()  # kept for inspection
 
 
-def test_a_driver_killed_during_a_save_leaves_the_last_complete_step(inputs, tmp_path):
+@pytest.mark.parametrize("signal_name", ["SIGKILL during a save", "SIGINT mid-step"])
+def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tmp_path, signal_name):
     run_dir = tmp_path / "run"
     config = rl_config(inputs, run_dir, "grpo", trainer={"total_steps": 50, "save_freq": 1, "progress": False})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
@@ -206,21 +207,32 @@ def test_a_driver_killed_during_a_save_leaves_the_last_complete_step(inputs, tmp
         [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    actor = run_dir / "checkpoints" / "actor"
+    actor, trainer = run_dir / "checkpoints" / "actor", run_dir / "checkpoints" / "trainer"
+    kill = signal_name.startswith("SIGKILL")
+
+    def due() -> bool:  # step 1 complete, and the actor saving a later step (SIGKILL) or step 2 under way (SIGINT)
+        if not (trainer / "1").is_dir():
+            return False
+        return any("tmp" in p.name for p in actor.glob("*")) if kill else len(read_metrics(run_dir)) >= 1
+
     try:
         deadline = time.monotonic() + 300
-        while not (
-            (run_dir / "checkpoints" / "trainer" / "1").is_dir() and any("tmp" in p.name for p in actor.glob("*"))
-        ):
-            assert driver.poll() is None and time.monotonic() < deadline, "no save seen"
+        while not due():
+            assert driver.poll() is None and time.monotonic() < deadline, "the run ended before the fault"
             time.sleep(0.005)
-        driver.send_signal(signal.SIGKILL)  # during a save of the actor, after step 1 completed
+        driver.send_signal(signal.SIGKILL if kill else signal.SIGINT)
+        _, stderr = driver.communicate(timeout=120)
     finally:
         driver.kill()
         driver.wait()
-    complete = sorted(int(p.name) for p in (run_dir / "checkpoints" / "trainer").iterdir() if p.name.isdigit())
+    if not kill:
+        assert driver.returncode == 130
+        assert stderr.strip().splitlines()[-1].startswith("hfjax train: interrupted; the workers are stopped")
+        assert "Traceback" not in stderr
+    complete = sorted(int(p.name) for p in trainer.iterdir() if p.name.isdigit())
     assert complete and [m["step"] for m in read_metrics(run_dir)][-1] >= complete[-1]
     resumed = run_rl(load_rl_config({**config, "trainer": {**config["trainer"], "total_steps": complete[-1] + 1}}))
     assert len(resumed) == 1
@@ -356,7 +368,7 @@ def _when(condition, action, timeout_s: float = 300) -> threading.Thread:
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["kill during a save", "stop mid-step"])
+@pytest.mark.parametrize("fault", ["kill mid-step", "kill during a save", "stop mid-step"])
 def test_a_worker_killed_or_stopped_stops_the_run_and_it_resumes_from_the_last_checkpoint(
     ray_cluster, inputs, tmp_path, fault
 ):
@@ -366,35 +378,47 @@ def test_a_worker_killed_or_stopped_stops_the_run_and_it_resumes_from_the_last_c
     ray_trainer = {**two, "backend": "ray", "liveness": {"heartbeat_s": 1.0, "silent_after_s": 5.0}}
     config = rl_config(inputs, run_dir, "grpo", trainer=ray_trainer)
     stopped: list[int] = []
+    fault_at: list[float] = []
 
     def saving() -> bool:  # step 1 is complete and the actor is saving step 2
         actor = run_dir / "checkpoints" / "actor"
         return (run_dir / "checkpoints" / "trainer" / "1").is_dir() and any("tmp" in p.name for p in actor.glob("*"))
 
     def kill() -> None:
+        fault_at.append(time.perf_counter())
         for pid in _worker_pids():
             os.kill(pid, signal.SIGKILL)
 
     def stop() -> None:
+        fault_at.append(time.perf_counter())
         for pid in _worker_pids():
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
 
-    if fault == "kill during a save":
+    def step_one_logged() -> bool:
+        return len(read_metrics(run_dir)) >= 1
+
+    if fault == "kill mid-step":
+        watcher, error = _when(step_one_logged, kill), WorkerDiedError
+    elif fault == "kill during a save":
         watcher, error = _when(saving, kill), WorkerDiedError
     else:
-        watcher, error = _when(lambda: len(read_metrics(run_dir)) >= 1, stop), WorkerHungError
-    started = time.perf_counter()
+        watcher, error = _when(step_one_logged, stop), WorkerHungError
     try:
         with pytest.raises(error, match="rank 0 of 1"):
             run_rl(load_rl_config(config))
+        detected = time.perf_counter() - fault_at[0]
     finally:
         watcher.join()
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-    assert time.perf_counter() - started < 120
-    assert not _worker_pids() or stopped  # the run's workers were shut down
+    # a dead process is reported at once; a stopped one after silent_after_s (5 s here) and one more heartbeat
+    assert detected < (10 if error is WorkerDiedError else 5 + 1 + 5), detected
+    deadline = time.monotonic() + 30
+    while _worker_pids() and time.monotonic() < deadline:  # the run's workers were shut down
+        time.sleep(0.1)
+    assert not _worker_pids()
     assert sorted(p.name for p in (run_dir / "checkpoints" / "trainer").iterdir() if p.name.isdigit()) == ["1"]
     resumed = run_rl(load_rl_config(config))
     assert len(resumed) == 1
