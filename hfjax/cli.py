@@ -11,7 +11,9 @@ import os
 import sys
 from typing import Any
 
+from hfjax.cli_support import configure_logging, debugging, run_command, version
 from hfjax.compile_cache import enable_compilation_cache
+from hfjax.packaged import config_path
 
 
 def _parse_mesh(text: str) -> dict[str, int]:
@@ -182,37 +184,11 @@ def _eos_ids(model_dir: str, model: Any, tokenizer: Any) -> tuple[int, ...]:
     return () if eos_id is None else (int(eos_id),)
 
 
-def run_errors() -> tuple[type[BaseException], ...]:
-    """hfjax's own errors of a run: what the user must change (config, data, run directory, checkpoints) or what
-    stopped it (a worker that failed, died or hung; a run that cannot learn). The CLI prints them without a traceback
-    of this process and exits with code 2."""
-    from hfjax.controller.worker_group import WorkerError
-    from hfjax.data.records import DataError
-    from hfjax.rewards import RewardError
-    from hfjax.trainer.health import RunStalledError
-    from hfjax.training.checkpoint import CheckpointError
-    from hfjax.training.run_dir import RunDirLockedError
-    from hfjax.typed_config import ConfigError
-
-    return ConfigError, DataError, RewardError, RunDirLockedError, CheckpointError, WorkerError, RunStalledError
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from hfjax.config import load_rl_config
     from hfjax.trainer.launch import run_rl
 
-    try:
-        history = run_rl(load_rl_config(args.config, args.overrides))
-    except run_errors() as exc:
-        print(f"hfjax train: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(
-            "hfjax train: interrupted; the workers are stopped and the last checkpoint kept: run the same command to "
-            "resume from it (trainer.resume=auto)",
-            file=sys.stderr,
-        )
-        return 130
+    history = run_rl(load_rl_config(args.config, args.overrides))
     last = history[-1] if history else {}
     keys = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step")
     print("final step: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last))
@@ -253,6 +229,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hfjax", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hfjax {version()}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of hfjax's errors (or HFJAX_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     inspect = sub.add_parser("inspect", help="show parameter shardings of a checkpoint under a layout")
     inspect.add_argument("model", help="Hugging Face model directory")
@@ -312,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
         supervised.add_argument("--devices", type=int, help="on CPU: number of fake devices of this process")
         supervised.set_defaults(run=cmd_supervised)
     quickstart = sub.add_parser("quickstart", help="SFT then RL on a synthetic addition task, built locally")
-    quickstart.add_argument("config", nargs="?", default="configs/quickstart.yaml")
+    quickstart.add_argument(
+        "config", nargs="?", default="quickstart.yaml", help="YAML config (default: the shipped one)"
+    )
     quickstart.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.algorithm.name=ppo")
     quickstart.set_defaults(run=cmd_quickstart)
     plot = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl")
@@ -331,7 +311,14 @@ def main(argv: list[str] | None = None) -> int:
         ).strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     enable_compilation_cache()
-    return args.run(args)
+    configure_logging()
+
+    def run() -> int:
+        if isinstance(getattr(args, "config", None), str):  # a file, or the name of a config shipped with hfjax
+            args.config = str(config_path(args.config))
+        return args.run(args)
+
+    return run_command(args.command, run, debugging(args.debug))
 
 
 if __name__ == "__main__":

@@ -20,10 +20,16 @@ from hfjax.controller.liveness import LivenessConfig
 from hfjax.controller.resource_pool import group_hosts
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import Layout
+from hfjax.algos.advantages import ADVANTAGE_ESTIMATORS, required_inputs
 from hfjax.typed_config import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_fields, check_name, load_config
+from hfjax.user_code import UserCodeError, absolute_spec, check_call, load_callable, user_module
 from hfjax.workers.config import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "remax", "safe_rlhf")
+# The roles a program may call besides the actor (a rollout group and a reward model come from the rest of the config)
+OPTIONAL_ROLES = ("critic", "cost_model", "cost_critic")
+ALGORITHM_ROLES = {"ppo": ("critic",), "safe_rlhf": OPTIONAL_ROLES}
+DEFAULT_ESTIMATORS = {name: name for name in ALGORITHMS} | {"ppo": "gae", "safe_rlhf": "gae"}
 PLACEMENTS = ("colocate", "split", "standalone", "disaggregated")
 
 
@@ -55,6 +61,11 @@ class AlgorithmConfig:
     """Which dataflow program runs, and its advantage / KL / constraint settings."""
 
     name: Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "remax", "safe_rlhf"] = "grpo"
+    # a program of your own, `path/to/file.py:function`, run as function(step) instead of name's program; the roles
+    # it calls besides the actor are its file's `ROLES` (e.g. ROLES = ["critic"]; default none); null: name's program
+    program: str | None = None
+    # registered name (gae, grpo, rloo, opo, ...) or `path/to/file.py:function`; null: name's (gae for ppo, safe_rlhf)
+    adv_estimator: str | None = None
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std: bool = True
@@ -81,6 +92,57 @@ class AlgorithmConfig:
             lambda_lr=NON_NEGATIVE,
         )
         check_name("kl_penalty", self.kl_penalty, KL_NAMES, "KL estimator")
+        if self.adv_estimator is not None:
+            self.adv_estimator = ADVANTAGE_ESTIMATORS.resolve("adv_estimator", self.adv_estimator)
+        self._roles = ALGORITHM_ROLES.get(self.name, ())
+        if self.program is not None:
+            self.program, self._roles = _load_program(self.program)
+        self._check_estimator_inputs()
+
+    @property
+    def estimator(self) -> str:
+        """The advantage estimator `Step.advantages()` uses: `adv_estimator`, else the one of `name`."""
+        return self.adv_estimator or DEFAULT_ESTIMATORS[self.name]
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The `OPTIONAL_ROLES` the program calls: its file's `ROLES`, or those of the built-in program `name`."""
+        return self._roles
+
+    @property
+    def source(self) -> str:
+        """Which setting chose the program, for messages."""
+        return f"algorithm.program={self.program}" if self.program else f"algorithm.name={self.name}"
+
+    def _check_estimator_inputs(self) -> None:
+        needs = required_inputs(self.estimator)
+        if "values" in needs and "critic" not in self.roles:
+            raise ValueError(
+                f"adv_estimator: {self.estimator!r} needs the values of a critic, which {self.source} does not run "
+                "(a program of your own lists 'critic' in its file's ROLES)"
+            )
+        if "reward_baselines" in needs and self.program is None and self.name != "remax":
+            raise ValueError(
+                f"adv_estimator: {self.estimator!r} needs reward_baselines (ReMax's greedy rewards), which only "
+                f"algorithm.name=remax or a program calling step.greedy_baseline() computes"
+            )
+
+
+def _load_program(spec: str) -> tuple[str, tuple[str, ...]]:
+    """A user program's absolute spec and the roles its file declares, after checking that it loads, can be called
+    as function(step) and declares known roles; raises ValueError naming `program`."""
+    what = "user program"
+    try:
+        check_call(load_callable(spec, what), spec, what, "def program(step): ...", None)
+        roles = getattr(user_module(spec, what), "ROLES", ())
+        if isinstance(roles, str) or not isinstance(roles, list | tuple) or not set(roles) <= set(OPTIONAL_ROLES):
+            raise UserCodeError(
+                f"{what} {spec!r}: its file's ROLES is {roles!r}; expected a list of the roles the program calls "
+                f"besides the actor, from {list(OPTIONAL_ROLES)}"
+            )
+        return absolute_spec(spec, what), tuple(roles)
+    except UserCodeError as exc:
+        raise ValueError(f"program: {exc}") from None
 
 
 @dataclasses.dataclass
@@ -138,7 +200,14 @@ class TrainerConfig:
     val_before_train: bool = False
     resume: Literal["auto", "never"] = "auto"
     max_to_keep: int = 3
-    tensorboard: bool = True
+    # where metrics go (verl's key): console, jsonl (run_dir/metrics.jsonl, read by `hfjax plot`), tensorboard
+    # (run_dir/tb), wandb (the `hfjax[wandb]` extra; W&B project `project_name`, run group `experiment_name`)
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = dataclasses.field(
+        default_factory=lambda: ["console", "jsonl", "tensorboard"]
+    )
+    project_name: str = "hfjax"
+    experiment_name: str = ""  # default: the run directory's name
+    plot: bool = True  # draw `hfjax plot`'s PNGs into run_dir/plots at the end of the run (needs jsonl)
     progress: bool = True
     liveness: LivenessConfig = dataclasses.field(default_factory=LivenessConfig)  # heartbeats and call deadlines
     health: HealthConfig = dataclasses.field(default_factory=HealthConfig)  # stop runs that cannot learn
@@ -233,12 +302,12 @@ class RLConfig:
             raise ValueError("model_path (or actor.model_path) is required")
         if not self.tokenizer_path:
             self.tokenizer_path = self.actor.model_path
-        if self.algorithm.name == "safe_rlhf" and not self.reward.cost_model.enabled:
-            raise ValueError("algorithm.name=safe_rlhf needs reward.cost_model.model_path")
-        if self.algorithm.name in ("grpo", "rloo") and self.rollout.n < 2:
-            raise ValueError(
-                f"algorithm.name={self.algorithm.name} compares samples of a prompt: rollout.n must be >= 2"
-            )
+        algo = self.algorithm
+        if "cost_model" in algo.roles and not self.reward.cost_model.enabled:
+            raise ValueError(f"{algo.source} needs reward.cost_model.model_path")
+        if algo.estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            chosen = f"adv_estimator={algo.estimator}" if algo.adv_estimator else f"name={algo.name}"
+            raise ValueError(f"algorithm.{chosen} compares samples of a prompt: rollout.n must be >= 2")
 
         if self.async_.max_staleness and self.trainer.placement != "disaggregated":
             raise ValueError(
@@ -260,7 +329,7 @@ class RLConfig:
         names += ["rollout"] if self.disaggregated else []
         names += ["critic"] if self.uses_critic else []
         names += ["reward_model"] if self.reward.reward_model.enabled else []
-        names += ["cost_model", "cost_critic"] if self.algorithm.name == "safe_rlhf" else []
+        names += [name for name in ("cost_model", "cost_critic") if name in self.algorithm.roles]
         return names
 
     def worker_groups(self) -> list[list[str]]:
@@ -323,7 +392,7 @@ class RLConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.algorithm.name in ("ppo", "safe_rlhf")
+        return "critic" in self.algorithm.roles
 
     @property
     def uses_ref(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ TIMELINE_STEP_LINES = 200  # a line at every step up to this many steps, else on
 _TIMELINE_EXAMPLE = '{"step": 1, "group": "rollout", "name": "generate", "start": 0.0, "end": 2.5}'
 
 Series = tuple[np.ndarray, np.ndarray]  # (steps, values), sorted by step
+
+
+log = logging.getLogger(__name__)
 
 
 class PlotError(ValueError):
@@ -266,6 +270,17 @@ def compare_runs(
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, out)
+
+
+def plot_finished_run(run_dir: str | Path) -> None:
+    """Draws the PNGs of a run that just ended into `run_dir/plots` and logs where; metrics that cannot be drawn only
+    give a warning (the run itself is done and saved)."""
+    try:
+        paths = plot_run(run_dir)
+    except PlotError as exc:
+        log.warning("no plots drawn for %s: %s", run_dir, exc)
+        return
+    log.info("plots of %s: %s", run_dir, paths[0].parent)
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

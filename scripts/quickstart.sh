@@ -3,4 +3,4 @@
 # Extra args are config overrides, e.g. `bash scripts/quickstart.sh rl.algorithm.name=ppo`.
 source "$(dirname "$0")/venv.sh"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-python -m hfjax.cli quickstart configs/quickstart.yaml "$@"
+hfjax quickstart quickstart.yaml "$@"

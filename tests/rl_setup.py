@@ -52,7 +52,7 @@ def rl_config(inputs: dict[str, str], run_dir: Path, algorithm: str = "grpo", **
         "rollout": {"n": 2, "response_length": 6, "slots": 8},
         # the reference policy in the actor's loss everywhere, and in the reward where a critic learns from it
         "algorithm": {"name": algorithm, "use_kl_in_reward": algorithm in ("ppo", "remax", "safe_rlhf")},
-        "trainer": {"run_dir": str(run_dir), "total_steps": 3, "backend": "local", "progress": False},
+        "trainer": {"run_dir": str(run_dir), "total_steps": 3, "backend": "local", "progress": False, "plot": False},
     }
     if algorithm == "safe_rlhf":
         config["reward"] = {"cost_model": {"model_path": inputs["scorer"]}}

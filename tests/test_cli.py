@@ -8,6 +8,7 @@ import yaml
 from checkpoints import save_hf_model
 
 from hfjax.cli import main
+from hfjax.typed_config import ConfigError
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)
 
@@ -39,11 +40,12 @@ def test_layouts_compares_pairs(tmp_path, capsys):
     assert "zero_redundancy" in capsys.readouterr().out
 
 
-def test_layouts_rejects_a_bad_pairs_file(tmp_path):
+def test_layouts_rejects_a_bad_pairs_file(tmp_path, capsys):
     pairs = tmp_path / "pairs.yaml"
     pairs.write_text("pairs: {train: x}")
-    with pytest.raises(SystemExit, match="expected 'pairs:' as a list"):
-        main(["layouts", "--model", "llama-200m", "--pairs", str(pairs)])
+    assert main(["layouts", "--model", "llama-200m", "--pairs", str(pairs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hfjax layouts: {pairs}: expected 'pairs:' as a list of {{name, train, gen}} layout entries"]
 
 
 def test_inspect_prints_partitions(tmp_path, capsys):
@@ -81,3 +83,50 @@ def test_generate_command(tmp_path):
         assert result["response_ids"] == expected[0, len(prompt_ids) :].tolist()
         assert result["response"] == tokenizer.decode(result["response_ids"], skip_special_tokens=True)
     assert results[3]["finish_reason"] == "rejected" and "exceeds max_prefill_length 32" in results[3]["error"]
+
+
+def _one_line_error(capsys, argv: list[str], command: str) -> str:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) >= 1 and lines[-1].startswith(f"hfjax {command}: ")
+    assert not any("Traceback" in line for line in lines)
+    return "\n".join(lines)
+
+
+def test_every_subcommand_reports_a_bad_input_as_one_line_with_exit_code_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: {total_stepz: 3}\n")
+    assert "trainer.total_stepz: unknown key" in _one_line_error(capsys, ["train", str(bad)], "train")
+    assert "no shipped config of that name" in _one_line_error(capsys, ["train", "missing.yaml"], "train")
+    assert "run_dir" in _one_line_error(capsys, ["quickstart", "quickstart.yaml", "run_dirr=x"], "quickstart")
+    assert "trainer.epochz" in _one_line_error(capsys, ["sft", "sft_addition.yaml", "trainer.epochz=2"], "sft")
+    assert "model.dtype" in _one_line_error(capsys, ["rm", "rm_example.yaml", "model.dtype=float8"], "rm")
+    assert "config.yaml" in _one_line_error(
+        capsys, ["export", str(tmp_path / "none"), "--out", str(tmp_path)], "export"
+    )
+    assert "metrics.jsonl" in _one_line_error(capsys, ["plot", str(tmp_path)], "plot")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1="}\n')
+    generate = [
+        "generate",
+        "--model",
+        str(tmp_path / "nomodel"),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert "no such directory" in _one_line_error(capsys, generate, "generate")
+
+
+def test_debug_shows_the_traceback_and_version_is_printed(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: {total_stepz: 3}\n")
+    with pytest.raises(ConfigError, match="total_stepz"):
+        main(["--debug", "train", str(bad)])
+    monkeypatch.setenv("HFJAX_DEBUG", "1")
+    with pytest.raises(ConfigError, match="total_stepz"):
+        main(["train", str(bad)])
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("hfjax 0.1.0")

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from checkpoints import save_hf_model
 
+from hfjax.cli import main as cli
 from hfjax.data import PreferenceDataset, SFTDataset, write_rows
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
-from hfjax.trainer.rm import RMConfig, rm_main, run_rm
-from hfjax.trainer.sft import SFTConfig, run_sft, sft_main
+from hfjax.trainer.rm import RMConfig, run_rm
+from hfjax.trainer.sft import SFTConfig, run_sft
 from hfjax.training import CheckpointManager, MetricsLogger, read_metrics
 from hfjax.typed_config import ConfigError, load_config
 
@@ -216,9 +217,9 @@ def test_configs_validate_and_errors_name_the_key(base, tmp_path, capsys):
         load_config(SFTConfig, CONFIGS / "sft_addition.yaml", ["data.batch_size=10", "data.micro_batch_size=4"])
     with pytest.raises(ConfigError, match=r"^optim\.lr: expected > 0, got 0\.0 \(from overrides\)$"):
         load_config(RMConfig, CONFIGS / "rm_example.yaml", ["optim.lr=0"])
-    assert sft_main(str(CONFIGS / "sft_addition.yaml"), ["trainer.epochz=2"]) == 2
-    assert "trainer.epochz: unknown key" in capsys.readouterr().err
-    assert rm_main(str(CONFIGS / "rm_example.yaml"), ["model.dtype=float8"]) == 2
+    assert cli(["sft", str(CONFIGS / "sft_addition.yaml"), "trainer.epochz=2"]) == 2
+    assert capsys.readouterr().err.startswith("hfjax sft: trainer.epochz: unknown key")
+    assert cli(["rm", str(CONFIGS / "rm_example.yaml"), "model.dtype=float8"]) == 2
 
 
 def test_resume_never_refuses_a_run_dir_with_checkpoints(base, sft_run):

@@ -97,9 +97,14 @@ def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
 def _train(cfg: RLConfig) -> list[dict[str, float]]:
     trainer = RLTrainer(cfg)
     try:
-        return trainer.fit()
+        history = trainer.fit()
     finally:
         trainer.close()
+    if cfg.trainer.plot and "jsonl" in cfg.trainer.logger:
+        from hfjax.plot import plot_finished_run
+
+        plot_finished_run(cfg.trainer.run_dir)
+    return history
 
 
 def export_run(run_dir: str | Path, step: int | None, out_dir: str | Path) -> int:

@@ -34,7 +34,7 @@ from hfjax.trainer.timeline import Timeline, truncate
 from hfjax.training.checkpoint import CheckpointError, CheckpointManager, UnreadableStepError
 from hfjax.training.metrics import MetricsLogger
 from hfjax.training.run_dir import RunDirLock, save_run_config
-from hfjax.typed_config import ConfigError
+from hfjax.typed_config import ConfigError, to_dict
 from hfjax.workers.rule_reward import RuleReward
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,7 @@ class RLTrainer:
         if trainer.resume == "auto":
             self.resume()
         save_run_config(self.cfg, self.run_dir)  # every check passed and the checkpoints (if any) restored
-        # records after the restored step, from the interrupted run, are dropped (JSONL) and purged (TensorBoard)
-        self.logger = MetricsLogger(self.run_dir, tensorboard=trainer.tensorboard, start_step=self.step)
+        self.logger = self._metrics_logger()
         history = []
         if trainer.val_before_train and self.val_data is not None and self.step == 0:
             self.logger.log(0, self.validate())
@@ -174,6 +173,25 @@ class RLTrainer:
         if stream is not None:
             stream.drain()
         return history
+
+    def _metrics_logger(self) -> MetricsLogger:
+        """The `trainer.logger` destinations; records after the restored step, from an interrupted run, are dropped
+        (JSONL) and purged (TensorBoard)."""
+        trainer, step = self.cfg.trainer, self.step
+        sinks = []
+        if "wandb" in trainer.logger:
+            from hfjax.training.wandb_sink import WandbSink
+
+            experiment = trainer.experiment_name or self.run_dir.resolve().name
+            sinks.append(WandbSink(self.run_dir, trainer.project_name, experiment, to_dict(self.cfg), step))
+        return MetricsLogger(
+            self.run_dir,
+            console="console" in trainer.logger,
+            jsonl="jsonl" in trainer.logger,
+            tensorboard="tensorboard" in trainer.logger,
+            sinks=sinks,
+            start_step=step,
+        )
 
     def timeline_lanes(self, step: bool) -> list[str]:
         """The timeline's lanes: one per worker group, and the controller. For the metrics of one `step` an

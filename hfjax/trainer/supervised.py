@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -95,6 +94,7 @@ class TrainerSection:
     seed: int = 0
     export_hf: bool = True
     progress: bool = True
+    plot: bool = True  # draw `hfjax plot`'s PNGs into run_dir/plots at the end
 
     def __post_init__(self) -> None:
         at_end = (lambda v: v >= 0, ">= 0 (0: at the end only)")
@@ -257,6 +257,10 @@ def _run_in_dir(cfg: SupervisedConfig, objective: Objective, is_main: bool) -> d
             last.update(evaluate(state, objective, val_set, data.micro_batch_size))
         if trainer.export_hf:
             export(state, tokenizer, run_dir / EXPORT_DIR)
+        if trainer.plot and is_main:
+            from hfjax.plot import plot_finished_run
+
+            plot_finished_run(run_dir)
         return last
     finally:
         manager.close()
@@ -305,14 +309,9 @@ def _train(
 def cli_main(
     cls: type[SupervisedConfig], run: Callable[[Any], dict[str, float]], config_path: str, overrides: list[str]
 ) -> int:
-    """Loads `cls` from YAML plus `key=value` overrides, runs `run`, prints the final metrics. Exit code 2 on a
-    config error (printed with the key's path), else 0."""
-    try:
-        cfg = load_config(cls, config_path, overrides)
-        check_supervised_run(cfg)
-    except ConfigError as e:
-        print(f"config error in {config_path}:\n{e}", file=sys.stderr)
-        return 2
+    """Loads `cls` from YAML plus `key=value` overrides, runs `run`, prints the final metrics; returns 0. A bad config
+    raises `ConfigError` (the CLI prints it as one line per problem, exit code 2)."""
+    cfg = load_config(cls, config_path, overrides)
     metrics = run(cfg)
     if jax.process_index() == 0:
         from rich.console import Console

@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rich.console import Console
 from tqdm.auto import tqdm
@@ -59,8 +59,16 @@ def _number(key: str, value: Any) -> float:
         raise ValueError(f"metric {key!r}: expected a number, got {value!r}") from e
 
 
+class MetricsSink(Protocol):
+    """Another destination of the metrics (e.g. `hfjax.training.wandb_sink.WandbSink`)."""
+
+    def log(self, step: int, values: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsLogger:
-    """Writes each `log(step, metrics)` to JSONL, TensorBoard and (optionally) the console.
+    """Writes each `log(step, metrics)` to JSONL, TensorBoard, the console and any further `sinks`, each optional.
 
     `console_keys` chooses the console columns (default: the `HEADLINE_KEYS` present, else the first few keys).
     With `write=False` (processes other than the first of a multi-host run) nothing is written.
@@ -71,7 +79,9 @@ class MetricsLogger:
         run_dir: str | Path,
         *,
         console: bool = True,
+        jsonl: bool = True,
         tensorboard: bool = True,
+        sinks: Sequence[MetricsSink] = (),
         console_keys: Sequence[str] | None = None,
         start_step: int | None = None,
         write: bool = True,
@@ -81,13 +91,15 @@ class MetricsLogger:
         self.write = write
         self._console = Console(highlight=False) if console and write else None
         self._tb = None
+        self._sinks = list(sinks) if write else []
+        self._file = None
         if not write:
-            self._file = None
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if start_step is not None:
             self._drop_after(start_step)
-        self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        if jsonl:
+            self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         if tensorboard:
             from tensorboardX import SummaryWriter
 
@@ -106,9 +118,11 @@ class MetricsLogger:
         if not self.write:
             return
         values = {key: _number(key, value) for key, value in metrics.items()}
-        assert self._file is not None
-        self._file.write(json.dumps({"step": int(step), **values}) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps({"step": int(step), **values}) + "\n")
+            self._file.flush()
+        for sink in self._sinks:
+            sink.log(int(step), values)
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=int(step))
@@ -131,6 +145,9 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,7 +282,12 @@ class TrainState:
         }
 
     def load_items(self, items: Mapping[str, Any]) -> None:
-        """Replaces parameters and optimizer state with restored ones (shapes and shardings of `abstract_items`)."""
+        """Replaces parameters and optimizer state with restored ones, which must have the trees, shapes and dtypes of
+        `abstract_items` (checked: a mismatch raises before anything is replaced)."""
+        expected = self.abstract_items()
+        for name in ("params", "opt_state"):
+            chex.assert_trees_all_equal_structs(items[name], expected[name])
+            chex.assert_trees_all_equal_shapes_and_dtypes(items[name], expected[name])
         self.params, self.opt_state = items["params"], items["opt_state"]
 
     def counters(self) -> dict[str, int]:

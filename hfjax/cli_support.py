@@ -1,0 +1,118 @@
+"""What every `hfjax` subcommand shares: hfjax's own errors turned into one line and exit code 2 (`--debug` or
+`HFJAX_DEBUG=1` shows the traceback instead), Ctrl-C turned into a message and exit code 130, INFO logging of hfjax's
+loggers on the console (above any progress bar), and the installed version. Imports the standard library and tqdm;
+the error classes are imported when a command fails."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from importlib import metadata
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def version() -> str:
+    """The installed distribution's version (`hfjax --version`)."""
+    try:
+        return metadata.version("hfjax")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """hfjax's own errors: what the user must change (config, data, files, layouts, sampling, rewards, run directory,
+    checkpoints) or what stopped a run (a worker that failed, died or hung; a run that cannot learn)."""
+    from hfjax.controller.worker_group import WorkerError
+    from hfjax.data.records import DataError
+    from hfjax.mapping.cost import InfeasibleError
+    from hfjax.models.config import UnsupportedModelError
+    from hfjax.models.safetensors_io import CheckpointError as ModelFileError
+    from hfjax.parallel.layout import LayoutError
+    from hfjax.plot import PlotError
+    from hfjax.rewards import RewardError
+    from hfjax.rollout.prompt_file import PromptFileError
+    from hfjax.rollout.sampling import SamplingError
+    from hfjax.trainer.health import RunStalledError
+    from hfjax.training.checkpoint import CheckpointError
+    from hfjax.training.run_dir import RunDirLockedError
+    from hfjax.typed_config import ConfigError
+
+    return (
+        ConfigError,
+        DataError,
+        RewardError,
+        LayoutError,
+        SamplingError,
+        PromptFileError,
+        InfeasibleError,
+        UnsupportedModelError,
+        ModelFileError,
+        PlotError,
+        RunDirLockedError,
+        CheckpointError,
+        WorkerError,
+        RunStalledError,
+        FileNotFoundError,
+    )
+
+
+def debugging(flag: bool) -> bool:
+    return flag or os.environ.get("HFJAX_DEBUG", "") not in ("", "0")
+
+
+def run_command(command: str, run: Callable[[], int], debug: bool) -> int:
+    """Runs a subcommand: returns its exit code, or prints `hfjax COMMAND: message` for hfjax's own errors (exit 2)
+    and for Ctrl-C (exit 130). With `debug`, errors propagate with their traceback."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(
+            f"hfjax {command}: interrupted; {INTERRUPTED_HINT.get(command, 'nothing was left half-written')}",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # the commands' own argument checks: `raise SystemExit("--flag: what was expected")`
+        if not isinstance(exc.code, str):
+            raise
+        message = exc.code if exc.code.startswith("hfjax ") else f"hfjax {command}: {exc.code}"
+        print(message, file=sys.stderr)
+        return EXIT_USER_ERROR
+    except BaseException as exc:
+        if debug or not isinstance(exc, user_errors()):
+            raise
+        print(f"hfjax {command}: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+INTERRUPTED_HINT = {
+    "train": "the workers are stopped and the last checkpoint kept: run the same command to resume from it "
+    "(trainer.resume=auto)",
+    "sft": "the last checkpoint is kept: run the same command to resume from it (trainer.resume=auto)",
+    "rm": "the last checkpoint is kept: run the same command to resume from it (trainer.resume=auto)",
+}
+
+
+class _TqdmHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """hfjax's log records at `level` and above on stderr, written above progress bars; other libraries' loggers are
+    left as they are."""
+    logger = logging.getLogger("hfjax")
+    if any(isinstance(h, _TqdmHandler) for h in logger.handlers):
+        return
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
