@@ -221,6 +221,15 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return quickstart_main(args.config, args.overrides)
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from hfjax.data.records import read_rows
+    from hfjax.data.tasks import prepare_task
+
+    for name, path in prepare_task(args.task, args.out, args.source).items():
+        print(f"{name}: {len(read_rows(path))} rows -> {path}")
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from hfjax.plot import plot_main
 
@@ -295,6 +304,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quickstart.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.algorithm.name=ppo")
     quickstart.set_defaults(run=cmd_quickstart)
+    data = sub.add_parser("data", help="write a built-in task's prompts (and SFT rows) in the prompt schema")
+    data.add_argument("task", choices=["gsm8k", "addition"])
+    data.add_argument("--out", required=True, help="folder to write the parquet files to")
+    data.add_argument(
+        "--from",
+        dest="source",
+        help="a local copy of the raw files (default: the Hub dataset, from the local cache or downloaded when online)",
+    )
+    data.set_defaults(run=cmd_data)
     plot = sub.add_parser("plot", help="PNG curves of a run's metrics.jsonl")
     plot.add_argument("plot_args", nargs=argparse.REMAINDER, metavar="RUN_DIR [--out DIR]")
     plot.set_defaults(run=cmd_plot)

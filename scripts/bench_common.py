@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import platform
@@ -12,21 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED_BENCH = ROOT.parent / "shared" / "bench" / "make_reference_ckpt.py"
-
 
 def reference_checkpoint(out_dir: Path, tiny: bool = False) -> Path:
-    """Builds (once) the benchmark reference checkpoint with the shared script; returns its directory."""
+    """Builds (once) the benchmark reference checkpoint with `scripts/make_reference_ckpt.py`; returns its
+    directory."""
     if (out_dir / "config.json").is_file():
         return out_dir
-    if not SHARED_BENCH.is_file():
-        raise SystemExit(f"{SHARED_BENCH} not found: pass --ckpt DIR with a checkpoint built by it")
-    spec = importlib.util.spec_from_file_location("make_reference_ckpt", SHARED_BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.build(str(out_dir), tiny=tiny)
-    return out_dir
+    from make_reference_ckpt import build
+
+    return build(out_dir, tiny=tiny)
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> dict[str, float]:

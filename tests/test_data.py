@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from hfjax.cli import main as cli
 from hfjax.data import (
     AdditionTask,
     BatchLoader,
@@ -297,13 +295,12 @@ GSM8K_ROWS = [
 ]
 
 
-def test_gsm8k_converter_round_trip(tokenizer, tmp_path):
+def test_gsm8k_converter_round_trip(tokenizer, tmp_path, capsys):
     write_rows(GSM8K_ROWS, tmp_path / "in" / "train.jsonl")
     write_rows(GSM8K_ROWS[:1], tmp_path / "in" / "test.jsonl")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "prepare_gsm8k.py"
-    run = subprocess.run([sys.executable, script, tmp_path / "in", tmp_path / "out"], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    assert "train: 3 rows" in run.stdout and "sft_test: 1 rows" in run.stdout
+    assert cli(["data", "gsm8k", "--from", str(tmp_path / "in"), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "train: 3 rows" in out and "sft_test: 1 rows" in out
     rows = [row for _, row in read_rows(tmp_path / "out" / "train.parquet")]
     assert [r["reward_model"]["ground_truth"] for r in rows] == ["7", "1000", "3"]
     for i, (row, src) in enumerate(zip(rows, GSM8K_ROWS, strict=True)):
@@ -318,9 +315,9 @@ def test_gsm8k_converter_round_trip(tokenizer, tmp_path):
     assert ds.collate([1]).non_tensors["ground_truth"][0] == "1000"
 
     write_rows([*GSM8K_ROWS, {"question": "q", "answer": "no marker"}], tmp_path / "bad" / "test.jsonl")
-    run = subprocess.run([sys.executable, script, tmp_path / "bad", tmp_path / "o2"], capture_output=True, text=True)
-    assert run.returncode == 1
-    assert f"{tmp_path / 'bad' / 'test.jsonl'}: row 4: field 'answer': expected a worked answer" in run.stderr
+    assert cli(["data", "gsm8k", "--from", str(tmp_path / "bad"), "--out", str(tmp_path / "o2")]) == 2
+    error = capsys.readouterr().err
+    assert f"hfjax data: {tmp_path / 'bad' / 'test.jsonl'}: row 4: field 'answer': expected a worked answer" in error
 
 
 def test_addition_task(tmp_path):

@@ -12,6 +12,7 @@ Imports `hfjax.config`, `hfjax.data`, `hfjax.mapping`, `hfjax.models.hf`, `hfjax
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from hfjax.config import RLConfig
 from hfjax.data.prompts import parse_prompt_row
+from hfjax.hub import resolve_model
 from hfjax.data.records import DataError, read_rows
 from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.mapping.cost import CostOptions, InfeasibleError
@@ -40,7 +42,7 @@ def model_config(path: str, field: str) -> ModelConfig:
     directory = Path(path).expanduser()
     if not directory.is_dir():
         hub = "/" in path and not path.startswith((".", "/", "~")) and len(Path(path).parts) == 2
-        hint = " (Hub ids are not supported: download the model and give its directory)" if hub else ""
+        hint = " (a Hub id is resolved before this check: run through hfjax train, or download it)" if hub else ""
         raise ConfigError(f"{field}: no such directory {path!r}; expected a local Hugging Face model directory{hint}")
     try:
         return read_config(directory)[0]
@@ -89,6 +91,21 @@ def device_memory(cfg: RLConfig) -> tuple[float, str] | None:
         return None
     per_device = host_memory_per_device(trainer.devices_per_host)
     return per_device, f"host RAM / trainer.devices_per_host={trainer.devices_per_host}"
+
+
+def resolve_hub_models(cfg: RLConfig) -> RLConfig:
+    """A copy of `cfg` whose model and tokenizer paths that are Hugging Face Hub ids (`org/name`) are replaced by
+    their local snapshots (`hfjax.hub`); local paths stay as they are."""
+    cfg = copy.deepcopy(cfg)
+    cfg.model_path = resolve_model(cfg.model_path, "model_path")
+    cfg.tokenizer_path = resolve_model(cfg.tokenizer_path, "tokenizer_path")
+    for field, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+        section.model_path = resolve_model(section.model_path, f"{field}.model_path")
+    for name in ("reward_model", "cost_model"):
+        section = getattr(cfg.reward, name)
+        if section.model_path:
+            section.model_path = resolve_model(section.model_path, f"reward.{name}.model_path")
+    return cfg
 
 
 def check_rl_run(cfg: RLConfig) -> None:

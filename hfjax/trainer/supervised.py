@@ -27,6 +27,7 @@ from hfjax.models import load_hf, load_tokenizer, save_hf
 from hfjax.parallel import Layout, layout_or_default
 from hfjax.trainer.preflight import check_positions, model_config
 from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
+from hfjax.hub import resolve_model
 from hfjax.training.run_dir import RunDirLock, save_run_config
 from hfjax.training.train_state import split_rows
 from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, ConfigError, check_fields, load_config, to_dict
@@ -215,6 +216,9 @@ def check_supervised_run(cfg: SupervisedConfig) -> None:
 def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, float]:
     """Trains `objective` as configured (checked first by `check_supervised_run`); returns the last step's metrics
     with the final held-out metrics."""
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, path=resolve_model(cfg.model.path, "model.path"))
+    )
     check_supervised_run(cfg)
     is_main = jax.process_index() == 0
     lock = RunDirLock(cfg.trainer.run_dir).acquire() if is_main else None  # one run per directory
