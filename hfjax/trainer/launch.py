@@ -84,8 +84,8 @@ def pin_controller_to_cpu() -> None:
 
 
 def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
-    """Resolves Hub ids (`resolve_hub_models`), checks the run (`check_rl_run`), then trains; for `backend: ray` in a `ray_session`, with the controller's JAX
-    on the CPU (`pin_controller_to_cpu`)."""
+    """Resolves Hub ids (`resolve_hub_models`) and checks the run (`check_rl_run`), then trains; for `backend: ray`
+    in a `ray_session`, with the controller's JAX on the CPU (`pin_controller_to_cpu`)."""
     cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
     check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
     if cfg.trainer.backend != "ray":

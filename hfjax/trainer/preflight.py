@@ -20,8 +20,8 @@ from pathlib import Path
 
 from hfjax.config import RLConfig
 from hfjax.data.prompts import parse_prompt_row
-from hfjax.hub import resolve_model
 from hfjax.data.records import DataError, read_rows
+from hfjax.hub import resolve_model
 from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.mapping.cost import CostOptions, InfeasibleError
 from hfjax.models.config import ModelConfig

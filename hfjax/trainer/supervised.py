@@ -23,11 +23,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hfjax.data import BatchLoader
+from hfjax.hub import resolve_model
 from hfjax.models import load_hf, load_tokenizer, save_hf
 from hfjax.parallel import Layout, layout_or_default
 from hfjax.trainer.preflight import check_positions, model_config
 from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
-from hfjax.hub import resolve_model
 from hfjax.training.run_dir import RunDirLock, save_run_config
 from hfjax.training.train_state import split_rows
 from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, ConfigError, check_fields, load_config, to_dict
