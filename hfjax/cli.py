@@ -188,7 +188,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hfjax.config import load_rl_config
     from hfjax.trainer.launch import run_rl
 
-    history = run_rl(load_rl_config(args.config, args.overrides))
+    cfg = load_rl_config(args.config, args.overrides)
+    if args.dry_run:
+        from hfjax.trainer.dry_run import describe_run
+
+        print(describe_run(cfg))
+        return 0
+    history = run_rl(cfg)
     last = history[-1] if history else {}
     keys = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "timing_s/step")
     print("final step: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last))
@@ -280,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config (see configs/)")
     train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.optim.lr=1e-5")
     train.add_argument("--devices", type=int, help="on CPU: number of fake devices of this process")
+    train.add_argument(
+        "--dry-run",
+        "--print-config",
+        action="store_true",
+        help="print the resolved config, worker groups, layouts and the cost model's memory per device; start nothing",
+    )
     train.set_defaults(run=cmd_train)
     export = sub.add_parser("export", help="write a run's actor checkpoint as a Hugging Face model")
     export.add_argument("run_dir")

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from hfjax.algos.advantages import ADVANTAGE_ESTIMATORS, required_inputs
 from hfjax.controller.liveness import LivenessConfig
 from hfjax.controller.resource_pool import group_hosts
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import Layout
-from hfjax.algos.advantages import ADVANTAGE_ESTIMATORS, required_inputs
 from hfjax.typed_config import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_fields, check_name, load_config
 from hfjax.user_code import UserCodeError, absolute_spec, check_call, load_callable, user_module
 from hfjax.workers.config import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig

@@ -130,3 +130,21 @@ def test_debug_shows_the_traceback_and_version_is_printed(tmp_path, capsys, monk
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out.startswith("hfjax 0.1.0")
+
+
+def test_train_dry_run_prints_config_placement_layouts_and_memory_without_starting(tmp_path, capsys, monkeypatch):
+    from rl_setup import build_run_inputs, rl_config
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    inputs = build_run_inputs(tmp_path / "inputs")
+    config = rl_config(inputs, tmp_path / "run", "ppo", trainer={"placement": "split", "backend": "ray"})
+    config["actor"]["train_layout"] = {"mesh": {"fsdp": 4}, "rules": "fsdp"}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "placement 'split' on 1 host(s) x 8 devices" in out
+    assert "group 0: actor: 1 process(es) (one per host) x 4 devices" in out
+    assert "group 1: critic: 1 process(es) (one per host) x 4 devices" in out
+    assert "actor (training): mesh(fsdp=4)" in out
+    assert "# memory per device (cost model)" in out and "GiB of" in out and "host RAM" in out
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -274,26 +275,35 @@ def test_flat_rewards_stop_the_run_or_warn(inputs, tmp_path, caplog):
     assert "on_stall=warn: the run goes on" in caplog.text
 
 
-def test_local_ray_listens_on_loopback_only_and_removes_its_temp_dir(inputs, tmp_path):
+def test_local_ray_listens_on_loopback_only_prefixes_worker_output_and_removes_its_temp_dir(inputs, tmp_path):
     config = rl_config(inputs, tmp_path / "run", "grpo", trainer={"backend": "ray"})
     temp = Path(tempfile.mkdtemp(prefix="hfx"))  # short: Ray's socket paths must fit in 107 bytes
     script = f"""
-import json, tempfile, psutil, ray
+import json, tempfile, time, psutil, ray
 from hfjax.config import load_rl_config
+from hfjax.controller import RayWorkerGroup, ResourcePool
 from hfjax.trainer.launch import ray_session
+from test_faults import Napper
 tempfile.tempdir = {str(temp)!r}
 cfg = load_rl_config(json.loads({json.dumps(config)!r}))
 with ray_session(cfg):
-    ray.get(ray.remote(lambda: 1).remote())
+    group = RayWorkerGroup(ResourcePool([1, 1]), Napper, name="actor+critic")
+    group.shout("hello")
     pids = {{p.pid for p in psutil.Process().children(recursive=True)}} | {{psutil.Process().pid}}
     addresses = [c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.pid in pids]
+    time.sleep(2)  # the workers' output reaches the driver's console
+    group.shutdown()
 print(json.dumps(addresses))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     addresses = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(addresses) >= 3  # the GCS, the raylet, the workers
-    assert all(a in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for a in addresses), addresses
+    loopback = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+    assert not [a for a in addresses if a not in loopback]  # nothing on every interface ('::') or a public address
+    for rank in (0, 1):  # each worker's console output, prefixed by its group, rank and pid
+        assert re.search(rf"\(actor\+critic rank {rank} pid=\d+\).* hello from rank {rank}", out.stdout), out.stdout
     assert not list(temp.iterdir())  # Ray's temp dir was removed after the run
     temp.rmdir()
 
@@ -306,6 +316,10 @@ class Napper(Worker):
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def shout(self, word: str) -> None:
+        print(f"{word} from rank {self.rank}", flush=True)
 
     @register(Dispatch.ONE_TO_ALL)
     def spin(self, seconds: float) -> int:

@@ -1,7 +1,10 @@
 """RL math as pure functions of arrays: masked statistics, advantage estimators, KL penalties and controllers, policy
-and value losses, loss aggregation, off-policy rollout correction. Imports nothing from hfjax outside this package."""
+and value losses, loss aggregation, off-policy rollout correction. Estimators and policy losses are chosen by
+registered name or as user code `path/to/file.py:function`. Imports `hfjax.user_code` and `hfjax.typed_config` (for
+the registries) and nothing else from hfjax outside this package."""
 
 from hfjax.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
     ESTIMATOR_INPUTS,
     advantage_estimators,
     compute_advantage,
@@ -11,6 +14,8 @@ from hfjax.algos.advantages import (
 from hfjax.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty, make_kl_controller
 from hfjax.algos.losses import (
     AGG_MODES,
+    POLICY_LOSSES,
+    actor_options,
     agg_loss,
     entropy_from_logits,
     gspo_policy_loss,
@@ -28,11 +33,14 @@ from hfjax.algos.masked import masked_mean, masked_seq_mean, masked_sum, masked_
 from hfjax.algos.rollout_correction import CORRECTION_LEVELS, rollout_correction
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "CORRECTION_LEVELS",
     "ESTIMATOR_INPUTS",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "actor_options",
     "advantage_estimators",
     "agg_loss",
     "compute_advantage",

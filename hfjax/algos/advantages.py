@@ -1,12 +1,13 @@
 """Advantage estimators (GAE, GRPO / Dr.GRPO, RLOO, REINFORCE++, REINFORCE++ with baseline, ReMax, OPO) and their
 registry, following verl's formulas so that results compare one to one.
 
-`compute_advantage(name, ...)` dispatches by name. Estimators that only look at tokens (`gae`,
-`reinforce_plus_plus`, `remax`) are pure `jax.numpy` and run under `jax.jit`. Estimators that group responses by
-prompt (`grpo`, `rloo`, `reinforce_plus_plus_baseline`, `opo`) take `index`, one hashable id per row (a numpy int or
-object array, a list), and turn it into dense group ids with Python on the host; the arithmetic after that is
-`jax.numpy`. Call those on the controller, outside `jit`. All return `(advantages, returns)` of shape (bs, T) as jax
-arrays. Imports `hfjax.algos.masked` and `.registry`; must not import workers, trainer or models.
+`compute_advantage(name, ...)` dispatches by name, or loads `path/to/file.py:function` (a user estimator, checked by
+`check_estimator` like a registered one). Estimators that only look at tokens (`gae`, `reinforce_plus_plus`,
+`remax`) are pure `jax.numpy` and run under `jax.jit`. Estimators that group responses by prompt (`grpo`, `rloo`,
+`reinforce_plus_plus_baseline`, `opo`) take `index`, one hashable id per row (a numpy int or object array, a list),
+and turn it into dense group ids with Python on the host; the arithmetic after that is `jax.numpy`. Call those on
+the controller, outside `jit`. All return `(advantages, returns)` of shape (bs, T) as jax arrays. Imports
+`hfjax.algos.masked` and `.registry`; must not import workers, trainer or models.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from hfjax.algos.registry import Registry
 GROUP_STD_EPS = 1e-6  # added to a group's std before dividing (GRPO)
 
 AdvantageEstimator = Callable[..., tuple[jax.Array, jax.Array]]
-_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 # What compute_advantage can hand to an estimator; an estimator names the ones it uses as parameters.
 ESTIMATOR_INPUTS = (
     "token_level_rewards",
@@ -40,28 +40,45 @@ ESTIMATOR_INPUTS = (
 )
 
 
+def check_estimator(label: str, fn: AdvantageEstimator) -> None:
+    """Raises ValueError unless `fn`'s parameters are a subset of `ESTIMATOR_INPUTS`, all passable by keyword."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except ValueError:  # no signature to inspect: nothing to check
+        return
+    unknown = [
+        p.name for p in params if p.name not in ESTIMATOR_INPUTS or p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL)
+    ]
+    if unknown:
+        raise ValueError(
+            f"advantage estimator {label!r} ({getattr(fn, '__name__', fn)}) has parameters {unknown} that "
+            f"compute_advantage does not supply; expected keyword parameters from {list(ESTIMATOR_INPUTS)}"
+        )
+
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", check_estimator)
+
+
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator registering `fn(**inputs) -> (advantages, returns)` under `name` for `compute_advantage`.
 
-    `fn`'s parameters must be a subset of `ESTIMATOR_INPUTS`; compute_advantage passes exactly those, and refuses to
-    call it when a parameter without a default was given as None.
+    `fn`'s parameters must be a subset of `ESTIMATOR_INPUTS` (`check_estimator`); compute_advantage passes exactly
+    those, and refuses to call it when a parameter without a default was given as None. A user estimator given as
+    `path/to/file.py:function` (e.g. `algorithm.adv_estimator`) follows the same rules without registering.
     """
-
-    def add(fn: AdvantageEstimator) -> AdvantageEstimator:
-        unknown = [p for p in inspect.signature(fn).parameters if p not in ESTIMATOR_INPUTS]
-        if unknown:
-            raise ValueError(
-                f"advantage estimator {name!r} ({fn.__name__}) has parameters {unknown} that compute_advantage does "
-                f"not supply; expected a subset of {list(ESTIMATOR_INPUTS)}"
-            )
-        return _ESTIMATORS.register(name)(fn)
-
-    return add
+    return ADVANTAGE_ESTIMATORS.register(name)
 
 
 def advantage_estimators() -> list[str]:
     """Names of the registered advantage estimators."""
-    return _ESTIMATORS.names()
+    return ADVANTAGE_ESTIMATORS.names()
+
+
+def required_inputs(estimator: str) -> list[str]:
+    """The `ESTIMATOR_INPUTS` that the estimator `estimator` (a name or `path.py:function`) needs: its parameters
+    without a default."""
+    params = inspect.signature(ADVANTAGE_ESTIMATORS.get(estimator)).parameters.values()
+    return [p.name for p in params if p.default is inspect.Parameter.empty]
 
 
 def compute_advantage(
@@ -76,12 +93,12 @@ def compute_advantage(
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Advantages and returns, both (bs, T), by the registered estimator `estimator`.
+    """Advantages and returns, both (bs, T), by the estimator `estimator` (a registered name or `path.py:function`).
 
     token_level_rewards, response_mask, values: (bs, T); index: (bs,) group ids (any hashable, host-side);
     reward_baselines: (bs,) (ReMax's greedy-response reward); `norm_adv_by_std=False` turns GRPO into Dr.GRPO.
     """
-    fn = _ESTIMATORS.get(estimator)
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
     rewards = jnp.asarray(token_level_rewards)
     if not jnp.issubdtype(rewards.dtype, jnp.floating):
         rewards = rewards.astype(jnp.float32)

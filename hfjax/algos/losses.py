@@ -7,8 +7,10 @@ mini-batch's counts to every micro-batch, and the sum of the micro-batch losses 
 the mini-batch loss (and gradient). The token-mean metrics (clip fractions, ppo_kl) follow the same rule: with
 `global_tokens` each is this batch's share of the mini-batch's token mean, so the micro-batch values sum to the
 mini-batch's (whatever the micro-batch size). Policy losses take optional per-token `token_weights` (e.g.
-rollout-correction importance weights) that scale the token losses before aggregation. Imports `hfjax.algos.masked`
-and `.registry`; must not import workers, trainer or models.
+rollout-correction importance weights) that scale the token losses before aggregation. A policy loss is a registered
+name or user code `path/to/file.py:function`; the actor calls it with `ACTOR_ARGUMENTS` and the `ACTOR_OPTIONS` it
+takes (`check_actor_policy_loss`, `actor_options`). Imports `hfjax.algos.masked` and `.registry`; must not import
+workers, trainer or models.
 """
 
 from __future__ import annotations
@@ -29,7 +31,28 @@ GSPO_LOG_RATIO_MAX = 10.0  # GSPO clamps its token-level log ratio from above
 
 PolicyLossOutput = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # pg_loss, pg_clipfrac, ppo_kl, clipfrac_lower
 PolicyLoss = Callable[..., PolicyLossOutput]
-_POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+LOSS_INPUTS = ("old_log_prob", "log_prob", "advantages", "response_mask")  # a policy loss's positional arguments
+# what the actor update passes every policy loss (as keywords), and what it passes only to a loss that takes it
+ACTOR_ARGUMENTS = ("loss_agg_mode", "global_tokens", "global_seqs", "norm_length")
+ACTOR_OPTIONS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+
+
+def check_policy_loss(label: str, fn: PolicyLoss) -> None:
+    """Raises ValueError unless `fn` can be called with the four arrays `LOSS_INPUTS` as positional arguments (and
+    its keyword-only parameters)."""
+    try:
+        signature = inspect.signature(fn)
+        keywords = {p.name: None for p in signature.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        signature.bind(*LOSS_INPUTS, **keywords)
+    except TypeError as exc:
+        raise ValueError(
+            f"policy loss {label!r} cannot be called as {getattr(fn, '__name__', fn)}({', '.join(LOSS_INPUTS)}) ({exc})"
+        ) from None
+    except ValueError:  # no signature to inspect: nothing to check
+        return
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", check_policy_loss)
 
 
 def _safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
@@ -98,12 +121,12 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
 
     A loss that supports per-token weights takes a keyword-only `token_weights: jax.Array | None = None` multiplying
     its token losses before aggregation; losses without it still work, only not with weights."""
-    return _POLICY_LOSSES.register(name)
+    return POLICY_LOSSES.register(name)
 
 
 def policy_losses() -> list[str]:
     """Names of the registered policy losses."""
-    return _POLICY_LOSSES.names()
+    return POLICY_LOSSES.names()
 
 
 def policy_loss(
@@ -120,8 +143,8 @@ def policy_loss(
     keyword parameters of that loss, and those not given keep the loss's defaults. `token_weights` (bs, T) multiply
     the token losses before aggregation (normalisers stay those of `response_mask`); it is passed only when not None,
     and only to a loss that takes it."""
-    fn = _POLICY_LOSSES.get(name)
-    accepted = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    fn = POLICY_LOSSES.get(name)
+    accepted = _keyword_only(fn)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(f"policy loss {name!r} does not take {unknown}; it takes {accepted}")
@@ -133,6 +156,41 @@ def policy_loss(
             )
         params["token_weights"] = token_weights
     return fn(old_log_prob, log_prob, advantages, response_mask, **params)
+
+
+def _keyword_only(fn: PolicyLoss) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def check_actor_policy_loss(name: str) -> None:
+    """Raises ValueError unless the actor update can call the policy loss `name` (registered or `path.py:function`):
+    it takes `ACTOR_ARGUMENTS` as keyword-only parameters, and its other keyword-only parameters have defaults or
+    are `ACTOR_OPTIONS` (which the actor fills from its config; `token_weights` comes only with rollout correction,
+    so it needs the default None)."""
+    fn = POLICY_LOSSES.get(name)
+    params = inspect.signature(fn).parameters.values()
+    accepted = _keyword_only(fn)
+    missing = [p for p in ACTOR_ARGUMENTS if p not in accepted]
+    unfilled = [
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+        and p.default is inspect.Parameter.empty
+        and p.name not in (*ACTOR_ARGUMENTS, *ACTOR_OPTIONS)
+    ]
+    if missing or unfilled:
+        problem = f"lacks keyword-only {missing}" if missing else f"needs {unfilled}, which the actor does not pass"
+        raise ValueError(
+            f"policy loss {name!r} {problem}; expected def loss({', '.join(LOSS_INPUTS)}, *, "
+            f"{', '.join(ACTOR_ARGUMENTS)}, [any of {', '.join(ACTOR_OPTIONS)}], [token_weights=None])"
+        )
+
+
+def actor_options(name: str, **options: object) -> dict[str, object]:
+    """The `options` (from `ACTOR_OPTIONS`) that the policy loss `name` takes: the actor offers its clip settings to
+    every loss, and each takes those it names."""
+    accepted = _keyword_only(POLICY_LOSSES.get(name))
+    return {key: value for key, value in options.items() if key in accepted}
 
 
 @register_policy_loss("ppo")

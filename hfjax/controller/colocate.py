@@ -60,7 +60,8 @@ class Colocated:
         if resource_pool is None:
             group = LocalWorkerGroup(ColocatedWorker, self.roles)
         else:
-            group = RayWorkerGroup(resource_pool, ColocatedWorker, self.roles, liveness=liveness)
+            name = "+".join(self.roles)  # the prefix of its processes' console output
+            group = RayWorkerGroup(resource_pool, ColocatedWorker, self.roles, liveness=liveness, name=name)
         return {name: group.role(name, cls) for name, (cls, _, _) in self.roles.items()}
 
 

@@ -29,8 +29,13 @@ class WorkerHost:
     """The Ray actor of one group process: holds the worker and runs the group's calls on it; `ping` answers on a
     thread of its own (concurrency group `liveness`) while a call runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str = "worker", rank: int = 0) -> None:
         self.worker: Worker | None = None
+        self.label, self.rank = label, rank
+
+    def __repr__(self) -> str:
+        """Ray prefixes the process's console output with this: `(<worker class> rank <r> pid=...)`."""
+        return f"{self.label} rank {self.rank}"
 
     @ray.method(concurrency_group="liveness")
     def ping(self) -> int:
@@ -75,7 +80,8 @@ def _shared_once(args: list[tuple[Any, ...]], kwargs: list[dict[str, Any]]) -> t
 
 class RayWorkerGroup(WorkerGroup):
     """`worker_cls(*args, **kwargs)` in one Ray actor per host of `resource_pool`; every `@register` method of
-    `worker_cls` becomes a method of the group. Raises `WorkerError` if a worker fails to start."""
+    `worker_cls` becomes a method of the group. `liveness`: how its calls are watched (`Watchdog`); `name`: the prefix
+    of its processes' console output (default the class name). Raises `WorkerError` if a worker fails to start."""
 
     on_ray = True
 
@@ -85,6 +91,7 @@ class RayWorkerGroup(WorkerGroup):
         worker_cls: type[Worker],
         *args: Any,
         liveness: LivenessConfig | None = None,
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         check_worker_cls(worker_cls)
@@ -92,7 +99,9 @@ class RayWorkerGroup(WorkerGroup):
         self.liveness = liveness or LivenessConfig()
         world_size = resource_pool.world_size
         host_cls = ray.remote(concurrency_groups={"liveness": 1})(WorkerHost)
-        self._hosts = [host_cls.options(**resource_pool.actor_options(r)).remote() for r in range(world_size)]
+        self._hosts = [
+            host_cls.options(**resource_pool.actor_options(r)).remote(name or self._label, r) for r in range(world_size)
+        ]
         try:
             coordinator = None
             if world_size > 1:

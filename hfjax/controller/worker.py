@@ -134,6 +134,7 @@ def init_distributed(info: WorkerInfo) -> None:
         num_processes=info.world_size,
         process_id=info.rank,
         initialization_timeout=DISTRIBUTED_INIT_TIMEOUT_S,
+        coordinator_bind_address=info.coordinator,  # rank 0's service: that address only, not every interface
     )
 
 

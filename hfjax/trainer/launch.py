@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 def ray_session(cfg: RLConfig) -> Iterator[None]:
     """Ray for one run. With Ray already initialised in this process it is used as it is. Otherwise this joins the
     cluster at `trainer.ray_address` (else `RAY_ADDRESS`), or starts a Ray of this machine alone whose servers listen
-    on the loopback interface only (`_start_local_ray`); either is shut down at the end. A local Ray's temp directory
+    on the loopback interface only (`_start_local_ray`); either is shut down at the end. Workers' output reaches this
+    console, each line prefixed by its worker class, rank and pid. A local Ray's temp directory
     is removed after a run that succeeded and kept, with its path logged, after one that failed (its logs)."""
     import ray
 
@@ -35,7 +36,7 @@ def ray_session(cfg: RLConfig) -> Iterator[None]:
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
     temp = None
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address)
     else:
         temp = os.environ.get("HFJAX_RAY_TMPDIR") or tempfile.mkdtemp(prefix="hfjax-ray-")
         _start_local_ray(temp)
@@ -61,7 +62,7 @@ def _start_local_ray(temp: str) -> None:
     clusters = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+        ray.init(include_dashboard=False, _temp_dir=temp)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = clusters
 

@@ -32,7 +32,7 @@ from hfjax.trainer.automap_run import predict_run
 from hfjax.typed_config import ConfigError
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-_MEMORY_ONLY = DeviceProfile("memory check", 1.0, 1.0, 1.0, 1.0)  # the cost model's seconds are not used here
+MEMORY_ONLY_PROFILE = DeviceProfile("memory check", 1.0, 1.0, 1.0, 1.0)  # the cost model's seconds are not used here
 
 
 def model_config(path: str, field: str) -> ModelConfig:
@@ -156,6 +156,16 @@ def check_prompt_files(files: Sequence[str], field: str, needs_truth: bool, requ
             )
 
 
+def with_default_gen_layout(cfg: RLConfig) -> RLConfig:
+    """`cfg` with `rollout.gen_layout` set to its default when unset: data parallel over the actor group's devices
+    (what the workers use; the cost model needs it spelled out)."""
+    if cfg.rollout.gen_layout is not None:
+        return cfg
+    hosts, per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))
+    default = {"mesh": {"data": hosts * per_host}, "rules": "dp_tp_gen"}
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gen_layout=default))
+
+
 def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     """The run's memory per device from the cost model (master weights, optimizer state, gradients, generation
     copy, activations), and the KV cache of `rollout.slots` on top of the actor's resident state, against the
@@ -166,13 +176,12 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     per_device, source = known
     options = CostOptions()
     usable = per_device * options.usable_memory_fraction
-    hosts, per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))
+    per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))[1]
     resident = 0.0
-    if cfg.rollout.gen_layout is None:  # the default: data parallel over the actor group's devices
-        default = {"mesh": {"data": hosts * per_host}, "rules": "dp_tp_gen"}
-        cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gen_layout=default))
+    cfg = with_default_gen_layout(cfg)
     try:
-        cluster = ClusterSpec(cfg.trainer.hosts, cfg.trainer.devices_per_host, max(1, int(per_device)), _MEMORY_ONLY)
+        trainer = cfg.trainer
+        cluster = ClusterSpec(trainer.hosts, trainer.devices_per_host, max(1, int(per_device)), MEMORY_ONLY_PROFILE)
         roles = predict_run(cfg, cluster).roles
     except (InfeasibleError, LayoutError) as exc:
         raise ConfigError(f"memory: {exc} ({source})") from exc

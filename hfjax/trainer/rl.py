@@ -26,7 +26,7 @@ from hfjax.models import load_tokenizer
 from hfjax.protocol import DataProto
 from hfjax.trainer.health import RunHealth
 from hfjax.trainer.placement import spawn_roles
-from hfjax.trainer.programs import PROGRAMS
+from hfjax.trainer.programs import program_for
 from hfjax.trainer.rl_metrics import data_metrics
 from hfjax.trainer.rollout_stream import RolloutStream
 from hfjax.trainer.step import Step, group_names
@@ -79,7 +79,7 @@ class RLTrainer:
             algo.kl_ctrl, kl_coef=algo.kl_coef, target_kl=algo.target_kl, horizon=algo.horizon
         )
         self.lagrange = algo.lambda_init
-        self.program = PROGRAMS[algo.name]
+        self.program = program_for(algo)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.state_checkpoints = CheckpointManager(self.checkpoint_dir / "trainer", max_to_keep=cfg.trainer.max_to_keep)
         saved = self.state_checkpoints.all_steps()

@@ -1,6 +1,10 @@
 """`Step`: one RL iteration's state on the controller — the batch flowing between roles and the operations the
 algorithm programs are written in (each one role call or one controller computation, timed as `timing_s/<name>`).
 
+The names in `PUBLIC_API` are the stable API that programs are written in, the built-in ones
+(`hfjax.trainer.programs`) and users' own (`algorithm.program`, docs/algorithms.md): their names, arguments and the
+batch keys each reads and writes (listed in its docstring) keep working across releases. Every other name is
+internal and may change.
 Imports `hfjax.algos`, `hfjax.protocol`, `hfjax.workers.sequences`, `hfjax.config` and this package's timeline.
 """
 
@@ -20,6 +24,27 @@ from hfjax.trainer.timeline import Timeline
 from hfjax.workers.sequences import scores_to_token_level
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
+PUBLIC_API = (
+    # state
+    "cfg",
+    "step",
+    "prompts",
+    "batch",
+    "metrics",
+    # operations, in the order PPO calls them
+    "greedy_baseline",
+    "generate",
+    "score",
+    "cost",
+    "old_log_prob",
+    "ref_log_prob",
+    "values",
+    "advantages",
+    "safe_advantages",
+    "update_critic",
+    "update_actor",
+    "update_lagrange",
+)
 
 
 def rollout_meta(cfg: RLConfig, step: int) -> dict[str, Any]:
@@ -38,7 +63,10 @@ def _mean_metrics(meta: dict[str, Any]) -> dict[str, float]:
 
 
 class Step:
-    """One iteration: `batch` starts as the prompts; `metrics` collects everything logged for the step."""
+    """One iteration of a program. State: `cfg` (the run's `RLConfig`), `step` (the iteration, from 0), `prompts`
+    (this step's prompts, a `DataProto`), `batch` (the prompts, then from `generate` on the rollout batch: one row
+    per response, `batch.batch` its arrays, `batch.non_tensor_batch["uid"]` its prompt's id), `metrics` (what is
+    logged for the step: a program may add its own)."""
 
     def __init__(
         self,
@@ -74,6 +102,11 @@ class Step:
     def _call(self, role: str, method: str, data: DataProto) -> tuple[DataProto, dict[str, float]]:
         """A role's group method: its rows (without `meta_info`, so that they union with the batch) and its metrics
         (`absorb`)."""
+        if role not in self.roles:
+            raise ValueError(
+                f"the program calls the {role} role, which this run does not start ({self.cfg.algorithm.source}); "
+                f"a program of your own lists the roles it calls besides the actor in its file's ROLES"
+            )
         with self.on_lane(self.lanes[role], method):
             out = getattr(self.roles[role], method)(data)
         return self.absorb(data, out)
@@ -104,8 +137,10 @@ class Step:
         return out
 
     def generate(self) -> None:
-        """n sampled responses per prompt; the batch becomes the rollout batch (prompts repeated, interleaved). A
-        rollout already under way (`self.rollout`) is waited for instead (`timing_s/gen` is then the wait)."""
+        """`rollout.n` sampled responses per prompt; the batch becomes the rollout batch (the prompts' rows repeated,
+        interleaved) with `responses`, `response_mask`, `input_ids`, `attention_mask`, `position_ids` and
+        `rollout_log_probs`. A rollout already under way (asynchronous runs) is waited for instead (`timing_s/gen`
+        is then the wait)."""
         n = self.cfg.rollout.n
         with self.timed("gen"):
             if self.rollout is None:
@@ -119,7 +154,8 @@ class Step:
         self.batch = DataProto(out.batch, rows.non_tensor_batch, {})
 
     def greedy_baseline(self) -> None:
-        """ReMax: the reward of one greedy response per prompt, repeated for the prompt's n samples."""
+        """ReMax: the reward of one greedy response per prompt, repeated for the prompt's n samples, as the
+        `reward_baselines` that `advantages` hands the estimator. Call it before `generate`."""
         with self.timed("gen_max"):
             out = self._generate(self.prompts, {"do_sample": False})
             rows = self.prompts.select(non_tensor_batch_keys=list(self.prompts.non_tensor_batch))
@@ -129,7 +165,8 @@ class Step:
 
     # --------------------------------------------------------------------------------------------- rewards
     def score(self) -> None:
-        """`token_level_scores` (rule and/or reward model) on the last response token."""
+        """The reward of each response (rule and/or reward model): `scores` (rows,) and `token_level_scores` (the
+        score on the last response token)."""
         with self.timed("reward"), self.on_lane("controller", "reward"):
             scores = self.trainer.sequence_scores(self.batch)
         mask = self.batch.batch["response_mask"]
@@ -137,7 +174,7 @@ class Step:
         self.batch.batch["token_level_scores"] = scores_to_token_level(scores, mask)
 
     def cost(self) -> None:
-        """Safe-RLHF: the cost model's score as `token_level_costs`."""
+        """Safe-RLHF: the cost model's score as `costs` (rows,) and `token_level_costs` (role `cost_model`)."""
         with self.timed("cost"):
             costs = self._call("cost_model", "compute_rm_score", self.batch)[0].batch["cost_scores"]
         self.batch.batch["costs"] = costs
@@ -145,6 +182,8 @@ class Step:
 
     # --------------------------------------------------------------------------------------------- model passes
     def old_log_prob(self) -> None:
+        """`old_log_probs` of the responses under the current policy (skipped when the actor update computes them
+        itself: `RLConfig.reuses_update_log_probs`); logs `actor/entropy_rollout`."""
         if self.cfg.reuses_update_log_probs:
             return
         with self.timed("old_log_prob"):
@@ -154,12 +193,14 @@ class Step:
         self.batch = self.batch.union(out)
 
     def ref_log_prob(self) -> None:
+        """`ref_log_prob` under the reference policy, when the run uses it (a KL loss or a KL in the reward)."""
         if not self.cfg.uses_ref:
             return
         with self.timed("ref"):
             self.batch = self.batch.union(self._call("actor", "compute_ref_log_prob", self.batch)[0])
 
     def values(self, role: str, key: str) -> None:
+        """The value model `role` (`critic`, `cost_critic`) of every response token, stored as `key`."""
         with self.timed(f"values_{role}" if role != "critic" else "values"):
             values = self._call(role, "compute_values", self.batch)[0].batch["values"]
         self.batch.batch[key] = values
@@ -198,28 +239,36 @@ class Step:
         )
         return np.asarray(advantages, np.float32), np.asarray(returns, np.float32)
 
-    def advantages(self, estimator: str) -> None:
+    def advantages(self, estimator: str | None = None) -> None:
+        """`token_level_rewards` (the scores minus the KL penalty when `algorithm.use_kl_in_reward`), then
+        `advantages` and `returns` by `estimator` (a registered name or `path/to/file.py:function`; None: the
+        run's `algorithm.adv_estimator`, else the one of `algorithm.name`). The estimator gets `values` when the
+        batch has them and `reward_baselines` after `greedy_baseline`."""
         with self.timed("adv"), self.on_lane("controller", "advantages"):
             rewards = self._rewards("token_level_scores")
             self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
             values = self.batch.batch.get("values")
-            adv, ret = self._gae_or_rule(estimator, rewards, values)
+            adv, ret = self._gae_or_rule(estimator or self.cfg.algorithm.estimator, rewards, values)
         self.batch.batch["advantages"], self.batch.batch["returns"] = adv, ret
 
     def safe_advantages(self) -> None:
-        """Reward and cost GAE; the actor follows (A_r - lambda * A_c) / (1 + lambda)."""
+        """Safe-RLHF: reward and cost advantages (the run's estimator, GAE by default, over `values` and
+        `cost_values`); the actor follows `advantages` = (A_r - lambda * A_c) / (1 + lambda); also `returns` and
+        `cost_returns`."""
+        estimator = self.cfg.algorithm.estimator
         with self.timed("adv"), self.on_lane("controller", "advantages"):
             rewards = self._rewards("token_level_scores")
             self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
-            adv_r, ret_r = self._gae_or_rule("gae", rewards, self.batch.batch["values"])
+            adv_r, ret_r = self._gae_or_rule(estimator, rewards, self.batch.batch["values"])
             costs = self.batch.batch["token_level_costs"]
-            adv_c, ret_c = self._gae_or_rule("gae", costs, self.batch.batch["cost_values"])
+            adv_c, ret_c = self._gae_or_rule(estimator, costs, self.batch.batch["cost_values"])
             lam = self.trainer.lagrange
         self.batch.batch["advantages"] = ((adv_r - lam * adv_c) / (1.0 + lam)).astype(np.float32)
         self.batch.batch["returns"], self.batch.batch["cost_returns"] = ret_r, ret_c
 
     def update_lagrange(self) -> None:
-        """Projected gradient ascent on lambda: grows while the mean cost exceeds `cost_limit`."""
+        """Safe-RLHF: projected gradient ascent on the Lagrange multiplier lambda, which grows while the mean cost
+        exceeds `algorithm.cost_limit`; logs `safe/lambda`, `safe/cost/mean`."""
         algo = self.cfg.algorithm
         mean_cost = float(np.mean(self.batch.batch["costs"]))
         self.trainer.lagrange = max(0.0, self.trainer.lagrange + algo.lambda_lr * (mean_cost - algo.cost_limit))
@@ -227,6 +276,8 @@ class Step:
 
     # --------------------------------------------------------------------------------------------- updates
     def update_critic(self, role: str, values_key: str, returns_key: str) -> None:
+        """PPO epochs of the value model `role` towards `returns_key` (its old values: `values_key`); logs its
+        metrics under `critic/` (or `<role>/`)."""
         data = self.batch.select(batch_keys=[*PROMPT_TENSORS, "responses", "response_mask"])
         data.batch["values"], data.batch["returns"] = self.batch.batch[values_key], self.batch.batch[returns_key]
         with self.timed("update_critic" if role == "critic" else f"update_{role}"):
@@ -234,13 +285,19 @@ class Step:
         prefix = "critic/" if role == "critic" else f"{role}/"
         self.metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in metrics.items()})
 
-    def update_actor(self) -> None:
+    def update_actor(self, rows: np.ndarray | None = None) -> None:
+        """PPO epochs of the policy on `advantages` with `actor.policy_loss` (after `trainer.critic_warmup` steps);
+        logs the `actor/` metrics. `rows` (a boolean mask over the batch) keeps the others out of the loss and its
+        token and sequence counts, while they stay in the batch and its metrics."""
         if self.step < self.cfg.trainer.critic_warmup:
             return
         keys = [*PROMPT_TENSORS, "responses", "response_mask", "advantages"]
         keys += [] if self.cfg.reuses_update_log_probs else ["old_log_probs"]
         keys += ["ref_log_prob"] if self.cfg.actor.use_kl_loss else []
         keys += ["rollout_log_probs"] if "rollout_log_probs" in self.batch.batch else []  # off-policy correction
+        data = self.batch.select(batch_keys=keys)
+        if rows is not None:
+            data.batch["response_mask"] = data.batch["response_mask"] * np.asarray(rows, bool)[:, None]
         with self.timed("update_actor"):
-            _, metrics = self._call("actor", "update_actor", self.batch.select(batch_keys=keys))
+            _, metrics = self._call("actor", "update_actor", data)
         self.metrics.update(metrics)

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from hfjax.algos import (
+    actor_options,
     agg_loss,
     entropy_from_logits,
     kl_penalty,
@@ -69,8 +70,12 @@ def actor_loss(
     logp, scaled = _response_logprobs(model, batch, temperature)
     # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
     old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
-    clip = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
-    options = {"ppo": {**clip, "clip_ratio_c": cfg.clip_ratio_c}, "gspo": clip}.get(cfg.policy_loss, {})
+    clip = {
+        "clip_ratio_low": cfg.clip_ratio_low,
+        "clip_ratio_high": cfg.clip_ratio_high,
+        "clip_ratio_c": cfg.clip_ratio_c,
+    }
+    options = actor_options(cfg.policy_loss, **clip)  # the clip settings that the loss takes
     loss_mask, correction = mask, {}
     if "rollout_log_probs" in batch:  # off-policy correction towards the policy that sampled the tokens
         rc = cfg.rollout_correction

@@ -2,7 +2,9 @@
 
 Plain dataclasses with defaults beside their fields; `hfjax.config` composes them into the run config and
 `hfjax.typed_config` validates YAML and `key=value` overrides into them. Every number is checked against its range
-and every name of a registry (policy losses, KL estimators) against that registry when the config loads. Layouts
+and every name of a registry (policy losses, KL estimators) against that registry when the config loads; a policy
+loss given as user code `path/to/file.py:function` is loaded and its signature checked then, and its path kept
+absolute (the actor's workers load it again, from any working directory). Layouts
 stay dicts in `Layout.from_config` form; `None` means "all of this process's devices" (fsdp for training, data
 parallel for generation).
 Imports `hfjax.training.optim`, the registries of `hfjax.algos` and the checks of `hfjax.typed_config`.
@@ -15,7 +17,7 @@ import warnings
 from typing import Any, Literal
 
 from hfjax.algos.kl import KL_ALIASES, KL_KINDS
-from hfjax.algos.losses import policy_losses
+from hfjax.algos.losses import POLICY_LOSSES, check_actor_policy_loss
 from hfjax.training.optim import OptimConfig
 from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_fields, check_name
 
@@ -133,7 +135,11 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         check_batch_sizes(self)
-        check_name("policy_loss", self.policy_loss, policy_losses(), "policy loss")
+        self.policy_loss = POLICY_LOSSES.resolve("policy_loss", self.policy_loss)  # a user file's path: absolute
+        try:
+            check_actor_policy_loss(self.policy_loss)
+        except ValueError as exc:
+            raise ValueError(f"policy_loss: {exc}") from None
         check_name("kl_loss_type", self.kl_loss_type, KL_NAMES, "KL estimator")
         check_fields(
             self,
