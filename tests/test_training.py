@@ -8,6 +8,7 @@ import logging
 import math
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,6 +212,17 @@ def test_checkpoint_round_trip_is_bitwise_and_restores_into_another_layout(tmp_p
         np.testing.assert_array_equal(x, y)
     for leaf, target in zip(jax.tree.leaves(items), jax.tree.leaves(targets), strict=True):
         assert leaf.sharding == target.sharding
+    other.load_items(items)
+    chex.assert_trees_all_equal(other.items(), items)
+    # items of another tree, shape or dtype are refused before anything is replaced
+    params = other.params
+    wrong_dtype = {**items, "params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), items["params"])}
+    with pytest.raises(AssertionError, match="dtype"):
+        other.load_items(wrong_dtype)
+    wrong_tree = {**items, "params": jax.tree.leaves(items["params"])}
+    with pytest.raises(AssertionError):
+        other.load_items(wrong_tree)
+    assert other.params is params
 
 
 def _damage(step_dir: Path) -> None:
