@@ -182,7 +182,7 @@ def test_max_to_keep_applies_to_every_role(inputs, tmp_path):
         assert steps == ["3"], role
 
 
-@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("role", ["actor", pytest.param("critic", marks=pytest.mark.slow)])
 def test_a_damaged_step_of_one_role_resumes_every_role_from_the_step_before(inputs, tmp_path, role, caplog):
     two = {"total_steps": 2, "save_freq": 1}
     full = run_rl(load_rl_config(rl_config(inputs, tmp_path / "full", "ppo", trainer=two)))
@@ -199,7 +199,9 @@ def test_a_damaged_step_of_one_role_resumes_every_role_from_the_step_before(inpu
     assert (run_dir / "checkpoints" / role / "2.unreadable").is_dir()  # kept for inspection
 
 
-@pytest.mark.parametrize("signal_name", ["SIGKILL during a save", "SIGINT mid-step"])
+@pytest.mark.parametrize(
+    "signal_name", ["SIGKILL during a save", pytest.param("SIGINT mid-step", marks=pytest.mark.slow)]
+)
 def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tmp_path, signal_name):
     run_dir = tmp_path / "run"
     config = rl_config(inputs, run_dir, "grpo", trainer={"total_steps": 50, "save_freq": 1, "progress": False})
@@ -331,6 +333,7 @@ class Napper(Worker):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 30 s of silence by default
 def test_a_stopped_worker_is_reported_within_a_minute(ray_cluster):
     group = RayWorkerGroup(ResourcePool([1, 1]), Napper)  # default liveness
     try:

@@ -566,10 +566,14 @@ def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
         run_config(split, run, dataclasses.replace(cluster, hosts=1, devices_per_host=4))
 
 
-def test_automap_rejects_a_bad_run_config(tmp_path):
+def test_automap_rejects_a_bad_run_config(tmp_path, capsys):
     from hfjax.cli import main
 
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model_path": "x", "actor": {"ppo_epochs": 0}}))
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "profile": "a100-80gb"}))
-    with pytest.raises(ValueError, match="ppo_epochs"):
-        main(["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")])
+    argv = ["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")]
+    assert main(argv) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "hfjax automap: actor.ppo_epochs: expected >= 1, got 0 (from the given mapping)"
+    )
