@@ -501,6 +501,7 @@ def test_trainer_candidates_on_several_hosts_run_one_generation_loop_per_host():
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
     """`hfjax automap` on a PPO run config: the output is that config with the best trainer mapping filled in,
     loads as an RL config and `run_rl` runs an iteration of it as is."""

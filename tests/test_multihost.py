@@ -70,7 +70,7 @@ def _assert_same_metrics(got, want, where):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_two_hosts_equal_one_host_and_resume_across_host_counts(ray_cluster, inputs, tmp_path, algorithm):
     """3 steps on 2 hosts x 4 devices equal 1 x 8 (metrics, exported weights). Then a run stopped after step 2 on
     one host count resumes on the other (GRPO: 2 x 4 -> 1 x 8, PPO: 1 x 8 -> 2 x 4) and logs step 3 as before."""
@@ -206,6 +206,7 @@ def test_more_hosts_than_ray_nodes_is_a_clear_error(ray_cluster, inputs, tmp_pat
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_split_placement_with_two_hosts_per_group(ray_cluster, inputs, tmp_path):
     """PPO split on 4 hosts x 2 devices: the actor group and the critic group each span 2 hosts (2 processes each),
     distinct processes (so split equals standalone for PPO's two trained roles)."""

@@ -149,6 +149,7 @@ def test_each_algorithm_runs_colocated_on_ray(ray_cluster, inputs, tmp_path, alg
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_split_placement_on_ray(ray_cluster, inputs, tmp_path):
     trainer = {"backend": "ray", "placement": "split", "devices_per_host": 8, "total_steps": 2}
     history = run_rl(load_rl_config(rl_config(inputs, tmp_path / "run", "ppo", trainer=trainer)))

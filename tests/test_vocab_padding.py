@@ -224,7 +224,7 @@ def test_sampler_never_picks_a_masked_column(temperature, top_k, top_p):
     np.testing.assert_allclose(np.asarray(logprobs), want, rtol=0, atol=_float32_atol(scaled))
 
 
-@pytest.mark.parametrize("tensor", [2, 4])
+@pytest.mark.parametrize("tensor", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_generation_under_tensor_parallelism_matches_transformers(tmp_path, tensor):
     """A vocabulary-97 checkpoint generating with its vocab sharded over `tensor`: greedy tokens equal transformers'
     `generate`; sampled tokens (plain, and top-k with top-p) are real tokens whose log probs equal transformers'
