@@ -17,6 +17,12 @@ export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
 "$WORK/venv/bin/hfjax" quickstart --help > /dev/null
 "$WORK/venv/bin/python" -c "from hfjax.packaged import config_path; assert config_path('quickstart.yaml').is_file()"
 "$WORK/venv/bin/hfjax" layouts > /dev/null
+# the quickstart's tokenizer with its chat template: the runtime dependencies a first run needs, without PyTorch
+"$WORK/venv/bin/python" -c "
+from hfjax.data.synthetic import build_addition_tokenizer
+text = build_addition_tokenizer().apply_chat_template([{'role': 'user', 'content': '1+2='}], tokenize=False)
+assert '1+2=' in text, text
+"
 mkdir run
 for step in 1 2 3; do
   echo "{\"step\": $step, \"critic/score/mean\": 0.$step, \"actor/pg_loss\": -0.0$step}" >> run/metrics.jsonl
