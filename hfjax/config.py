@@ -21,7 +21,16 @@ from hfjax.controller.liveness import LivenessConfig
 from hfjax.controller.resource_pool import group_hosts
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import Layout
-from hfjax.typed_config import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_fields, check_name, load_config
+from hfjax.typed_config import (
+    AT_LEAST_1,
+    FRACTION,
+    NON_NEGATIVE,
+    POSITIVE,
+    ZERO_AT_END,
+    check_fields,
+    check_name,
+    load_config,
+)
 from hfjax.user_code import UserCodeError, absolute_spec, check_call, load_callable, user_module
 from hfjax.workers.config import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 
@@ -229,8 +238,8 @@ class TrainerConfig:
             critic_warmup=NON_NEGATIVE,
             hosts=AT_LEAST_1,
             devices_per_host=AT_LEAST_1,
-            save_freq=(lambda v: v >= 0, ">= 0 (0: at the end only)"),
-            test_freq=(lambda v: v >= 0, ">= 0 (0: at the end only)"),
+            save_freq=ZERO_AT_END,
+            test_freq=ZERO_AT_END,
             max_to_keep=AT_LEAST_1,
             device_memory_gib=(lambda v: v is None or 0 < v < math.inf, "a number of GiB > 0 or null"),
         )

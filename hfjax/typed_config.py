@@ -309,6 +309,7 @@ AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 POSITIVE = (lambda v: v > 0, "> 0")
 FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
+ZERO_AT_END = (lambda v: v >= 0, ">= 0 (0: at the end only)")  # how often something happens
 
 
 def _join(path: str, key: str) -> str:

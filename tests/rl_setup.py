@@ -10,6 +10,15 @@ from checkpoints import save_hf_model
 
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
 
+# metrics that vary between identical runs (wall times, throughput, idle shares): left out when runs are compared
+VARIABLE = ("timing_s/", "timeline/", "perf/throughput", "perf/samples_per_s", "perf/worker_seconds")
+
+
+def deterministic(metrics: dict[str, Any]) -> dict[str, Any]:
+    """`metrics` without the `VARIABLE` keys and the `step` a JSONL record carries."""
+    return {k: v for k, v in metrics.items() if not k.startswith(VARIABLE) and k != "step"}
+
+
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
 

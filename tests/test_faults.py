@@ -25,7 +25,7 @@ import psutil
 import pytest
 import safetensors.numpy
 import yaml
-from rl_setup import build_run_inputs, rl_config
+from rl_setup import build_run_inputs, deterministic, rl_config
 from tensorboardX.proto.event_pb2 import Event
 
 from hfjax.config import load_rl_config
@@ -42,7 +42,6 @@ from hfjax.training.run_dir import RunDirLock, RunDirLockedError
 pytest_plugins = ["ray_cluster"]
 
 REPO = Path(__file__).resolve().parents[1]
-VARIABLE = ("timing_s/", "timeline/", "perf/throughput", "perf/samples_per_s", "perf/worker_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +49,10 @@ def inputs(tmp_path_factory):
     return build_run_inputs(tmp_path_factory.mktemp("faults"))
 
 
-def _deterministic(metrics):
-    return {k: v for k, v in metrics.items() if not k.startswith(VARIABLE) and k != "step"}
-
-
 def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
     assert [m["step"] for m in got] == [m["step"] for m in want]
     for a, b in zip(got, want, strict=True):
-        a, b = _deterministic(a), _deterministic(b)
+        a, b = deterministic(a), deterministic(b)
         assert a.keys() == b.keys()
         for key in b:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a.get("step"), key)
@@ -195,7 +190,7 @@ def test_a_damaged_step_of_one_role_resumes_every_role_from_the_step_before(inpu
     assert f"step 2 cannot be restored: {role}:" in caplog.text and "falling back to the previous step" in caplog.text
     assert len(again) == 1  # step 2 redone from step 1, by every role
     _assert_same_steps(read_metrics(run_dir), read_metrics(tmp_path / "full"))
-    assert _deterministic(again[0]) == pytest.approx(_deterministic(full[1]), rel=1e-6, abs=1e-7)
+    assert deterministic(again[0]) == pytest.approx(deterministic(full[1]), rel=1e-6, abs=1e-7)
     assert (run_dir / "checkpoints" / role / "2.unreadable").is_dir()  # kept for inspection
 
 

@@ -10,7 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config, write_varied_reward
+from rl_setup import build_run_inputs, deterministic, rl_config, write_varied_reward
 
 from hfjax.config import ALGORITHMS, load_rl_config
 from hfjax.controller import LocalWorkerGroup
@@ -21,7 +21,6 @@ from hfjax.trainer.launch import export_run, run_rl
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 pytest_plugins = ["ray_cluster"]
-VARIABLE = ("timing_s/", "timeline/", "perf/throughput", "perf/samples_per_s", "perf/worker_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +33,6 @@ def _finite(history):
     for metrics in history:
         bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
         assert not bad, bad
-
-
-def _deterministic(metrics):
-    return {k: v for k, v in metrics.items() if not k.startswith(VARIABLE)}
 
 
 def test_log_probs_equal_rollout_log_probs(inputs):
@@ -93,7 +88,7 @@ def test_optimizer_offload_during_generation_trains_identically(inputs, tmp_path
     offloaded = run_rl(load_rl_config(rl_config(inputs, tmp_path / "offload", "grpo", trainer=two, rollout=offload)))
     assert len(moves) >= 4 and moves == ["pinned_host", "device"] * (len(moves) // 2)  # a round trip per rollout
     for got, want in zip(offloaded, plain, strict=True):
-        assert _deterministic(got) == _deterministic(want)
+        assert deterministic(got) == deterministic(want)
 
 
 def test_resume_equals_uninterrupted_and_damaged_latest_falls_back(inputs, tmp_path, caplog):
@@ -102,7 +97,7 @@ def test_resume_equals_uninterrupted_and_damaged_latest_falls_back(inputs, tmp_p
     run_rl(load_rl_config(rl_config(inputs, tmp_path / "part", "ppo", trainer={**two, "total_steps": 1})))
     resumed = run_rl(load_rl_config(rl_config(inputs, tmp_path / "part", "ppo", trainer=two)))
     assert len(resumed) == 1
-    got, want = _deterministic(resumed[0]), _deterministic(full[1])
+    got, want = deterministic(resumed[0]), deterministic(full[1])
     assert got.keys() == want.keys()
     for key in want:
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
@@ -117,7 +112,7 @@ def test_resume_equals_uninterrupted_and_damaged_latest_falls_back(inputs, tmp_p
     assert "falling back to the previous step" in caplog.text
     assert len(again) == 1
     for key in want:
-        assert _deterministic(again[0])[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
+        assert deterministic(again[0])[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), key
 
 
 def test_export_writes_hf_checkpoint(inputs, tmp_path):

@@ -9,11 +9,10 @@ from __future__ import annotations
 import yaml
 
 from hfjax.config import RLConfig
-from hfjax.mapping.cluster import GIB, ClusterSpec
+from hfjax.mapping.cluster import GIB
 from hfjax.mapping.cost import InfeasibleError
 from hfjax.parallel.layout import Layout, LayoutError
-from hfjax.trainer.automap_run import predict_run
-from hfjax.trainer.preflight import MEMORY_ONLY_PROFILE, device_memory, with_default_gen_layout
+from hfjax.trainer.preflight import device_memory, predict_memory
 from hfjax.typed_config import to_dict
 
 UNKNOWN_MEMORY_GIB = 1 << 20  # the cost model needs a capacity; with none known, one that every run fits
@@ -57,12 +56,8 @@ def describe_run(cfg: RLConfig) -> str:
 def memory_lines(cfg: RLConfig) -> list[str]:
     """Each group's predicted peak bytes per device and each role's resident bytes, or why there is no estimate."""
     known = device_memory(cfg)
-    capacity_gib = int(known[0] // GIB) if known else UNKNOWN_MEMORY_GIB
-    cluster = ClusterSpec(
-        cfg.trainer.hosts, cfg.trainer.devices_per_host, max(1, capacity_gib) * GIB, MEMORY_ONLY_PROFILE
-    )
     try:
-        prediction = predict_run(with_default_gen_layout(cfg), cluster)
+        prediction = predict_memory(cfg, known[0] if known else UNKNOWN_MEMORY_GIB * GIB)
     except InfeasibleError as exc:
         return [f"  does not fit: {exc}"]
     except (LayoutError, ValueError, OSError) as exc:

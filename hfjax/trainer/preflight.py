@@ -21,9 +21,9 @@ from pathlib import Path
 from hfjax.config import RLConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, read_rows
-from hfjax.hub import resolve_model
+from hfjax.hub import is_hub_id, resolve_model
 from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
-from hfjax.mapping.cost import CostOptions, InfeasibleError
+from hfjax.mapping.cost import CostOptions, InfeasibleError, Prediction
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
 from hfjax.parallel.layout import LayoutError
@@ -41,8 +41,11 @@ def model_config(path: str, field: str) -> ModelConfig:
         raise ConfigError(f"{field}: expected a Hugging Face model directory, got {path!r}")
     directory = Path(path).expanduser()
     if not directory.is_dir():
-        hub = "/" in path and not path.startswith((".", "/", "~")) and len(Path(path).parts) == 2
-        hint = " (a Hub id is resolved before this check: run through hfjax train, or download it)" if hub else ""
+        hint = (
+            " (a Hub id is resolved before this check: run through hfjax train, or download it)"
+            if is_hub_id(path)
+            else ""
+        )
         raise ConfigError(f"{field}: no such directory {path!r}; expected a local Hugging Face model directory{hint}")
     try:
         return read_config(directory)[0]
@@ -166,6 +169,14 @@ def with_default_gen_layout(cfg: RLConfig) -> RLConfig:
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gen_layout=default))
 
 
+def predict_memory(cfg: RLConfig, per_device: float) -> Prediction:
+    """The cost model's prediction for `cfg` on its own hosts and devices of `per_device` bytes each (its seconds are
+    meaningless here: only the memory is used)."""
+    trainer = cfg.trainer
+    cluster = ClusterSpec(trainer.hosts, trainer.devices_per_host, max(1, int(per_device)), MEMORY_ONLY_PROFILE)
+    return predict_run(with_default_gen_layout(cfg), cluster)
+
+
 def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     """The run's memory per device from the cost model (master weights, optimizer state, gradients, generation
     copy, activations), and the KV cache of `rollout.slots` on top of the actor's resident state, against the
@@ -178,11 +189,8 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     usable = per_device * options.usable_memory_fraction
     per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))[1]
     resident = 0.0
-    cfg = with_default_gen_layout(cfg)
     try:
-        trainer = cfg.trainer
-        cluster = ClusterSpec(trainer.hosts, trainer.devices_per_host, max(1, int(per_device)), MEMORY_ONLY_PROFILE)
-        roles = predict_run(cfg, cluster).roles
+        roles = predict_memory(cfg, per_device).roles
     except (InfeasibleError, LayoutError) as exc:
         raise ConfigError(f"memory: {exc} ({source})") from exc
     except ValueError:

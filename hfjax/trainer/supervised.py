@@ -30,7 +30,7 @@ from hfjax.trainer.preflight import check_positions, model_config
 from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
 from hfjax.training.run_dir import RunDirLock, save_run_config
 from hfjax.training.train_state import split_rows
-from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, ConfigError, check_fields, load_config, to_dict
+from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, ZERO_AT_END, ConfigError, check_fields, load_config, to_dict
 from hfjax.workers.config import Dtype, warn_low_precision_master
 
 CHECKPOINT_DIR = "checkpoints"
@@ -98,15 +98,14 @@ class TrainerSection:
     plot: bool = True  # draw `hfjax plot`'s PNGs into run_dir/plots at the end
 
     def __post_init__(self) -> None:
-        at_end = (lambda v: v >= 0, ">= 0 (0: at the end only)")
         check_fields(
             self,
             run_dir=(bool, "a directory path (not empty)"),
             epochs=AT_LEAST_1,
             log_freq=AT_LEAST_1,
             max_to_keep=AT_LEAST_1,
-            save_freq=at_end,
-            val_freq=at_end,
+            save_freq=ZERO_AT_END,
+            val_freq=ZERO_AT_END,
             total_steps=(lambda v: v is None or v >= 1, ">= 1 or null"),
             seed=NON_NEGATIVE,
         )
