@@ -292,4 +292,4 @@ def test_bad_input(llama):
     assert "empty prompt" in outs[2].error
     assert outs[4].finish_reason == "rejected" and "17 tokens exceeds max_prefill_length 16" in outs[4].error
     with pytest.raises(SamplingError, match="empty prompt"):
-        generator.engine.prefill(generator.params, np.zeros(16, np.int32), 0, SamplingParams())
+        generator.engine.prefill(params=generator.params, padded_tokens=np.zeros(16, np.int32), true_length=0)

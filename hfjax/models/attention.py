@@ -115,6 +115,20 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
 
 
+def extend_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, window: int | None = None
+) -> jax.Array:
+    """Queries q [b, t, heads, d] at positions `starts` [b] + 0..t-1 over caches k, v [b, s, kv_heads, d] that
+    already hold them (an observation appended to a running sequence): each query sees the cache positions up to its
+    own (within `window`), so the history before `starts` is read, never recomputed. Scores in float32."""
+    query_index = starts[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
+    key_index = jnp.arange(k.shape[1], dtype=jnp.int32)
+    allowed = key_index[None, None, :] <= query_index[:, :, None]
+    if window is not None:
+        allowed &= query_index[:, :, None] - key_index[None, None, :] < window
+    return _attend(q, k, v, allowed)
+
+
 def dot_product_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal_blocks: int = 4
 ) -> jax.Array:

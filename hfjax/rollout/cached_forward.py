@@ -9,6 +9,9 @@ both products of decode attention then run along contiguous memory, about 3x fas
 [batch, positions, kv_heads, head_dim]. Both forwards run the model's own residual blocks (`DecoderLayer.block`) with
 the attention step replaced by the model's attention functions (`causal_attention` over the prompts,
 `decode_attention` over the cache blocks, each implementation chosen by backend), so their numerics are the model's.
+`extend_forward` appends tokens to sequences already in a cache (an environment's observation after a model turn):
+only the new tokens run through the model, attending over the cached history, so a turn costs its own tokens, not a
+re-prefill of everything before it.
 Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
 (slots x positions x kv heads x head_dim x 2 per layer).
 Imports `hfjax.models` only.
@@ -21,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.attention import causal_attention, decode_attention
+from hfjax.models.attention import causal_attention, decode_attention, extend_attention
 from hfjax.models.transformer import CausalLM
 
 
@@ -54,6 +57,47 @@ def prefill_forward(model: CausalLM, tokens: jax.Array, lengths: jax.Array) -> P
         x = layer.block(x, cos, sin, attend)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return Prefix(tuple(keys), tuple(values), lengths, model.logits(decoder.norm(last)))
+
+
+def extend_forward(
+    model: CausalLM,
+    tokens: jax.Array,
+    starts: jax.Array,
+    counts: jax.Array,
+    cache_keys: tuple[jax.Array, ...],
+    cache_values: tuple[jax.Array, ...],
+) -> Prefix:
+    """Appends tokens [B, T] (right-padded; `counts` [B] real tokens each) to sequences whose first `starts` [B]
+    positions are in the caches (per layer, prefill layout [B, L, kv_heads, head_dim]): the new tokens get positions
+    `starts + i`, their keys and values are written there (padding positions past L are dropped) and they attend
+    over the history and each other. Returns the caches with them, lengths `starts + counts` and the logits at each
+    row's last real token. Cost: the new tokens' forward plus attention over L positions; the history is only read."""
+    length = tokens.shape[1]
+    decoder = model.model
+    positions = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+    cos, sin = decoder.rotary(positions)
+    x = decoder.embed(tokens)
+    keys, values = [], []
+
+    def write(cache: jax.Array, update: jax.Array) -> jax.Array:
+        return jax.vmap(lambda c, u, p: c.at[p].set(u.astype(c.dtype), mode="drop"))(cache, update, positions)
+
+    for layer, layer_keys, layer_values in zip(decoder.layers, cache_keys, cache_values, strict=True):
+
+        def attend(q, k, v, ck=layer_keys, cv=layer_values, window=layer.window):
+            ck, cv = write(ck, k), write(cv, v)
+            keys.append(ck)
+            values.append(cv)
+            return extend_attention(q, ck, cv, starts, window)
+
+        x = layer.block(x, cos, sin, attend)
+    last = jnp.take_along_axis(x, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+    return Prefix(tuple(keys), tuple(values), starts + counts, model.logits(decoder.norm(last)))
+
+
+def from_decode_layout(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Decode-layout keys [B, kv_heads, head_dim, L] and values [B, kv_heads, L, head_dim] in the prefill layout."""
+    return keys.transpose(0, 3, 1, 2), values.transpose(0, 2, 1, 3)
 
 
 def to_decode_layout(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,14 +1,17 @@
-"""`Engine`, the generation interface shaped after JetStream's, and `JaxEngine`, its implementation for hfjax causal
-LMs over a generation `Layout`.
+"""`Engine`, the generation interface shaped after JetStream's, and `JaxEngine`, its implementation for hfjax causal LMs
+over a generation `Layout`.
 
-The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots over the layout's batch axes
-and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of positions per layer. `prefill` runs a batch
-of right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so compiles stay few); `insert`
-copies prefilled prompts into slots and samples each sample's first token; `generate` advances every slot by one
-token, attending only over the blocks that the longest slot has reached when told its length (one compiled step per
-block count). The jitted steps donate the decode state, trace attention under the layout (`attention_layout`: Pallas
-kernels run per shard), and `compiles` counts traces. Parameters are passed on every call (JetStream's convention),
-so new weights of the same shapes and shardings never recompile.
+The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots
+over the layout's batch axes and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of positions per
+layer. `prefill` runs a batch of right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so
+compiles stay few), or appends them to an `existing_prefix`; `insert` copies prefilled prompts into slots and samples
+each sample's first token (the token `prefill` returns is sample 0's: both draw it with the same key); `extend` appends
+tokens to running slots (a multi-turn observation) without re-prefilling their history; `generate` advances every slot
+by one token, attending only over the blocks that the longest slot has reached when told its length (one compiled step
+per block count). The jitted steps donate the decode state, trace attention under the layout (`attention_layout`: Pallas
+kernels run per shard), and `compiles` counts traces. Parameters are passed on every call (JetStream's convention), so
+new weights of the same shapes and shardings never recompile. `prefill_insert` fuses `prefill` and `insert` into one
+compiled call (what `OfflineGenerator` runs); it gives the tokens of the two calls made one after the other.
 Imports `hfjax.models`, `hfjax.parallel` and this package's sampling and cached forwards.
 """
 
@@ -29,7 +32,14 @@ from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.attention import attention_layout
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
-from hfjax.rollout.cached_forward import Prefix, decode_forward, prefill_forward, to_decode_layout
+from hfjax.rollout.cached_forward import (
+    Prefix,
+    decode_forward,
+    extend_forward,
+    from_decode_layout,
+    prefill_forward,
+    to_decode_layout,
+)
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
 
 MIN_PREFILL_BUCKET = 16
@@ -73,11 +83,18 @@ class ResultTokens(NamedTuple):
 
 
 class Engine(Protocol):
-    """JetStream's engine interface (prefill / insert / generate over slots)."""
+    """JetStream's engine interface (prefill / insert / generate over slots), with JetStream's signatures."""
 
     def prefill(
-        self, params: Any, padded_tokens: Any, true_length: Any, sampling: SamplingParams
-    ) -> tuple[PrefillResult, jax.Array]: ...
+        self,
+        *,
+        params: Any,
+        existing_prefix: PrefillResult | None = None,
+        padded_tokens: Any,
+        true_length: Any,
+        sampler: SamplingParams | None = None,
+        request_id: Any = None,
+    ) -> tuple[PrefillResult, ResultTokens]: ...
 
     def insert(self, prefix: PrefillResult, decode_state: DecodeState, slot: Any) -> DecodeState: ...
 
@@ -126,6 +143,11 @@ def _batch_sharded(layout: Layout, shape: tuple[int, ...], logical: tuple[str | 
         used.update(mesh_axes)
         entries.append(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
     return NamedSharding(layout.mesh, PartitionSpec(*entries))
+
+
+def _sample_rng(keys: jax.Array, samples: jax.Array) -> jax.Array:
+    """The random key of sample `samples[i]` of a prompt whose base key is `keys[i]` (raw key data)."""
+    return jax.vmap(lambda k, i: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), i)))(keys, samples)
 
 
 class JaxEngine:
@@ -177,6 +199,8 @@ class JaxEngine:
             per_slot,
         )
         self._prefill = self._jit("prefill", self._prefill_fn)
+        self._prefill_extend = self._jit("prefill", self._prefill_extend_fn)
+        self._extend = self._jit("extend", self._extend_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
         self._insert = self._jit("insert", self._insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
         self._generate = self._jit(
             "generate",
@@ -258,24 +282,69 @@ class JaxEngine:
 
     def prefill(
         self,
+        *,
         params: Any,
+        existing_prefix: PrefillResult | None = None,
         padded_tokens: Any,
         true_length: Any,
-        sampling: SamplingParams,
-        request_ids: Any = None,
-    ) -> tuple[PrefillResult, jax.Array]:
-        """Prefills one prompt ([P]) or a batch ([B, P], right-padded); returns the prefix and each prompt's first
-        token (the token `insert` gives its sample 0)."""
+        sampler: SamplingParams | None = None,
+        request_id: Any = None,
+    ) -> tuple[PrefillResult, ResultTokens]:
+        """Prefills one prompt ([P]) or a batch ([B, P], right-padded) of `true_length` real tokens each; with an
+        `existing_prefix` (of as many rows), appends them to it instead: the result is the prefix of the joined
+        prompts, computed without re-running the existing part. Returns the prefix and each prompt's first token (the
+        token `insert` gives its sample 0) with its logprob, drawn with `sampler` (default greedy) and the keys of
+        `request_id` (default the row index)."""
+        sampler = sampler or SamplingParams(temperature=0.0)
         tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
         lengths = np.atleast_1d(np.asarray(true_length, np.int32))
-        for n in lengths:
-            self.bucket(int(n))
         rows = len(lengths)
-        requests = np.arange(rows, dtype=np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
-        prefix, first = self._prefill(
-            params, tokens, lengths, *self._sampling_arrays(sampling, requests), kind=SamplerKind.of(sampling)
-        )
-        return prefix, first.tokens if np.ndim(padded_tokens) == 2 else first.tokens[0]
+        requests = np.arange(rows, dtype=np.int32) if request_id is None else np.atleast_1d(request_id)
+        arrays = self._sampling_arrays(sampler, np.asarray(requests, np.int32))
+        if existing_prefix is None:
+            for n in lengths:
+                self.bucket(int(n))
+            prefix, first = self._prefill(params, tokens, lengths, *arrays, kind=SamplerKind.of(sampler))
+        else:
+            total = np.asarray(existing_prefix.cache.lengths) + lengths
+            for n in total:
+                self.bucket(int(n))
+            width = existing_prefix.cache.keys[0].shape[1]
+            if width + tokens.shape[1] > self._max_prefill:  # keep the joined prefix within the prefill limit
+                tokens = tokens[:, : max(int(lengths.max()), self._max_prefill - width)]
+            prefix, first = self._prefill_extend(
+                params, existing_prefix.cache, tokens, lengths, *arrays, kind=SamplerKind.of(sampler)
+            )
+        if np.ndim(padded_tokens) == 1:
+            return prefix, ResultTokens(first.tokens[0], first.logprobs[0])
+        return prefix, first
+
+    def extend(
+        self,
+        params: Any,
+        decode_state: DecodeState,
+        *,
+        slots: Any,
+        padded_tokens: Any,
+        true_length: Any,
+        starts: Any,
+        kind: SamplerKind = ALL_FILTERS,
+    ) -> tuple[DecodeState, ResultTokens]:
+        """Appends tokens to running slots: row i ([R, T] right-padded, `true_length[i]` real) goes to slot
+        `slots[i]` (out of range: ignored) at positions `starts[i]`.. (the slot's cached length: what the caller
+        knows, not the decode state's, which advances while a slot waits). Their history is read from the cache, not
+        recomputed. Samples each slot's next token with its own key at its next step, as `generate` would; returns
+        the state (lengths `starts + true_length`) and those tokens."""
+        tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
+        lengths = np.atleast_1d(np.asarray(true_length, np.int32))
+        starts = np.atleast_1d(np.asarray(starts, np.int32))
+        if lengths.min() < 1 or (starts + lengths).max() > self.capacity:
+            raise SamplingError(
+                f"extend: tokens at positions {int(starts.min())}..{int((starts + lengths).max())}, expected at least"
+                f" one token per row within the engine's capacity of {self.capacity} positions"
+            )
+        slot_ids = np.atleast_1d(np.asarray(slots, np.int32))
+        return self._extend(params, decode_state, slot_ids, tokens, lengths, starts, kind=kind)
 
     def insert(
         self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None
@@ -337,17 +406,27 @@ class JaxEngine:
 
     def _prefill_fn(self, params, tokens, lengths, seeds, requests, temperature, top_k, top_p, *, kind):
         cache = prefill_forward(self._model(params), tokens, lengths)
+        return self._prefix_and_first(cache, seeds, requests, temperature, top_k, top_p, kind)
+
+    def _prefill_extend_fn(self, params, existing: Prefix, tokens, lengths, seeds, requests, temp, top_k, top_p, *,
+                           kind):  # fmt: skip
+        pad = ((0, 0), (0, tokens.shape[1]), (0, 0), (0, 0))
+        keys = tuple(jnp.pad(k, pad) for k in existing.keys)
+        values = tuple(jnp.pad(v, pad) for v in existing.values)
+        cache = extend_forward(self._model(params), tokens, existing.lengths, lengths, keys, values)
+        return self._prefix_and_first(cache, seeds, requests, temp, top_k, top_p, kind)
+
+    @staticmethod
+    def _prefix_and_first(cache: Prefix, seeds, requests, temperature, top_k, top_p, kind):
+        """The prefix of `cache` with each row's base key, and sample 0's first token (drawn as `insert` draws it)."""
         keys = sample_key(seeds, requests, jnp.zeros_like(requests))
         prefix = PrefillResult(cache, keys, temperature, top_k, top_p)
-        zeros = jnp.zeros_like(lengths)
-        first = sample_tokens(cache.last_logits, keys, zeros, temperature, top_k, top_p, kind)
+        zeros = jnp.zeros_like(requests)
+        first = sample_tokens(cache.last_logits, _sample_rng(keys, zeros), zeros, temperature, top_k, top_p, kind)
         return prefix, ResultTokens(*first)
 
     def _insert_fn(self, prefix: PrefillResult, state: DecodeState, slots, rows, samples, *, kind):
-        base = prefix.keys[rows]
-        rng = jax.vmap(lambda k, i: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), i)))(
-            base, samples
-        )
+        rng = _sample_rng(prefix.keys[rows], samples)
         zeros = jnp.zeros_like(slots)
         temperature, top_k, top_p = prefix.temperature[rows], prefix.top_k[rows], prefix.top_p[rows]
         first = sample_tokens(prefix.cache.last_logits[rows], rng, zeros, temperature, top_k, top_p, kind)
@@ -394,6 +473,37 @@ class JaxEngine:
             keys=keys, values=values, lengths=state.lengths + 1, tokens=tokens, steps=state.steps + 1
         )
         return state, ResultTokens(tokens, logprobs)
+
+    def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, *, kind):
+        rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
+        history = [
+            from_decode_layout(jnp.concatenate([b[rows] for b in kb], -1), jnp.concatenate([b[rows] for b in vb], 2))
+            for kb, vb in zip(state.keys, state.values, strict=True)
+        ]
+        out = extend_forward(self._model(params), tokens, starts, counts, *zip(*history, strict=True))
+        block = self.block
+
+        def put(blocks: tuple[jax.Array, ...], full: jax.Array, axis: int) -> tuple[jax.Array, ...]:
+            parts = (jax.lax.slice_in_dim(full, i * block, (i + 1) * block, axis=axis) for i in range(len(blocks)))
+            return tuple(b.at[slots].set(p.astype(b.dtype), mode="drop") for b, p in zip(blocks, parts, strict=True))
+
+        decode = [to_decode_layout(k, v) for k, v in zip(out.keys, out.values, strict=True)]
+        first = sample_tokens(
+            out.last_logits, state.rng[rows], state.steps[rows], state.temperature[rows], state.top_k[rows],
+            state.top_p[rows], kind,
+        )  # fmt: skip
+
+        def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
+            return current.at[slots].set(value, mode="drop")
+
+        state = state._replace(
+            keys=tuple(put(b, k, 3) for b, (k, _) in zip(state.keys, decode, strict=True)),
+            values=tuple(put(b, v, 2) for b, (_, v) in zip(state.values, decode, strict=True)),
+            lengths=set_slots(state.lengths, out.lengths),
+            tokens=set_slots(state.tokens, first[0]),
+            steps=set_slots(state.steps, state.steps[rows] + 1),
+        )
+        return state, ResultTokens(*first)
 
     def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
                            samples, *, kind):  # fmt: skip
