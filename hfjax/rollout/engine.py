@@ -328,13 +328,15 @@ class JaxEngine:
         padded_tokens: Any,
         true_length: Any,
         starts: Any,
+        steps: Any = None,
         kind: SamplerKind = ALL_FILTERS,
     ) -> tuple[DecodeState, ResultTokens]:
         """Appends tokens to running slots: row i ([R, T] right-padded, `true_length[i]` real) goes to slot
         `slots[i]` (out of range: ignored) at positions `starts[i]`.. (the slot's cached length: what the caller
         knows, not the decode state's, which advances while a slot waits). Their history is read from the cache, not
-        recomputed. Samples each slot's next token with its own key at its next step, as `generate` would; returns
-        the state (lengths `starts + true_length`) and those tokens."""
+        recomputed. Samples each slot's next token with its own key at step `steps[i]` (default: the slot's own count,
+        which also advances while it waits; a caller that knows each sample's token count passes it, so the draws do
+        not depend on what else ran); returns the state (lengths `starts + true_length`) and those tokens."""
         tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
         lengths = np.atleast_1d(np.asarray(true_length, np.int32))
         starts = np.atleast_1d(np.asarray(starts, np.int32))
@@ -344,7 +346,8 @@ class JaxEngine:
                 f" one token per row within the engine's capacity of {self.capacity} positions"
             )
         slot_ids = np.atleast_1d(np.asarray(slots, np.int32))
-        return self._extend(params, decode_state, slot_ids, tokens, lengths, starts, kind=kind)
+        steps = np.full(len(slot_ids), -1, np.int32) if steps is None else np.atleast_1d(np.asarray(steps, np.int32))
+        return self._extend(params, decode_state, slot_ids, tokens, lengths, starts, steps, kind=kind)
 
     def insert(
         self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None
@@ -474,7 +477,7 @@ class JaxEngine:
         )
         return state, ResultTokens(tokens, logprobs)
 
-    def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, *, kind):
+    def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind):
         rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
         history = [
             from_decode_layout(jnp.concatenate([b[rows] for b in kb], -1), jnp.concatenate([b[rows] for b in vb], 2))
@@ -488,10 +491,10 @@ class JaxEngine:
             return tuple(b.at[slots].set(p.astype(b.dtype), mode="drop") for b, p in zip(blocks, parts, strict=True))
 
         decode = [to_decode_layout(k, v) for k, v in zip(out.keys, out.values, strict=True)]
+        steps = jnp.where(steps < 0, state.steps[rows], steps)
         first = sample_tokens(
-            out.last_logits, state.rng[rows], state.steps[rows], state.temperature[rows], state.top_k[rows],
-            state.top_p[rows], kind,
-        )  # fmt: skip
+            out.last_logits, state.rng[rows], steps, state.temperature[rows], state.top_k[rows], state.top_p[rows], kind
+        )
 
         def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
             return current.at[slots].set(value, mode="drop")
@@ -501,7 +504,7 @@ class JaxEngine:
             values=tuple(put(b, v, 2) for b, (_, v) in zip(state.values, decode, strict=True)),
             lengths=set_slots(state.lengths, out.lengths),
             tokens=set_slots(state.tokens, first[0]),
-            steps=set_slots(state.steps, state.steps[rows] + 1),
+            steps=set_slots(state.steps, steps + 1),
         )
         return state, ResultTokens(*first)
 

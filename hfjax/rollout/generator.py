@@ -99,7 +99,8 @@ class OfflineGenerator:
         """New weights for the next `generate`; same shapes and shardings never recompile."""
         self.params = params
 
-    def _check(self, prompt: np.ndarray) -> str | None:
+    def check_prompt(self, prompt: np.ndarray) -> str | None:
+        """Why `prompt` cannot run (empty, longer than the engine's prefill limit), or None."""
         if len(prompt) == 0:
             return "empty prompt; expected at least one token"
         if len(prompt) > self.engine.max_prefill_length:
@@ -130,7 +131,7 @@ class OfflineGenerator:
         results: dict[tuple[int, int], SampleOutput] = {}
         queue: deque[tuple[int, int]] = deque()
         for r, prompt in enumerate(prompts):
-            error = self._check(prompt)
+            error = self.check_prompt(prompt)
             for i in range(sampling.n):
                 if error is None:
                     queue.append((r, i))
@@ -205,7 +206,7 @@ class OfflineGenerator:
                 if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
                     batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
                     targets = [free.pop(0) for _ in batch]
-                    state, first = self._fill(state, prompts, batch, targets, sampling, request_index)
+                    state, first = self.fill(state, prompts, batch, targets, sampling, request_index)
                     for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
                         running[slot] = _Running(r, i, [], [])
                         record(slot, int(token), float(logprob))
@@ -231,7 +232,7 @@ class OfflineGenerator:
             free_decode_state(state)
         return [results[key] for key in sorted(results)], steps, time.perf_counter() - started
 
-    def _fill(
+    def fill(
         self,
         state: Any,
         prompts: list[np.ndarray],
@@ -240,8 +241,9 @@ class OfflineGenerator:
         sampling: SamplingParams,
         request_index: np.ndarray,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
-        """Prefills the distinct prompts of `batch` and inserts every sample into its target slot, one compiled call
-        per prefill length bucket (a short prompt is not padded to the batch's longest). Returns each sample's first
+        """Prefills the distinct prompts of `batch` ((request, sample) pairs) and inserts every sample into its target
+        slot of `state` (also for loops of other kinds, e.g. multi-turn rollouts), one compiled call per prefill length
+        bucket (a short prompt is not padded to the batch's longest). Returns each sample's first
         token and logprob, in batch order."""
         groups: dict[int, list[int]] = {}
         for j, (r, _) in enumerate(batch):
@@ -265,7 +267,7 @@ class OfflineGenerator:
         sampling: SamplingParams,
         request_index: np.ndarray,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
-        """`_fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two."""
+        """`fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two."""
         requests = list(dict.fromkeys(r for r, _ in batch))
         rows_of = {r: row for row, r in enumerate(requests)}
         width = _pow2_at_least(len(batch))

@@ -1,0 +1,382 @@
+"""`AgentGenerator`: multi-turn rollouts of environments over the engine's slots, with continuous batching.
+
+A trajectory (one sample of one prompt, with its own environment instance) holds a slot from its first token to its
+end. A model turn ends at a stop token, at `max_tokens_per_turn` or at the trajectory's token budget; its text goes to
+the environment's `step`, which runs on a thread pool while the other slots keep decoding (a slow tool stalls only its
+own trajectory). The observation's tokens are appended to the slot with `JaxEngine.extend`, after the turn's last
+token (sampled, so not in the cache yet): the history is read from the cache, never re-prefilled, and the same call
+samples the next turn's first token. Environment tokens are in the trajectory with `response_mask` 0 and logprob 0;
+each step's reward sits on the last model token of the turn it answered. Model token k of a trajectory is drawn with
+its sample's key at step k, so a trajectory's tokens do not depend on what else ran beside it.
+`append="reprefill"` instead refills the slot with the whole history as a new prompt at every turn: the baseline that
+`scripts/bench_agent.py` measures against.
+Imports `hfjax.rollout` and this package's environment API.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from hfjax.envs.base import Environment, StepResult, check_step_result
+from hfjax.envs.chat import observation_tokens, prompt_tokens
+from hfjax.rollout.generator import FINISH_REJECTED, OfflineGenerator, SampleOutput, free_decode_state
+from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR = "done", "max_turns", "length", "env_error"
+FINISH_REASONS = (FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_REJECTED)
+
+
+@dataclasses.dataclass
+class Trajectory(SampleOutput):
+    """A multi-turn sample: `tokens` are everything after `prompt` (model turns and observations), `response_mask` 1
+    on the model's tokens, `rewards` each token's reward (a step's reward on the last token of the turn it answered);
+    `finish_reason` is `done` (the environment ended it), `max_turns`, `length` (token budget), `env_error` (the
+    environment raised: `error` says what) or `rejected`."""
+
+    prompt: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    response_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    rewards: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    @property
+    def reward(self) -> float:
+        return float(self.rewards.sum())
+
+
+@dataclasses.dataclass
+class _Live:
+    """A trajectory in a slot: its tokens so far and the environment step in flight (if any)."""
+
+    request: int
+    sample: int
+    env: Environment
+    prompt: np.ndarray
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    rewards: list[float] = dataclasses.field(default_factory=list)
+    turn_start: int = 0
+    model_tokens: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    step: futures.Future | None = None
+
+    @property
+    def cached(self) -> int:
+        """Positions of the slot's cache that hold this trajectory (all but its last sampled token)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class AgentGenerator:
+    """Runs `env_cls(**env_kwargs)` trajectories over `generator`'s engine and weights. `tokenizer` decodes turns and
+    renders observations; a trajectory ends after `max_turns` model turns or `max_tokens` tokens after its prompt
+    (model and environment tokens together); a turn ends at `max_tokens_per_turn` (default: no limit but the budget).
+    `env_workers` threads run environment steps."""
+
+    def __init__(
+        self,
+        generator: OfflineGenerator,
+        env_cls: type[Environment],
+        tokenizer: Any,
+        *,
+        max_turns: int,
+        max_tokens: int,
+        max_tokens_per_turn: int | None = None,
+        env_kwargs: dict[str, Any] | None = None,
+        env_workers: int = 16,
+        append: Literal["extend", "reprefill"] = "extend",
+    ):
+        self.generator, self.engine = generator, generator.engine
+        self.env_cls, self.env_kwargs, self.tokenizer = env_cls, dict(env_kwargs or {}), tokenizer
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.max_tokens_per_turn = max_tokens_per_turn or max_tokens
+        self.env_workers, self.append = env_workers, append
+        budget = self.engine.capacity - self.engine.max_prefill_length
+        if max_tokens > budget:
+            raise SamplingError(f"agent.max_tokens: {max_tokens} exceeds the engine's max_new_tokens {budget}")
+        self.last_stats: dict[str, float] = {}
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        rows: Sequence[dict[str, Any]],
+        sampling: SamplingParams,
+        first_request: int | Sequence[int] = 0,
+    ) -> list[Trajectory]:
+        """`sampling.n` trajectories per prompt, request-major. Row i (its dataset columns) goes to each of its
+        environments' `reset`; when that returns an observation it replaces prompt i. Prompt i samples with the keys
+        of request `first_request + i` (or `first_request[i]`)."""
+        if len(rows) != len(prompts):
+            raise SamplingError(f"agent rollout: {len(rows)} rows for {len(prompts)} prompts")
+        request_ids = (
+            np.arange(first_request, first_request + len(prompts))
+            if isinstance(first_request, int)
+            else np.asarray(first_request).reshape(-1)
+        )
+        pool = futures.ThreadPoolExecutor(self.env_workers, thread_name_prefix="env")
+        try:
+            return self._run(
+                [np.asarray(p, np.int32).reshape(-1) for p in prompts], list(rows), sampling, request_ids, pool
+            )
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------------- the loop
+    def _run(self, prompts, rows, sampling, request_ids, pool) -> list[Trajectory]:
+        engine, params = self.engine, self.generator.params
+        stops = sampling.stops(self.generator.eos_token_ids)
+        kind = SamplerKind.of(sampling)
+        queue = deque((r, i) for r in range(len(prompts)) for i in range(sampling.n))
+        free, live = list(range(engine.max_concurrent_decodes)), {}
+        done: dict[tuple[int, int], Trajectory] = {}
+        stats = {"decode_steps": 0, "appends": 0, "appended_tokens": 0, "env_wait_seconds": 0.0}
+        started = time.perf_counter()
+
+        def finish(slot: int, reason: str, error: str | None = None) -> None:
+            run = live.pop(slot)
+            done[run.request, run.sample] = _trajectory(run, reason, error)
+            run.env.close()
+            free.append(slot)
+
+        def record(slot: int, token: int, logprob: float) -> None:
+            run = live[slot]
+            _append(run, [token], [logprob], model=True)
+            run.model_tokens += 1
+            turn = run.tokens[run.turn_start :]
+            if token in stops or len(turn) >= self.max_tokens_per_turn or len(run.tokens) >= self.max_tokens:
+                run.turns += 1
+                text = self.tokenizer.decode(turn[:-1] if token in stops else turn, skip_special_tokens=False)
+                run.step = pool.submit(self._env_step, run.env, text)
+
+        state = engine.init_decode_state()
+        try:
+            while queue or live:
+                if queue and free:
+                    state = self._start(state, queue, free, live, done, prompts, rows, sampling, request_ids, record)
+                ready = [slot for slot, run in live.items() if run.step is not None and run.step.done()]
+                if ready:
+                    state = self._observe(state, ready, live, finish, record, sampling, request_ids, kind, stats)
+                decoding = [slot for slot, run in live.items() if run.step is None]
+                if decoding:
+                    context = max(live[s].cached for s in decoding) + 1
+                    state, out = engine.generate(params, state, kind, context)
+                    stats["decode_steps"] += 1
+                    tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+                    for slot in decoding:
+                        record(slot, int(tokens[slot]), float(logprobs[slot]))
+                elif live:  # every trajectory in a slot waits on its environment
+                    waiting = time.perf_counter()
+                    futures.wait([run.step for run in live.values()], return_when=futures.FIRST_COMPLETED)
+                    stats["env_wait_seconds"] += time.perf_counter() - waiting
+        finally:
+            for run in live.values():
+                run.env.close()
+            free_decode_state(state)
+        ordered = [done[key] for key in sorted(done)]
+        seconds = time.perf_counter() - started
+        self.last_stats = {
+            **stats,
+            "seconds": seconds,
+            "response_tokens": sum(int(t.response_mask.sum()) for t in ordered),
+            "env_tokens": sum(int(len(t.tokens) - t.response_mask.sum()) for t in ordered),
+            "env_wait_share": stats["env_wait_seconds"] / max(seconds, 1e-9),
+            "kv_cache_bytes_per_device": engine.kv_cache_bytes_per_device(),
+        }
+        return ordered
+
+    def _start(self, state, queue, free, live, done, prompts, rows, sampling, request_ids, record) -> Any:
+        """Resets the environments of as many queued trajectories as there are free slots and prefills them (one
+        prefill per distinct prompt)."""
+        distinct: dict[tuple[int, ...], int] = {}
+        batch, targets, firsts, runs = [], [], [], []
+        while queue and free:
+            r, i = queue.popleft()
+            env = self.env_cls(**self.env_kwargs)
+            try:
+                first = env.reset(rows[r])
+                prompt = prompts[r] if first is None else self._render(first)
+            except Exception as exc:  # a broken environment ends its trajectory, named, not the batch
+                env.close()
+                done[r, i] = _failed(r, i, FINISH_ENV_ERROR, f"{self.env_cls.__name__}.reset: {exc!r}")
+                continue
+            error = self.generator.check_prompt(prompt)
+            if error is not None:
+                env.close()
+                done[r, i] = _failed(r, i, FINISH_REJECTED, error)
+                continue
+            key = distinct.setdefault((r, *prompt.tolist()), len(distinct))  # samples of one prompt: one prefill
+            if key == len(firsts):
+                firsts.append(prompt)
+            batch.append((key, i))
+            targets.append(free.pop(0))
+            runs.append(_Live(r, i, env, prompt))
+        if not batch:
+            return state
+        requests = np.array([request_ids[run.request] for run in runs], np.int64)
+        by_key = np.zeros(len(firsts), np.int64)
+        for (key, _), request in zip(batch, requests, strict=True):
+            by_key[key] = request
+        state, (tokens, logprobs) = self.generator.fill(state, firsts, batch, targets, sampling, by_key)
+        for slot, run, token, logprob in zip(targets, runs, tokens, logprobs, strict=True):
+            live[slot] = run
+            record(slot, int(token), float(logprob))
+        return state
+
+    def _env_step(self, env: Environment, text: str) -> tuple[StepResult, list[int]] | Exception:
+        """One environment step and its observation's tokens (on a pool thread); an exception is returned."""
+        try:
+            result = check_step_result(env.step(text), type(env).__name__)
+            tokens = [] if result.done else self._observation(result.observation)
+            return result, tokens
+        except Exception as exc:  # reported as the trajectory's env_error, never raised into the loop
+            return exc
+
+    def _observation(self, observation: Any) -> list[int]:
+        return observation_tokens(self.tokenizer, observation, self.generator.eos_token_ids)
+
+    def _render(self, first: Any) -> np.ndarray:
+        if isinstance(first, list) and first and isinstance(first[0], dict):
+            return np.asarray(prompt_tokens(self.tokenizer, first), np.int32)
+        if isinstance(first, str):
+            return np.asarray(self.tokenizer.encode(first, add_special_tokens=False), np.int32)
+        return np.asarray(first, np.int32).reshape(-1)
+
+    def _observe(self, state, ready, live, finish, record, sampling, request_ids, kind, stats) -> Any:
+        """Takes the finished environment steps of `ready` slots: ends trajectories or appends their observations."""
+        appends: list[tuple[int, list[int]]] = []
+        for slot in ready:
+            run = live[slot]
+            outcome, run.step = run.step.result(), None
+            if isinstance(outcome, Exception):
+                log.warning("environment %s failed; its trajectory ends: %r", type(run.env).__name__, outcome)
+                finish(slot, FINISH_ENV_ERROR, f"{type(run.env).__name__}.step: {outcome!r}")
+                continue
+            result, tokens = outcome
+            run.rewards[-1] += result.reward
+            run.tool_calls += int(result.info.get("tool_calls", 0))
+            run.tool_errors += int(result.info.get("tool_errors", 0))
+            if result.done:
+                finish(slot, FINISH_DONE)
+            elif run.turns >= self.max_turns:
+                finish(slot, FINISH_MAX_TURNS)
+            elif not tokens or len(run.tokens) + len(tokens) + 1 > self.max_tokens:
+                finish(slot, FINISH_LENGTH)  # no room for the observation and one model token after it
+            else:
+                appends.append((slot, tokens))
+        if not appends:
+            return state
+        stats["appends"] += 1
+        stats["appended_tokens"] += sum(len(tokens) for _, tokens in appends)
+        if self.append == "reprefill":
+            return self._reprefill(state, appends, live, record, sampling, request_ids)
+        return self._extend(state, appends, live, record, kind)
+
+    def _extend(self, state, appends, live, record, kind) -> Any:
+        """Appends each observation (after the turn's last token) to its slot; records the next turn's first token."""
+        width = self.engine.bucket(max(len(tokens) + 1 for _, tokens in appends))
+        rows = 1 << max(0, (len(appends) - 1).bit_length())
+        padded = np.zeros((rows, width), np.int32)
+        lengths, starts, steps = np.ones(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        slots = np.full(rows, self.engine.max_concurrent_decodes, np.int32)  # out of range: padding rows
+        for j, (slot, tokens) in enumerate(appends):
+            run = live[slot]
+            padded[j, : len(tokens) + 1] = [run.tokens[-1], *tokens]
+            lengths[j], starts[j], steps[j], slots[j] = len(tokens) + 1, run.cached, run.model_tokens, slot
+            _append_observation(run, tokens)
+        state, out = self.engine.extend(
+            self.generator.params,
+            state,
+            slots=slots,
+            padded_tokens=padded,
+            true_length=lengths,
+            starts=starts,
+            steps=steps,
+            kind=kind,
+        )
+        tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+        for j, (slot, _) in enumerate(appends):
+            record(slot, int(tokens[j]), float(logprobs[j]))
+        return state
+
+    def _reprefill(self, state, appends, live, record, sampling, request_ids) -> Any:
+        """The baseline: each slot refilled with its whole history as a new prompt."""
+        histories, batch, requests = [], [], []
+        for j, (slot, tokens) in enumerate(appends):
+            run = live[slot]
+            _append_observation(run, tokens)
+            histories.append(np.concatenate([run.prompt, run.tokens]).astype(np.int32))
+            batch.append((j, run.sample))
+            requests.append(request_ids[run.request])
+        targets = [slot for slot, _ in appends]
+        state, (tokens, logprobs) = self.generator.fill(
+            state, histories, batch, targets, sampling, np.asarray(requests)
+        )
+        for slot, token, logprob in zip(targets, tokens, logprobs, strict=True):
+            record(slot, int(token), float(logprob))
+        return state
+
+
+def _append(run: _Live, tokens: list[int], logprobs: list[float], model: bool) -> None:
+    run.tokens += tokens
+    run.logprobs += logprobs
+    run.mask += [int(model)] * len(tokens)
+    run.rewards += [0.0] * len(tokens)
+
+
+def _append_observation(run: _Live, tokens: list[int]) -> None:
+    """The environment's tokens (masked out of the loss, logprob 0); the next model turn starts after them."""
+    _append(run, tokens, [0.0] * len(tokens), model=False)
+    run.turn_start = len(run.tokens)
+
+
+def _trajectory(run: _Live, reason: str, error: str | None) -> Trajectory:
+    return Trajectory(
+        run.request,
+        run.sample,
+        np.asarray(run.tokens, np.int32),
+        np.asarray(run.logprobs, np.float32),
+        reason,
+        error,
+        prompt=run.prompt,
+        response_mask=np.asarray(run.mask, np.int32),
+        rewards=np.asarray(run.rewards, np.float32),
+        turns=run.turns,
+        tool_calls=run.tool_calls,
+        tool_errors=run.tool_errors,
+    )
+
+
+def _failed(request: int, sample: int, reason: str, error: str) -> Trajectory:
+    return Trajectory(request, sample, np.zeros(0, np.int32), np.zeros(0, np.float32), reason, error)
+
+
+def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """The turn metrics of a batch: turns, tool calls and tool errors per trajectory, the share of trajectory tokens
+    that came from environments, and the share of each finish reason (`agent/finish/<reason>`)."""
+    count = max(len(trajectories), 1)
+    tokens = sum(len(t.tokens) for t in trajectories)
+    env_tokens = sum(int(len(t.tokens) - t.response_mask.sum()) for t in trajectories)
+    out = {
+        "agent/turns_mean": sum(t.turns for t in trajectories) / count,
+        "agent/turns_max": float(max((t.turns for t in trajectories), default=0)),
+        "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / count,
+        "agent/tool_errors_mean": sum(t.tool_errors for t in trajectories) / count,
+        "agent/env_token_share": env_tokens / max(tokens, 1),
+    }
+    for reason in FINISH_REASONS:
+        out[f"agent/finish/{reason}"] = sum(t.finish_reason == reason for t in trajectories) / count
+    return out
