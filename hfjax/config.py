@@ -311,6 +311,10 @@ class RLConfig:
             raise ValueError("model_path (or actor.model_path) is required")
         if not self.tokenizer_path:
             self.tokenizer_path = self.actor.model_path
+        if self.rollout.agent.enabled and not self.rollout.agent.tokenizer_path:
+            self.rollout.agent.tokenizer_path = self.tokenizer_path
+        if self.rollout.agent.enabled and self.async_.partial_rollout:
+            raise ValueError("async.partial_rollout: not supported with rollout.agent (multi-turn) rollouts yet")
         algo = self.algorithm
         if "cost_model" in algo.roles and not self.reward.cost_model.enabled:
             raise ValueError(f"{algo.source} needs reward.cost_model.model_path")

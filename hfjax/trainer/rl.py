@@ -98,8 +98,11 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------------ rewards
     def sequence_scores(self, data: DataProto) -> np.ndarray:
-        """One score per response: the rule reward plus the reward model's score, as configured."""
+        """One score per response: the rule reward plus the reward model's score, as configured, plus a multi-turn
+        trajectory's environment rewards."""
         scores = np.zeros(len(data), np.float32)
+        if "env_rewards" in data.batch:
+            scores += data.batch["env_rewards"].sum(-1)
         if self.rule_reward is not None:
             out = self.rule_reward(data)
             scores += out.batch["scores"]

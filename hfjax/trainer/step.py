@@ -128,6 +128,7 @@ class Step:
         reshard = gen_metrics.get("reshard_seconds", 0.0)  # none on a rollout group of its own
         self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + reshard
         self.metrics["perf/kv_cache_bytes"] = gen_metrics["gen_kv_cache_bytes"]
+        self.metrics.update({k: v for k, v in gen_metrics.items() if k.startswith("agent/")})
 
     def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
         request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
@@ -165,13 +166,18 @@ class Step:
 
     # --------------------------------------------------------------------------------------------- rewards
     def score(self) -> None:
-        """The reward of each response (rule and/or reward model): `scores` (rows,) and `token_level_scores` (the
-        score on the last response token)."""
+        """The reward of each response (rule and/or reward model, plus a multi-turn trajectory's environment
+        rewards): `scores` (rows,) and `token_level_scores` (the score on the last response token; environment
+        rewards on the tokens they were given at, e.g. each turn's last token)."""
         with self.timed("reward"), self.on_lane("controller", "reward"):
             scores = self.trainer.sequence_scores(self.batch)
         mask = self.batch.batch["response_mask"]
+        env = self.batch.batch.get("env_rewards")
         self.batch.batch["scores"] = scores
-        self.batch.batch["token_level_scores"] = scores_to_token_level(scores, mask)
+        if env is None:
+            self.batch.batch["token_level_scores"] = scores_to_token_level(scores, mask)
+        else:
+            self.batch.batch["token_level_scores"] = scores_to_token_level(scores - env.sum(-1), mask) + env
 
     def cost(self) -> None:
         """Safe-RLHF: the cost model's score as `costs` (rows,) and `token_level_costs` (role `cost_model`)."""

@@ -36,7 +36,7 @@ from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import ActorConfig, RolloutConfig
-from hfjax.workers.generation import generate_batch, sampling_params
+from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
 from hfjax.workers.sequences import response_slice
 from hfjax.workers.weight_sync import WeightShards, export_shards
@@ -179,6 +179,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 max_new_tokens=rollout.response_length,
             )
             self.generator = OfflineGenerator(self.engine, None, progress=False)
+            self.agent = agent_generator(self.generator, rollout)
             self.hybrid.kv_cache_bytes_per_device = self.engine.kv_cache_bytes_per_device()
             info["gen_layout"] = self.hybrid.gen_layout.describe()
             info["gen_memory"] = {k: v for k, v in self.hybrid.stats().items() if k.endswith("bytes_per_device")}
@@ -210,7 +211,7 @@ class ActorRolloutRefWorker(TrainedRole):
         gen_params = self.hybrid.to_gen(self.params)
         try:
             self.generator.update_params(local_view(gen_params, self.local_gen_layout))
-            batch, timing = generate_batch(self.generator, prompts, sampling, self.pad_id)
+            batch, timing = generate_batch(self.generator, prompts, sampling, self.pad_id, agent=self.agent)
         finally:
             self.generator.update_params(None)
             self.params = self.hybrid.to_train(gen_params)

@@ -45,8 +45,49 @@ def warn_low_precision_master(section: str, param_dtype: str) -> None:
 
 
 @dataclasses.dataclass
+class AgentConfig:
+    """Multi-turn rollouts (`rollout.agent`): each sample is a trajectory of model turns and observations of an
+    environment `env` (`path/to/file.py:ClassName`, a subclass of `hfjax.envs.Environment`, built with `env_kwargs`
+    per trajectory; empty = one response per prompt). A trajectory ends when the environment says done, after
+    `max_turns` model turns, or at `max_tokens_per_trajectory` tokens after the prompt (model and environment tokens;
+    0 = `rollout.response_length`); a turn ends at a stop token or `max_tokens_per_turn` (0 = no limit of its own).
+    `env_workers` threads run environment steps while the other trajectories decode."""
+
+    env: str = ""
+    max_turns: int = 4
+    max_tokens_per_trajectory: int = 0
+    max_tokens_per_turn: int = 0
+    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    env_workers: int = 16
+    tokenizer_path: str = ""  # decodes turns and renders observations; default: the run's tokenizer_path
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            max_turns=AT_LEAST_1,
+            max_tokens_per_trajectory=NON_NEGATIVE,
+            max_tokens_per_turn=NON_NEGATIVE,
+            env_workers=AT_LEAST_1,
+        )
+        if self.env:
+            from hfjax.envs.base import load_environment
+            from hfjax.user_code import absolute_spec
+
+            self.env = absolute_spec(self.env, "env")
+            try:
+                load_environment(self.env)
+            except ValueError as exc:  # EnvError, UserCodeError: the message names the spec and what was expected
+                raise ValueError(f"env: {exc}") from None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.env)
+
+
+@dataclasses.dataclass
 class RolloutConfig:
-    """Sampling during RL (`temperature` is also the one log probs are computed at)."""
+    """Sampling during RL (`temperature` is also the one log probs are computed at); `agent` makes rollouts
+    multi-turn."""
 
     n: int = 1
     temperature: float = 1.0
@@ -62,8 +103,15 @@ class RolloutConfig:
     # generating (GPU/TPU)
     offload_optimizer: bool = False
     keep_host_memory: bool = True  # CPU: malloc keeps freed memory, so train <-> gen transitions reuse it
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
+        budget = self.agent.max_tokens_per_trajectory
+        if budget > self.response_length:
+            raise ValueError(
+                f"agent.max_tokens_per_trajectory: {budget} exceeds response_length {self.response_length} (the "
+                "trajectory after the prompt is the response)"
+            )
         check_fields(
             self,
             n=AT_LEAST_1,

@@ -1,8 +1,9 @@
 """Generation requests as the workers run them: sampling settings from a request's `meta_info` and the rollout
 config, and one `generate` of a batch of prompts through an `OfflineGenerator` into the rollout batch (prompts,
 responses, masks, the rollout's own log probs) with its timing metrics. Shared by the policy worker (generation on
-its own devices through the HybridEngine) and the rollout worker of a disaggregated placement.
-Imports `hfjax.rollout`, `hfjax.protocol` and this package's sequences and config.
+its own devices through the HybridEngine) and the rollout worker of a disaggregated placement. With `rollout.agent`
+each sample is a multi-turn trajectory of an environment (`hfjax.envs.AgentGenerator`), built here once per worker.
+Imports `hfjax.rollout`, `hfjax.envs`, `hfjax.protocol` and this package's sequences and config.
 """
 
 from __future__ import annotations
@@ -13,11 +14,52 @@ from typing import Any
 
 import numpy as np
 
+from hfjax.envs.agent_loop import AgentGenerator, agent_metrics
+from hfjax.envs.base import load_environment
 from hfjax.protocol import ROW_OFFSET, DataProto
 from hfjax.rollout import OfflineGenerator, SamplingParams
 from hfjax.rollout.generator import SampleOutput
 from hfjax.workers.config import RolloutConfig
 from hfjax.workers.sequences import assemble, prompt_token_lists
+
+
+def agent_generator(generator: OfflineGenerator, rollout: RolloutConfig) -> AgentGenerator | None:
+    """The multi-turn generator of `rollout.agent` over `generator` (None when rollouts are single-turn)."""
+    agent = rollout.agent
+    if not agent.enabled:
+        return None
+    from hfjax.models import load_tokenizer
+
+    return AgentGenerator(
+        generator,
+        load_environment(agent.env),
+        load_tokenizer(agent.tokenizer_path),
+        max_turns=agent.max_turns,
+        max_tokens=agent.max_tokens_per_trajectory or rollout.response_length,
+        max_tokens_per_turn=agent.max_tokens_per_turn or None,
+        env_kwargs=agent.env_kwargs,
+        env_workers=agent.env_workers,
+    )
+
+
+def dataset_rows(columns: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """The prompts' dataset rows in verl's schema (what an environment's `reset` gets) from the batch's columns."""
+    rows = len(next(iter(columns.values()))) if columns else 0
+
+    def get(key: str, i: int) -> Any:
+        return columns[key][i] if key in columns else None
+
+    return [
+        {
+            "prompt": get("raw_prompt", i),
+            "data_source": get("data_source", i),
+            "ability": get("ability", i),
+            "reward_model": {"ground_truth": get("ground_truth", i)},
+            "extra_info": get("extra_info", i),
+            "index": get("index", i),
+        }
+        for i in range(rows)
+    ]
 
 
 def sampling_params(rollout: RolloutConfig, meta: dict[str, Any]) -> SamplingParams:
@@ -41,22 +83,28 @@ def generate_batch(
     sampling: SamplingParams,
     pad_id: int,
     run: Callable[[list[np.ndarray], SamplingParams, int], list[SampleOutput]] | None = None,
+    agent: AgentGenerator | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Runs `generator` (its parameters already set) over the left-padded prompts; returns the rollout batch's arrays
     and the timing metrics (`gen_tokens`, `gen_seconds`, `gen_decode_steps`, `gen_kv_cache_bytes`, and the wall
     clock `gen_started_at` / `gen_ended_at` for timelines). `run(prompts, sampling, first_request)` replaces
     `generator.generate` (e.g. generation across weight versions). Sample keys follow each prompt's index in the
     whole batch (`ROW_OFFSET`), so samples do not depend on placement. A prompt the generator rejects is an error
-    naming it."""
+    naming it. With `agent`, each sample is a trajectory of its environment (the batch then also has `env_rewards` and
+    the metrics `agent/*`)."""
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     first = int(prompts.meta_info.get(ROW_OFFSET, 0))
     started = time.time()
-    outputs = (run or generator.generate)(prompt_token_lists(ids, mask), sampling, first)
+    if agent is not None:
+        rows = dataset_rows(prompts.non_tensor_batch)
+        outputs = agent.generate(prompt_token_lists(ids, mask), rows, sampling, first)
+    else:
+        outputs = (run or generator.generate)(prompt_token_lists(ids, mask), sampling, first)
     rejected = [o for o in outputs if o.finish_reason == "rejected"]
     if rejected:
         raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")
     batch = assemble(ids, mask, outputs, sampling.n, sampling.max_new_tokens, pad_id)
-    stats = generator.last_stats
+    stats = (agent or generator).last_stats
     timing = {
         "gen_tokens": stats["response_tokens"],
         "gen_seconds": stats["seconds"],
@@ -65,4 +113,7 @@ def generate_batch(
         "gen_started_at": started,
         "gen_ended_at": time.time(),
     }
+    if agent is not None:
+        timing.update(agent_metrics(outputs))
+        timing["agent/env_wait_share"] = stats["env_wait_share"]
     return batch, timing

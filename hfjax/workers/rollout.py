@@ -22,7 +22,7 @@ from hfjax.parallel.host_local import process_layout
 from hfjax.protocol import DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.config import ActorConfig, RolloutConfig
-from hfjax.workers.generation import generate_batch, sampling_params
+from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, reports_seconds
 from hfjax.workers.partial_rollout import generate_across_versions
 from hfjax.workers.weight_sync import WeightShards, WeightSyncError, assemble, param_paths
@@ -67,6 +67,7 @@ class RolloutWorker(Worker):
             max_new_tokens=rollout.response_length,
         )
         self.generator = OfflineGenerator(self.engine, None, progress=False)
+        self.agent = agent_generator(self.generator, rollout)
         self.expected = {path: (tuple(leaf.shape), leaf.dtype.name) for path, leaf in param_paths(self.policy.params)}
         return {
             "gen_layout": gen.describe(),
@@ -103,7 +104,7 @@ class RolloutWorker(Worker):
         version = self.version
         self.generator.update_params(self.policy.params)
         try:
-            batch, timing = generate_batch(self.generator, prompts, sampling, self.pad_id, run)
+            batch, timing = generate_batch(self.generator, prompts, sampling, self.pad_id, run, self.agent)
         finally:
             self.generator.update_params(None)
         timing["weights_version"] = version

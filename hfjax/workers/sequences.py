@@ -38,19 +38,26 @@ def assemble(
 ) -> dict[str, np.ndarray]:
     """Tensors of the rollout batch: each prompt row repeated `n` times (interleaved, the order `outputs` come in)
     and joined with its responses, padded to `response_length`; `rollout_versions` when the outputs carry the policy
-    version of each token."""
+    version of each token. Multi-turn trajectories (`hfjax.envs.Trajectory`) keep their environment tokens in the
+    response with `response_mask` 0 and add `env_rewards` (each token's reward from the environment); a trajectory
+    whose environment gave its own first prompt has that prompt in its row."""
     rows = len(outputs)
     responses = np.full((rows, response_length), pad_id, np.int32)
     response_mask = np.zeros((rows, response_length), np.int32)
+    attention = np.zeros((rows, response_length), np.int32)
     logprobs = np.zeros((rows, response_length), np.float32)
     for i, out in enumerate(outputs):
         length = len(out.tokens)
         responses[i, :length] = out.tokens
-        response_mask[i, :length] = 1
+        attention[i, :length] = 1
+        response_mask[i, :length] = getattr(out, "response_mask", 1)
         logprobs[i, :length] = out.logprobs
     prompts = np.repeat(prompt_ids, n, axis=0).astype(np.int32)
     masks = np.repeat(prompt_mask, n, axis=0).astype(np.int32)
-    attention_mask = np.concatenate([masks, response_mask], axis=1)
+    own = [getattr(out, "prompt", None) for out in outputs]
+    if any(p is not None and len(p) for p in own):
+        prompts, masks = _own_prompts(prompts, masks, own, pad_id)
+    attention_mask = np.concatenate([masks, attention], axis=1)
     batch = {
         "prompts": prompts,
         "responses": responses,
@@ -60,6 +67,11 @@ def assemble(
         "position_ids": position_ids(attention_mask),
         "rollout_log_probs": logprobs,
     }
+    if any(hasattr(out, "rewards") for out in outputs):
+        rewards = np.zeros((rows, response_length), np.float32)
+        for i, out in enumerate(outputs):
+            rewards[i, : len(out.rewards)] = out.rewards
+        batch["env_rewards"] = rewards
     if any(out.versions is not None for out in outputs):  # partial rollouts: each token's policy version (-1: none)
         versions = np.full((rows, response_length), -1, np.int32)
         for i, out in enumerate(outputs):
@@ -68,15 +80,33 @@ def assemble(
     return batch
 
 
+def _own_prompts(
+    prompts: np.ndarray, masks: np.ndarray, own: list[np.ndarray | None], pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompt rows where row i is `own[i]` when given (else its row of `prompts`), as wide as the
+    widest."""
+    rows = [
+        p if p is not None and len(p) else row[mask.astype(bool)]
+        for p, row, mask in zip(own, prompts, masks, strict=True)
+    ]
+    width = max(prompts.shape[1], max(len(r) for r in rows))
+    out, out_mask = np.full((len(rows), width), pad_id, np.int32), np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        out[i, width - len(row) :], out_mask[i, width - len(row) :] = row, 1
+    return out, out_mask
+
+
 def response_slice(per_token: jax.Array, response_length: int) -> jax.Array:
     """The outputs at the positions that predict the response tokens: [:, -R - 1 : -1]."""
     return per_token[:, -response_length - 1 : -1]
 
 
 def last_response_index(response_mask: np.ndarray) -> np.ndarray:
-    """Index of each row's last real response token (0 for an empty response)."""
-    lengths = response_mask.sum(axis=-1)
-    return np.maximum(lengths - 1, 0)
+    """Index of each row's last real response token (0 for an empty response); in a multi-turn trajectory, the
+    model's last token (environment tokens are 0 in the mask)."""
+    width = response_mask.shape[-1]
+    last = width - 1 - np.argmax(response_mask[..., ::-1] > 0, axis=-1)
+    return np.where(response_mask.any(axis=-1), last, 0)
 
 
 def scores_to_token_level(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
