@@ -120,6 +120,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from flax import nnx
 
+    from hfjax.envs.base import load_environment
     from hfjax.models import load_hf, load_tokenizer
     from hfjax.parallel import Layout
     from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
@@ -138,17 +139,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             stop_token_ids=stop,
         )
-        for flag, value in (("--slots", args.slots), ("--max-prefill-length", args.max_prefill_length or 1)):
+        for flag, value in (
+            ("--slots", args.slots),
+            ("--max-prefill-length", args.max_prefill_length or 1),
+            ("--max-turns", args.max_turns),
+            ("--max-tokens-per-turn", args.max_tokens_per_turn or 1),
+        ):
             if value < 1:
                 raise ConfigError(f"{flag}: expected >= 1, got {value}")
         model_cfg = model_config(args.model, "--model")
+        env_cls = load_environment(args.agent) if args.agent else None
+        env_kwargs = json.loads(args.env_kwargs)
+        if not isinstance(env_kwargs, dict):
+            raise ConfigError(f"--env-kwargs: expected a JSON object, got {args.env_kwargs!r}")
         tokenizer = load_tokenizer(args.model)
         rows, prompts = read_prompts(args.prompts, tokenizer)
         layout = Layout.from_config(_layout_config(args)) if args.mesh else None
         prefill = args.max_prefill_length or max([1, *map(len, prompts)])
         devices = layout.size if layout is not None else 1
         check_generation(model_cfg, prefill, args.max_new_tokens, args.slots, args.dtype, devices)
-    except ValueError as exc:  # ConfigError, SamplingError, DataError, LayoutError, CheckpointError, a bad --stop
+    except ValueError as exc:  # ConfigError, SamplingError, DataError, LayoutError, CheckpointError, EnvError, JSON
         raise SystemExit(f"hfjax generate: {exc}") from None
     model = load_hf(args.model, dtype=args.dtype, layout=layout)
     if model.head_kind != "causal_lm":
@@ -158,10 +168,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         model, layout, max_concurrent_decodes=args.slots, max_prefill_length=prefill, max_new_tokens=args.max_new_tokens
     )
     generator = OfflineGenerator(engine, params, eos_token_ids=_eos_ids(args.model, model, tokenizer))
-    outputs = generator.generate(prompts, sampling)
+    if env_cls is None:
+        outputs = generator.generate(prompts, sampling)
+        stats = generator.last_stats
+    else:  # multi-turn: the whole trajectory after the prompt within --max-new-tokens
+        from hfjax.envs.agent_loop import AgentGenerator
+
+        agent = AgentGenerator(
+            generator,
+            env_cls,
+            tokenizer,
+            max_turns=args.max_turns,
+            max_tokens=args.max_new_tokens,
+            max_tokens_per_turn=args.max_tokens_per_turn,
+            env_kwargs=env_kwargs,
+        )
+        outputs = agent.generate(prompts, rows, sampling)
+        stats = agent.last_stats
     write_results(args.out, rows, outputs, tokenizer)
     rejected = sum(o.finish_reason == "rejected" for o in outputs)
-    stats = generator.last_stats
     print(
         f"wrote {len(outputs)} samples to {args.out} ({rejected} rejected); {stats['response_tokens']} tokens in "
         f"{stats['seconds']:.1f} s; compiles {dict(engine.compiles)}"
@@ -281,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--mesh", help="generation mesh, e.g. data=4,tensor=2 (default: one device)")
     generate.add_argument("--rules", default="dp_tp_gen", help="rule preset name or a JSON list of [logical, mesh]")
     generate.add_argument("--devices", type=int, help="on CPU: number of fake devices to create")
+    generate.add_argument("--agent", help="multi-turn: an environment path/to/file.py:ClassName (hfjax.envs)")
+    generate.add_argument("--max-turns", type=int, default=4, help="with --agent: model turns per trajectory")
+    generate.add_argument("--max-tokens-per-turn", type=int, help="with --agent: default no limit but the budget")
+    generate.add_argument("--env-kwargs", default="{}", help="with --agent: JSON keyword arguments of the env")
     generate.set_defaults(run=cmd_generate)
     train = sub.add_parser("train", help="run an RL config (PPO, GRPO, RLOO, REINFORCE++, ReMax, Safe-RLHF)")
     train.add_argument("config", help="YAML config (see configs/)")

@@ -85,6 +85,42 @@ def test_generate_command(tmp_path):
     assert results[3]["finish_reason"] == "rejected" and "exceeds max_prefill_length 32" in results[3]["error"]
 
 
+def test_generate_agent_command(tmp_path, capsys):
+    from hfjax.models.local_tokenizer import build_bpe_tokenizer
+
+    tokenizer = build_bpe_tokenizer(["the cat sat on the mat", "a dog ran far away"] * 20, vocab_size=300)
+    _, model_dir = save_hf_model(tmp_path, "llama", vocab_size=len(tokenizer), eos_token_id=2)
+    tokenizer.save_pretrained(model_dir)
+    env = tmp_path / "two_turns.py"
+    env.write_text(
+        "from hfjax.envs import Environment, StepResult\n"
+        "class TwoTurns(Environment):\n"
+        "    def reset(self, row):\n"
+        "        self.row, self.turns = row, 0\n"
+        "    def step(self, action):\n"
+        "        self.turns += 1\n"
+        "        if self.turns == 2:\n"
+        "            return StepResult(None, reward=float(self.row['bonus']), done=True)\n"
+        "        return StepResult('the mat', reward=0.5)\n"
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p, "bonus": b}) for p, b in (("the cat", 1), ("a dog", 2))))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(model_dir), "--prompts", str(prompts), "--out", str(out), "--slots", "2"]
+    argv += ["--agent", f"{env}:TwoTurns", "--max-tokens-per-turn", "4", "--max-new-tokens", "24", "--n", "2"]
+    assert main(argv) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    observation = tokenizer.encode("the mat", add_special_tokens=False)
+    assert len(results) == 4
+    for result in results:
+        assert result["turns"] == 2 and result["finish_reason"] == "done"
+        assert result["reward"] == 0.5 + result["bonus"]
+        env_tokens = [t for t, m in zip(result["response_ids"], result["response_mask"], strict=True) if not m]
+        assert env_tokens == observation
+    assert main([*argv[:-2], "--agent", f"{env}:Missing"]) == 2
+    assert "Missing" in capsys.readouterr().err
+
+
 def _one_line_error(capsys, argv: list[str], command: str) -> str:
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()

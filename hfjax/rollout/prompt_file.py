@@ -57,7 +57,9 @@ def read_prompts(path: str | Path, tokenizer: Any) -> tuple[list[dict[str, Any]]
 
 
 def write_results(path: str | Path, rows: list[dict[str, Any]], outputs: list[SampleOutput], tokenizer: Any) -> None:
-    """One JSON line per sample: the prompt row's fields, the response ids, text, logprobs and finish reason."""
+    """One JSON line per sample: the prompt row's fields, the response ids, text, logprobs and finish reason; for a
+    multi-turn trajectory also its `response_mask` (0 on the environment's tokens), `reward`, `turns`, `tool_calls`
+    and `tool_errors`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
@@ -74,4 +76,8 @@ def write_results(path: str | Path, rows: list[dict[str, Any]], outputs: list[Sa
                 record["response"] = tokenizer.decode(out.tokens.tolist(), skip_special_tokens=True)
             if out.error:
                 record["error"] = out.error
+            if hasattr(out, "response_mask"):  # a multi-turn trajectory (hfjax.envs)
+                record["response_mask"] = out.response_mask.tolist()
+                record["reward"] = float(out.reward)
+                record.update({key: int(getattr(out, key)) for key in ("turns", "tool_calls", "tool_errors")})
             f.write(json.dumps(record) + "\n")
