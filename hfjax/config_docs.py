@@ -185,6 +185,7 @@ def pages() -> list[Page]:
     """The documented config formats, in page order."""
     from hfjax.config import RLConfig
     from hfjax.data.synthetic import AdditionTask
+    from hfjax.data.tool_task import MultiplicationTask
     from hfjax.quickstart import QuickstartConfig
     from hfjax.trainer.rm import RMConfig
     from hfjax.trainer.sft import SFTConfig
@@ -194,6 +195,11 @@ def pages() -> list[Page]:
         Page("Supervised fine-tuning", "hfjax sft CONFIG [key=value ...]", SFTConfig),
         Page("Reward-model training", "hfjax rm CONFIG [key=value ...]", RMConfig),
         Page("Quickstart", "hfjax quickstart [CONFIG] [key=value ...]", QuickstartConfig, (("task", AdditionTask),)),
+        Page(
+            "Agent quickstart task (`task_type: calculator`)",
+            "hfjax quickstart agent_quickstart.yaml [key=value ...]",
+            MultiplicationTask,
+        ),
     ]
 
 

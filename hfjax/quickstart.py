@@ -1,9 +1,12 @@
 """The quickstart pipeline (the README's main command): a synthetic addition task, a small tokenizer and a small
 random Llama built locally, supervised fine-tuning to a partial accuracy, then RL (GRPO by default, PPO with
 `rl.algorithm.name=ppo`) through the Ray controller with the HybridEngine, and a table of held-out greedy accuracy
-before and after RL. Nothing is downloaded.
+before and after RL. Nothing is downloaded. `task_type: calculator` runs the agent quickstart instead: two-digit
+multiplication with a calculator tool, SFT on demonstrations of the tool-call format, then multi-turn RL
+(`rollout.agent` with `hfjax/envs/examples/calculator.py:CalculatorEnv`).
 
-`hfjax quickstart [CONFIG] [key=value ...]` (default config: configs/quickstart.yaml).
+`hfjax quickstart [CONFIG] [key=value ...]` (default config: configs/quickstart.yaml; the agent one:
+configs/agent_quickstart.yaml).
 Imports the trainers, data and models; the top layer beside `hfjax.cli`.
 """
 
@@ -12,15 +15,49 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hfjax.config import RLConfig, load_rl_config
-from hfjax.data.synthetic import DATA_SOURCE, AdditionTask, build_addition_tokenizer, write_addition_task
+from hfjax.data import synthetic, tool_task
 from hfjax.typed_config import ConfigError, load_config
 
-ACCURACY_KEY = f"val/test_score/{DATA_SOURCE}"
+
+@dataclasses.dataclass(frozen=True)
+class TaskKind:
+    """A quickstart task: its settings, data writer, tokenizer builder, data source and (for agents) environment."""
+
+    spec: type
+    write: Callable[[Any, Path], dict[str, Path]]
+    tokenizer: Callable[[], Any]
+    data_source: str
+    agent_env: Callable[[], str] | None = None  # the environment's `path.py:Name`, for multi-turn RL
+
+    @property
+    def accuracy_key(self) -> str:
+        return f"val/test_score/{self.data_source}"
+
+
+def _calculator_env() -> str:
+    from hfjax.envs.examples import calculator
+
+    return f"{Path(calculator.__file__).resolve()}:CalculatorEnv"
+
+
+TASKS = {
+    "addition": TaskKind(
+        synthetic.AdditionTask, synthetic.write_addition_task, synthetic.build_addition_tokenizer, synthetic.DATA_SOURCE
+    ),
+    "calculator": TaskKind(
+        tool_task.MultiplicationTask,
+        tool_task.write_multiplication_task,
+        tool_task.build_tool_tokenizer,
+        tool_task.DATA_SOURCE,
+        agent_env=_calculator_env,
+    ),
+}
+ACCURACY_KEY = TASKS["addition"].accuracy_key
 
 
 @dataclasses.dataclass
@@ -41,6 +78,7 @@ class QuickstartConfig:
     of them are checked when this loads, before anything runs (the paths the pipeline fills in as placeholders)."""
 
     run_dir: str = "runs/quickstart"
+    task_type: Literal["addition", "calculator"] = "addition"  # calculator: the multi-turn agent quickstart
     task: dict[str, Any] = dataclasses.field(default_factory=dict)
     model: BaseModelSection = dataclasses.field(default_factory=BaseModelSection)
     sft: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -50,7 +88,7 @@ class QuickstartConfig:
         placeholder = Path(self.run_dir) / "not-yet-written"
         files = {name: placeholder for name in ("sft", "train", "test")}
         for section, load in (
-            ("task", lambda: load_config(AdditionTask, self.task)),
+            ("task", lambda: load_config(TASKS[self.task_type].spec, self.task)),
             ("sft", lambda: sft_config(self, placeholder, files)),
             ("rl", lambda: rl_config(self, placeholder, files)),
         ):
@@ -74,11 +112,14 @@ def sft_config(cfg: QuickstartConfig, base: Path, files: Mapping[str, Path]) -> 
 
 def rl_config(cfg: QuickstartConfig, model: Path, files: Mapping[str, Path]) -> RLConfig:
     """The RL stage's config: `cfg.rl` with the model, the prompts and its run directory filled in."""
-    paths = {
+    paths: dict[str, Any] = {
         "model_path": str(model),
         "data": {"train_files": [str(files["train"])], "val_files": [str(files["test"])]},
         "trainer": {"run_dir": str(Path(cfg.run_dir) / "rl"), "val_before_train": True, "resume": "never"},
     }
+    env = TASKS[cfg.task_type].agent_env
+    if env is not None:
+        paths["rollout"] = {"agent": {"env": env()}}
     return load_rl_config(_merge(cfg.rl, paths))
 
 
@@ -131,8 +172,9 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
             " expected a new or empty directory: pass run_dir=ANOTHER_DIR or remove that one"
         )
     started = time.perf_counter()
-    files = write_addition_task(AdditionTask(**cfg.task), run_dir / "data")
-    tokenizer = build_addition_tokenizer()
+    kind = TASKS[cfg.task_type]
+    files = kind.write(kind.spec(**cfg.task), run_dir / "data")
+    tokenizer = kind.tokenizer()
     base = build_base_model(run_dir / "base", cfg.model, tokenizer)
     sft_cfg = sft_config(cfg, base, files)
     check_supervised_run(sft_cfg)
@@ -141,8 +183,8 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
     sft_s = time.perf_counter() - started
     rl_cfg = rl_config(cfg, run_dir / "sft" / "hf", files)
     history = run_rl(rl_cfg)
-    before = _first_validation(run_dir / "rl" / "metrics.jsonl")
-    after = history[-1][ACCURACY_KEY]
+    before = _first_validation(run_dir / "rl" / "metrics.jsonl", kind.accuracy_key)
+    after = history[-1][kind.accuracy_key]
     result = {
         "sft_accuracy": before,
         "rl_accuracy": after,
@@ -156,12 +198,12 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
     return result
 
 
-def _first_validation(metrics_file: Path) -> float:
+def _first_validation(metrics_file: Path, key: str) -> float:
     for line in metrics_file.read_text().splitlines():
         record = json.loads(line)
-        if ACCURACY_KEY in record:
-            return float(record[ACCURACY_KEY])
-    raise RuntimeError(f"{metrics_file}: no {ACCURACY_KEY} record (validation before RL did not run)")
+        if key in record:
+            return float(record[key])
+    raise RuntimeError(f"{metrics_file}: no {key} record (validation before RL did not run)")
 
 
 def _print_table(result: dict[str, Any], rl_cfg: RLConfig) -> None:

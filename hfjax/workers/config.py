@@ -53,12 +53,12 @@ class AgentConfig:
     0 = `rollout.response_length`); a turn ends at a stop token or `max_tokens_per_turn` (0 = no limit of its own).
     `env_workers` threads run environment steps while the other trajectories decode."""
 
-    env: str = ""
-    max_turns: int = 4
-    max_tokens_per_trajectory: int = 0
-    max_tokens_per_turn: int = 0
-    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    env_workers: int = 16
+    env: str = ""  # the environment, `path/to/file.py:ClassName`; empty: one response per prompt
+    max_turns: int = 4  # model turns per trajectory at most
+    max_tokens_per_trajectory: int = 0  # tokens after the prompt (model and environment); 0: rollout.response_length
+    max_tokens_per_turn: int = 0  # tokens of one model turn at most; 0: no limit of its own
+    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of each environment
+    env_workers: int = 16  # threads running environment steps (tools) beside decoding
     tokenizer_path: str = ""  # decodes turns and renders observations; default: the run's tokenizer_path
 
     def __post_init__(self) -> None:
@@ -103,7 +103,7 @@ class RolloutConfig:
     # generating (GPU/TPU)
     offload_optimizer: bool = False
     keep_host_memory: bool = True  # CPU: malloc keeps freed memory, so train <-> gen transitions reuse it
-    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)  # multi-turn rollouts with an environment
 
     def __post_init__(self) -> None:
         budget = self.agent.max_tokens_per_trajectory
