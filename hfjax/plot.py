@@ -66,7 +66,9 @@ PANELS = (
     Panel("kl", "KL", "KL", keys=("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")),
     Panel("response_length", "Response length", "tokens", keys=("response_length/mean",)),
     Panel("entropy", "Entropy", "nats / token", keys=("actor/entropy",)),
-    Panel("throughput", "Throughput", "tokens / s", keys=("perf/throughput",)),
+    Panel("throughput", "Throughput", "tokens / s", keys=("perf/throughput", "perf/tokens_per_s")),
+    Panel("train_loss", "Training loss (SFT, reward model)", "loss", keys=("train/loss",)),
+    Panel("agent", "Agent turns", "per trajectory", keys=("agent/turns_mean", "agent/tool_calls_mean")),
     Panel("validation", "Validation", "score", prefixes=("val/", "val-core/", "val-aux/")),
 )
 

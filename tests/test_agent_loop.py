@@ -95,9 +95,9 @@ def setup(tmp_path_factory):
     return model, params, tokenizer
 
 
-def _agent(setup, env=CountingEnv, slots=4, max_new=64, **kwargs):
+def _agent(setup, env=CountingEnv, slots=4, max_new=64, max_prefill=96, **kwargs):
     model, params, tokenizer = setup
-    engine = JaxEngine(model, max_concurrent_decodes=slots, max_prefill_length=96, max_new_tokens=max_new)
+    engine = JaxEngine(model, max_concurrent_decodes=slots, max_prefill_length=max_prefill, max_new_tokens=max_new)
     options = {"max_turns": 4, "max_tokens": 60, "max_tokens_per_turn": 6, **kwargs}
     return AgentGenerator(OfflineGenerator(engine, params, progress=False), env, tokenizer, **options)
 
@@ -179,3 +179,18 @@ def test_limits_and_environment_errors_end_trajectories_with_their_reason(setup)
     failing = _agent(setup, env=RaisingEnv).generate(prompts, rows, GREEDY)
     assert [t.finish_reason for t in failing] == ["done", "env_error", "done", "done"]
     assert "environment bug" in failing[1].error
+
+
+class LongObservationEnv(CountingEnv):
+    def step(self, action):
+        result = super().step(action)
+        return StepResult([9] * 40, result.reward, result.done) if not result.done else result
+
+
+def test_observations_may_be_longer_than_the_prompt_limit(setup):
+    prompts, rows = _prompts(3)
+    trajectories = _agent(setup, env=LongObservationEnv, max_prefill=16, max_tokens=120, max_new=120).generate(
+        prompts, rows, GREEDY
+    )
+    assert [t.finish_reason for t in trajectories] == ["done"] * 3
+    assert [int((t.response_mask == 0).sum()) for t in trajectories] == [40 * (r["turns"] - 1) for r in rows]

@@ -39,7 +39,7 @@ class MultiplicationTask:
     num_test: int = 256  # held-out prompts (validation accuracy)
     num_sft: int = 1024  # SFT demonstrations
     seed: int = 0  # seed of the problems, splits and the teacher's choices
-    sft_no_tool: float = 0.6  # fraction of demonstrations answered by a guess without the tool
+    sft_no_tool: float = 0.85  # fraction of demonstrations answered by a guess without the tool
 
     def __post_init__(self) -> None:
         if not 1 <= self.digits <= 4:

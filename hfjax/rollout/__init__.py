@@ -1,7 +1,8 @@
 """Generation: JetStream's engine interface (`Engine`, `JaxEngine`), sampling, and continuous batching."""
 
-from hfjax.rollout.engine import DecodeState, Engine, JaxEngine, PrefillResult, ResultTokens, prefill_buckets
+from hfjax.rollout.engine import JaxEngine
 from hfjax.rollout.generator import OfflineGenerator, SampleOutput
+from hfjax.rollout.interface import DecodeState, Engine, PrefillResult, ResultTokens, prefill_buckets
 from hfjax.rollout.sampling import SamplingError, SamplingParams
 
 __all__ = [

@@ -12,7 +12,7 @@ per block count). The jitted steps donate the decode state, trace attention unde
 kernels run per shard), and `compiles` counts traces. Parameters are passed on every call (JetStream's convention), so
 new weights of the same shapes and shardings never recompile. `prefill_insert` fuses `prefill` and `insert` into one
 compiled call (what `OfflineGenerator` runs); it gives the tokens of the two calls made one after the other.
-Imports `hfjax.models`, `hfjax.parallel` and this package's sampling and cached forwards.
+Imports `hfjax.models`, `hfjax.parallel` and this package's interface, sampling and cached forwards.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,94 +40,15 @@ from hfjax.rollout.cached_forward import (
     prefill_forward,
     to_decode_layout,
 )
+from hfjax.rollout.interface import (
+    ALL_FILTERS,
+    DecodeState,
+    PrefillResult,
+    ResultTokens,
+    kv_block_size,
+    prefill_buckets,
+)
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
-
-MIN_PREFILL_BUCKET = 16
-MAX_KV_BLOCKS = 8  # per layer: decode steps compile once per count of blocks in use
-MIN_KV_BLOCK = 32  # positions
-ALL_FILTERS = SamplerKind(top_k=True, top_p=True)
-
-
-class PrefillResult(NamedTuple):
-    """A prefilled batch (JetStream's "prefix"): the cache rows plus, per prompt, its base random key and sampling
-    values, so that `insert` can sample any number of samples from it."""
-
-    cache: Prefix
-    keys: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-
-
-class DecodeState(NamedTuple):
-    """All slots: per layer, the cache blocks of consecutive positions (keys [slots, kv_heads, head_dim, block],
-    values [slots, kv_heads, block, head_dim]); the tokens in each slot's cache (`lengths`), the next input token,
-    each sample's key and token count (`steps`), and its sampling values."""
-
-    keys: tuple[tuple[jax.Array, ...], ...]
-    values: tuple[tuple[jax.Array, ...], ...]
-    lengths: jax.Array
-    tokens: jax.Array
-    rng: jax.Array
-    steps: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-
-
-class ResultTokens(NamedTuple):
-    """Tokens and their logprobs, one per slot (or per inserted sample)."""
-
-    tokens: jax.Array
-    logprobs: jax.Array
-
-
-class Engine(Protocol):
-    """JetStream's engine interface (prefill / insert / generate over slots), with JetStream's signatures."""
-
-    def prefill(
-        self,
-        *,
-        params: Any,
-        existing_prefix: PrefillResult | None = None,
-        padded_tokens: Any,
-        true_length: Any,
-        sampler: SamplingParams | None = None,
-        request_id: Any = None,
-    ) -> tuple[PrefillResult, ResultTokens]: ...
-
-    def insert(self, prefix: PrefillResult, decode_state: DecodeState, slot: Any) -> DecodeState: ...
-
-    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]: ...
-
-    def init_decode_state(self) -> DecodeState: ...
-
-    def get_prefix_destination_sharding(self) -> Any: ...
-
-    @property
-    def max_concurrent_decodes(self) -> int: ...
-
-    @property
-    def max_prefill_length(self) -> int: ...
-
-    @property
-    def mesh(self) -> Mesh: ...
-
-
-def prefill_buckets(max_prefill_length: int) -> tuple[int, ...]:
-    """Padded prompt lengths: 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x powers of two, so at most a third
-    of a padded prompt longer than 16 is padding) up to the limit, and the limit itself."""
-    out, size = [], MIN_PREFILL_BUCKET
-    while size < max_prefill_length:
-        out += [n for n in (size, size * 3 // 2) if n < max_prefill_length]
-        size *= 2
-    return (*out, max_prefill_length)
-
-
-def kv_block_size(capacity: int) -> int:
-    """Positions per decode-cache block for a cache of `capacity` positions: at least `MIN_KV_BLOCK`, a multiple of
-    16, and at most `MAX_KV_BLOCKS` blocks."""
-    return max(MIN_KV_BLOCK, -(-capacity // (16 * MAX_KV_BLOCKS)) * 16)
 
 
 def _batch_sharded(layout: Layout, shape: tuple[int, ...], logical: tuple[str | None, ...]) -> NamedSharding:
