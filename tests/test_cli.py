@@ -67,6 +67,7 @@ def test_generate_command(tmp_path):
         {"messages": [{"role": "user", "content": "a dog"}]},
         {"input_ids": [5, 9, 40, 41]},
         {"input_ids": list(range(3, 60))},
+        {"prompt": [{"role": "user", "content": "the cat"}]},  # verl's schema: the prompt as messages
     ]
     prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out.jsonl"
@@ -74,7 +75,8 @@ def test_generate_command(tmp_path):
     argv += ["--temperature", "0", "--max-new-tokens", "6", "--max-prefill-length", "32", "--slots", "2"]
     assert main(argv) == 0
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["index"] for r in results] == [0, 1, 2, 3]
+    assert [r["index"] for r in results] == [0, 1, 2, 3, 4]
+    assert results[4]["response_ids"] == results[0]["response_ids"]
     messages = [{"role": "user", "content": "the cat"}]
     chat = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
     for prompt_ids, result in ((chat, results[0]), ([5, 9, 40, 41], results[2])):

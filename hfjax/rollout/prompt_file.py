@@ -30,7 +30,11 @@ def _ids(row: dict[str, Any], tokenizer: Any, where: str) -> list[int]:
         raise PromptFileError(f"{where}: text prompts need a tokenizer in the model directory")
     if "text" in row:
         return list(tokenizer(row["text"], add_special_tokens=False)["input_ids"])
-    messages = [{"role": "user", "content": row["prompt"]}] if "prompt" in row else row["messages"]
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:  # "messages", or "prompt" as a list of messages (verl's schema, the rows hfjax's data commands write)
+        messages = row["messages"] if prompt is None else prompt
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
         raise PromptFileError(f"{where}: 'messages' must be a list of {{role, content}} objects")
     if not getattr(tokenizer, "chat_template", None):
