@@ -29,12 +29,12 @@ import numpy as np
 from hfjax.envs.base import Environment, StepResult, check_step_result
 from hfjax.envs.chat import observation_tokens, prompt_tokens
 from hfjax.rollout.generator import FINISH_REJECTED, OfflineGenerator, SampleOutput, free_decode_state
-from hfjax.rollout.interface import prefill_buckets
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
 
 log = logging.getLogger(__name__)
 
 FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR = "done", "max_turns", "length", "env_error"
+EXTEND_WIDTH = 8  # observations are padded to a multiple of this many tokens
 FINISH_REASONS = (FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_REJECTED)
 
 
@@ -289,7 +289,7 @@ class AgentGenerator:
     def _extend(self, state, appends, live, record, kind) -> Any:
         """Appends each observation (after the turn's last token) to its slot; records the next turn's first token."""
         longest = max(len(tokens) + 1 for _, tokens in appends)
-        width = next(b for b in prefill_buckets(self.engine.capacity) if b >= longest)  # not the prompt limit
+        width = -(-longest // EXTEND_WIDTH) * EXTEND_WIDTH  # few compiles, little padding; not the prompt limit
         rows = 1 << max(0, (len(appends) - 1).bit_length())
         padded = np.zeros((rows, width), np.int32)
         lengths, starts, steps = np.ones(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)

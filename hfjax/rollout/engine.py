@@ -121,7 +121,9 @@ class JaxEngine:
         )
         self._prefill = self._jit("prefill", self._prefill_fn)
         self._prefill_extend = self._jit("prefill", self._prefill_extend_fn)
-        self._extend = self._jit("extend", self._extend_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
+        self._extend = self._jit(
+            "extend", self._extend_fn, ("kind", "live"), donate_argnums=1, out_shardings=(self.state_sharding, None)
+        )
         self._insert = self._jit("insert", self._insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
         self._generate = self._jit(
             "generate",
@@ -268,7 +270,8 @@ class JaxEngine:
             )
         slot_ids = np.atleast_1d(np.asarray(slots, np.int32))
         steps = np.full(len(slot_ids), -1, np.int32) if steps is None else np.atleast_1d(np.asarray(steps, np.int32))
-        return self._extend(params, decode_state, slot_ids, tokens, lengths, starts, steps, kind=kind)
+        live = min(self.blocks, -(-int((starts + lengths).max()) // self.block))  # blocks the rows reach
+        return self._extend(params, decode_state, slot_ids, tokens, lengths, starts, steps, kind=kind, live=live)
 
     def insert(
         self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None
@@ -398,18 +401,23 @@ class JaxEngine:
         )
         return state, ResultTokens(tokens, logprobs)
 
-    def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind):
+    def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
         rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
-        history = [
-            from_decode_layout(jnp.concatenate([b[rows] for b in kb], -1), jnp.concatenate([b[rows] for b in vb], 2))
+        history = [  # the first `live` blocks of the rows' slots: every position the new tokens attend to
+            from_decode_layout(
+                jnp.concatenate([b[rows] for b in kb[:live]], -1), jnp.concatenate([b[rows] for b in vb[:live]], 2)
+            )
             for kb, vb in zip(state.keys, state.values, strict=True)
         ]
         out = extend_forward(self._model(params), tokens, starts, counts, *zip(*history, strict=True))
         block = self.block
 
         def put(blocks: tuple[jax.Array, ...], full: jax.Array, axis: int) -> tuple[jax.Array, ...]:
-            parts = (jax.lax.slice_in_dim(full, i * block, (i + 1) * block, axis=axis) for i in range(len(blocks)))
-            return tuple(b.at[slots].set(p.astype(b.dtype), mode="drop") for b, p in zip(blocks, parts, strict=True))
+            parts = [jax.lax.slice_in_dim(full, i * block, (i + 1) * block, axis=axis) for i in range(live)]
+            written = tuple(
+                b.at[slots].set(p.astype(b.dtype), mode="drop") for b, p in zip(blocks, parts, strict=False)
+            )
+            return written + blocks[live:]
 
         decode = [to_decode_layout(k, v) for k, v in zip(out.keys, out.values, strict=True)]
         steps = jnp.where(steps < 0, state.steps[rows], steps)
