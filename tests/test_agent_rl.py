@@ -23,6 +23,14 @@ from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 from hfjax.workers.sequences import last_response_index, scores_to_token_level
 
+pytest_plugins = ["ray_cluster"]
+# wall times, throughput, the env wait share and the KV cache per device vary between placements
+VARIABLE = ("timing_s/", "timeline/", "perf/", "agent/env_wait_share", "async/", "sync/")
+LAYOUTS = {  # the same global layouts on 1 x 8 and 2 x 4 devices
+    "actor": {"train_layout": {"mesh": {"fsdp": 8}, "rules": "fsdp"}, "ppo_mini_batch_size": 8, "micro_batch_size": 8},
+    "critic": {"layout": {"mesh": {"fsdp": 8}, "rules": "fsdp"}, "ppo_mini_batch_size": 8, "micro_batch_size": 8},
+}
+
 ENV_FILE = '''
 from hfjax.envs import Environment, StepResult
 
@@ -138,3 +146,40 @@ def test_bad_agent_config_is_named(inputs, tmp_path):
     bad["rollout"]["agent"]["max_tokens_per_trajectory"] = 99
     with pytest.raises(ConfigError, match="max_tokens_per_trajectory: 99 exceeds response_length 24"):
         load_rl_config(bad)
+
+
+def _deterministic(history):
+    return [{k: v for k, v in m.items() if not k.startswith(VARIABLE)} for m in history]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_agent_runs_on_two_hosts_equal_one_host(ray_cluster, inputs, tmp_path):
+    """Each host runs its own trajectories (the keys follow each prompt's index in the whole batch), so GRPO on
+    trajectories over 2 hosts x 4 devices gives the metrics of 1 x 8."""
+    runs = []
+    for hosts in (1, 2):
+        config = _agent_config(inputs, tmp_path / f"h{hosts}", **LAYOUTS)
+        config["rollout"]["gen_layout"] = {"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"}
+        config["trainer"].update(backend="ray", hosts=hosts, devices_per_host=8 // hosts)
+        runs.append(_deterministic(run_rl(load_rl_config(config))))
+    assert len(runs[0]) == len(runs[1]) == 3
+    for step, (one, two) in enumerate(zip(*runs, strict=True)):
+        assert one.keys() == two.keys(), step
+        for key in one:
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), (step, key)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_agent_runs_with_the_rollout_on_its_own_devices_one_step_stale(ray_cluster, inputs, tmp_path):
+    config = _agent_config(inputs, tmp_path / "async")
+    config["actor"].update(train_layout={"mesh": {"fsdp": 4}, "rules": "fsdp"})
+    config["rollout"]["gen_layout"] = {"mesh": {"data": 4}, "rules": "dp_tp_gen"}
+    config["trainer"].update(backend="ray", placement="disaggregated", devices_per_host=8)
+    config["async"] = {"max_staleness": 1}
+    history = run_rl(load_rl_config(config))
+    assert len(history) == 3
+    for metrics in history:
+        assert all(math.isfinite(v) for v in metrics.values())
+        assert 1.0 <= metrics["agent/turns_mean"] <= 3.0 and 0 < metrics["agent/env_token_share"] < 1

@@ -282,6 +282,34 @@ def attend_blocks(
     return functools.reduce(jnp.add, parts).reshape(slots, 1, heads, d)
 
 
+def extend_blocks_attention(
+    q: jax.Array,
+    key_blocks: Sequence[jax.Array],
+    value_blocks: Sequence[jax.Array],
+    starts: jax.Array,
+    window: int | None = None,
+) -> jax.Array:
+    """`extend_attention` over decode-layout cache blocks that already hold the new keys: queries q [R, T, heads, d]
+    at positions `starts` [R] + 0..T-1; key blocks [R, kv_heads, d, B], value blocks [R, kv_heads, B, d] (block i
+    holds positions i*B..); each query sees the positions up to its own (within `window`). Scores in float32."""
+    rows, length, heads, d = q.shape
+    kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[-1]
+    q = q.reshape(rows, length, kv_heads, heads // kv_heads, d)
+    scores = [jnp.einsum("rtkgd,rkdb->rkgtb", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
+    scores = jnp.concatenate(scores, axis=-1) * (d**-0.5)
+    query_index = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+    key_index = jnp.arange(block * len(key_blocks), dtype=jnp.int32)
+    allowed = key_index[None, None, :] <= query_index[:, :, None]
+    if window is not None:
+        allowed &= query_index[:, :, None] - key_index[None, None, :] < window
+    scores = jnp.where(allowed[:, None, None], scores, MASKED_SCORE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
+    parts = [
+        jnp.einsum("rkgtb,rkbd->rtkgd", probs[..., i * block : (i + 1) * block], v) for i, v in enumerate(value_blocks)
+    ]
+    return functools.reduce(jnp.add, parts).reshape(rows, length, heads, d)
+
+
 def decode_attention(
     q: jax.Array,
     key_blocks: Sequence[jax.Array],

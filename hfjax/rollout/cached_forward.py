@@ -19,12 +19,12 @@ Imports `hfjax.models` only.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.attention import causal_attention, decode_attention, extend_attention
+from hfjax.models.attention import causal_attention, decode_attention, extend_attention, extend_blocks_attention
 from hfjax.models.transformer import CausalLM
 
 
@@ -59,6 +59,20 @@ def prefill_forward(model: CausalLM, tokens: jax.Array, lengths: jax.Array) -> P
     return Prefix(tuple(keys), tuple(values), lengths, model.logits(decoder.norm(last)))
 
 
+def _new_tokens_forward(model: CausalLM, tokens: jax.Array, starts: jax.Array, counts: jax.Array, attend_of: Any
+                        ) -> jax.Array:  # fmt: skip
+    """Runs tokens [B, T] at positions `starts + i` through the model's blocks, each layer's attention step given by
+    `attend_of(index, layer, positions)`; returns the logits at each row's last real token (`counts` [B])."""
+    decoder = model.model
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    cos, sin = decoder.rotary(positions)
+    x = decoder.embed(tokens)
+    for index, layer in enumerate(decoder.layers):
+        x = layer.block(x, cos, sin, attend_of(index, layer, positions))
+    last = jnp.take_along_axis(x, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+    return model.logits(decoder.norm(last))
+
+
 def extend_forward(
     model: CausalLM,
     tokens: jax.Array,
@@ -72,32 +86,66 @@ def extend_forward(
     `starts + i`, their keys and values are written there (padding positions past L are dropped) and they attend
     over the history and each other. Returns the caches with them, lengths `starts + counts` and the logits at each
     row's last real token. Cost: the new tokens' forward plus attention over L positions; the history is only read."""
-    length = tokens.shape[1]
-    decoder = model.model
-    positions = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
-    cos, sin = decoder.rotary(positions)
-    x = decoder.embed(tokens)
     keys, values = [], []
 
-    def write(cache: jax.Array, update: jax.Array) -> jax.Array:
-        return jax.vmap(lambda c, u, p: c.at[p].set(u.astype(c.dtype), mode="drop"))(cache, update, positions)
+    def attend_of(index: int, layer: Any, positions: jax.Array) -> Any:
+        def write(cache: jax.Array, update: jax.Array) -> jax.Array:
+            return jax.vmap(lambda c, u, p: c.at[p].set(u.astype(c.dtype), mode="drop"))(cache, update, positions)
 
-    for layer, layer_keys, layer_values in zip(decoder.layers, cache_keys, cache_values, strict=True):
-
-        def attend(q, k, v, ck=layer_keys, cv=layer_values, window=layer.window):
-            ck, cv = write(ck, k), write(cv, v)
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            ck, cv = write(cache_keys[index], k), write(cache_values[index], v)
             keys.append(ck)
             values.append(cv)
-            return extend_attention(q, ck, cv, starts, window)
+            return extend_attention(q, ck, cv, starts, layer.window)
 
-        x = layer.block(x, cos, sin, attend)
-    last = jnp.take_along_axis(x, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
-    return Prefix(tuple(keys), tuple(values), starts + counts, model.logits(decoder.norm(last)))
+        return attend
+
+    logits = _new_tokens_forward(model, tokens, starts, counts, attend_of)
+    return Prefix(tuple(keys), tuple(values), starts + counts, logits)
 
 
-def from_decode_layout(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Decode-layout keys [B, kv_heads, head_dim, L] and values [B, kv_heads, L, head_dim] in the prefill layout."""
-    return keys.transpose(0, 3, 1, 2), values.transpose(0, 2, 1, 3)
+def extend_slots_forward(
+    model: CausalLM,
+    tokens: jax.Array,
+    starts: jax.Array,
+    counts: jax.Array,
+    slots: jax.Array,
+    cache_keys: tuple[tuple[jax.Array, ...], ...],
+    cache_values: tuple[tuple[jax.Array, ...], ...],
+    live: int,
+) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], ...], tuple[tuple[jax.Array, ...], ...]]:
+    """`extend_forward` onto running decode slots: row i's tokens go to slot `slots[i]` (out of range: computed,
+    never written) at positions `starts[i]`.., in place in the decode caches' blocks (per layer; the first `live`
+    blocks hold every position the rows reach). Only the new positions are written and only the rows' live blocks
+    are read, so a call costs the new tokens' forward and one read of their history. Returns (logits at each row's
+    last real token, new key blocks, new value blocks)."""
+    block = cache_keys[0][0].shape[-1]
+    rows = jnp.minimum(slots, cache_keys[0][0].shape[0] - 1)
+    new_keys, new_values = [], []
+
+    def attend_of(index: int, layer: Any, positions: jax.Array) -> Any:
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            kb = [_write_block(cache_keys[index][i], k, slots, positions - i * block, 3) for i in range(live)]
+            vb = [_write_block(cache_values[index][i], v, slots, positions - i * block, 2) for i in range(live)]
+            new_keys.append((*kb, *cache_keys[index][live:]))
+            new_values.append((*vb, *cache_values[index][live:]))
+            return extend_blocks_attention(q, [b[rows] for b in kb], [b[rows] for b in vb], starts, layer.window)
+
+        return attend
+
+    logits = _new_tokens_forward(model, tokens, starts, counts, attend_of)
+    return logits, tuple(new_keys), tuple(new_values)
+
+
+def _write_block(block: jax.Array, update: jax.Array, slots: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
+    """`block` (keys [S, kv_heads, head_dim, B] with `axis` 3, values [S, kv_heads, B, head_dim] with `axis` 2) with
+    update [R, T, kv_heads, head_dim] written at (slots [R], positions [R, T] within the block); positions outside
+    the block and slots out of range are dropped."""
+    size = block.shape[axis]
+    positions = jnp.where((positions >= 0) & (positions < size), positions, size)  # negative ones would wrap
+    where = jnp.broadcast_to(slots[:, None], positions.shape)
+    index = (where, slice(None), slice(None), positions) if axis == 3 else (where, slice(None), positions, slice(None))
+    return block.at[index].set(update.astype(block.dtype), mode="drop")
 
 
 def to_decode_layout(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:

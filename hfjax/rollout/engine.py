@@ -36,7 +36,7 @@ from hfjax.rollout.cached_forward import (
     Prefix,
     decode_forward,
     extend_forward,
-    from_decode_layout,
+    extend_slots_forward,
     prefill_forward,
     to_decode_layout,
 )
@@ -270,7 +270,8 @@ class JaxEngine:
             )
         slot_ids = np.atleast_1d(np.asarray(slots, np.int32))
         steps = np.full(len(slot_ids), -1, np.int32) if steps is None else np.atleast_1d(np.asarray(steps, np.int32))
-        live = min(self.blocks, -(-int((starts + lengths).max()) // self.block))  # blocks the rows reach
+        reach = -(-int((starts + lengths).max()) // self.block)  # blocks the rows reach
+        live = min(self.blocks, 1 << (reach - 1).bit_length())  # a power of two: few compiled variants
         return self._extend(params, decode_state, slot_ids, tokens, lengths, starts, steps, kind=kind, live=live)
 
     def insert(
@@ -403,35 +404,21 @@ class JaxEngine:
 
     def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
         rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
-        history = [  # the first `live` blocks of the rows' slots: every position the new tokens attend to
-            from_decode_layout(
-                jnp.concatenate([b[rows] for b in kb[:live]], -1), jnp.concatenate([b[rows] for b in vb[:live]], 2)
-            )
-            for kb, vb in zip(state.keys, state.values, strict=True)
-        ]
-        out = extend_forward(self._model(params), tokens, starts, counts, *zip(*history, strict=True))
-        block = self.block
-
-        def put(blocks: tuple[jax.Array, ...], full: jax.Array, axis: int) -> tuple[jax.Array, ...]:
-            parts = [jax.lax.slice_in_dim(full, i * block, (i + 1) * block, axis=axis) for i in range(live)]
-            written = tuple(
-                b.at[slots].set(p.astype(b.dtype), mode="drop") for b, p in zip(blocks, parts, strict=False)
-            )
-            return written + blocks[live:]
-
-        decode = [to_decode_layout(k, v) for k, v in zip(out.keys, out.values, strict=True)]
+        logits, keys, values = extend_slots_forward(
+            self._model(params), tokens, starts, counts, slots, state.keys, state.values, live
+        )
         steps = jnp.where(steps < 0, state.steps[rows], steps)
         first = sample_tokens(
-            out.last_logits, state.rng[rows], steps, state.temperature[rows], state.top_k[rows], state.top_p[rows], kind
+            logits, state.rng[rows], steps, state.temperature[rows], state.top_k[rows], state.top_p[rows], kind
         )
 
         def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
             return current.at[slots].set(value, mode="drop")
 
         state = state._replace(
-            keys=tuple(put(b, k, 3) for b, (k, _) in zip(state.keys, decode, strict=True)),
-            values=tuple(put(b, v, 2) for b, (_, v) in zip(state.values, decode, strict=True)),
-            lengths=set_slots(state.lengths, out.lengths),
+            keys=keys,
+            values=values,
+            lengths=set_slots(state.lengths, starts + counts),
             tokens=set_slots(state.tokens, first[0]),
             steps=set_slots(state.steps, steps + 1),
         )
