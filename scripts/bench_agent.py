@@ -6,12 +6,15 @@ Workload (standard): 64 trajectories (prompts of lengths 16..48, seed 0) x 4 mod
 1.0, no stop tokens, so every turn is exactly 64 tokens) and 3 observations of 32 tokens (a synthetic environment:
 random token ids from an rng seeded by the turn's text, done after the 4th turn), 352 trajectory tokens each; all 64
 in flight (64 slots). One engine per append mode, both with the same settings (prefill limit 384: the longest
-re-prefilled history is 48 + 3 x 64 + 3 x 32 = 336 tokens). Each mode is warmed up once (compiles excluded), then
-timed `--repeats` times interleaved; medians. Then extend mode with a 50 ms tool (`time.sleep` in every step) on 16
-environment threads and on one: the share of the rollout in which no slot could decode because every trajectory
-waited on its environment. The floor printed beside the speed-up is the ratio of forward tokens the model runs in each
-mode (decode + prefilled/appended tokens, before padding). Each rollout's time is also split into decode steps,
-`engine.extend` calls, prefills (`generator.fill`), waits on environments and the rest (host work). Usage:
+re-prefilled history is 48 + 3 x 64 + 3 x 32 = 336 tokens). Four configurations: reprefill and extend with instant
+environments, and extend with a 50 ms tool (`time.sleep` in every step) on 16 environment threads and on one, where
+the env wait share is the share of the rollout in which no slot could decode because every trajectory in a slot
+waited on its environment. Each mode is warmed up once and the shapes that staggered appends can take (every
+power-of-two row count) are compiled beforehand, so compiles are excluded (the table counts any in timed runs); then
+the four run in turn `--repeats` times; medians. The floor printed beside the speed-up is the ratio of forward tokens
+the model runs in each mode (decode + prefilled or appended tokens, before padding). Each rollout's time is also split
+into decode steps, `engine.extend` calls, prefills (`generator.fill`), waits on environments and the rest (host
+work). Usage:
     python scripts/bench_agent.py [--ckpt DIR] [--repeats 3] [--out runs/bench/agent.json]
 """
 
@@ -103,8 +106,7 @@ def median_stats(runs: list[dict[str, float]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", type=Path, help="reference checkpoint (built under a temp dir when omitted)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rollouts per append mode (interleaved)")
-    parser.add_argument("--tool-repeats", type=int, default=1, help="timed rollouts per tool setting (after warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rollouts per configuration (interleaved)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/agent.json"))
     args = parser.parse_args()
     ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
@@ -117,7 +119,15 @@ def main() -> None:
     from hfjax.envs.agent_loop import AgentGenerator
     from hfjax.models import load_hf
     from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+    from hfjax.rollout.generator import free_decode_state
+    from hfjax.rollout.sampling import SamplerKind
 
+    xla_compiles = [0]  # every XLA compile in the process, also those that no engine counter sees
+
+    def count_compile(event: str, _seconds: float, **_: Any) -> None:
+        xla_compiles[0] += event.endswith("backend_compile_duration")
+
+    jax.monitoring.register_event_duration_secs_listener(count_compile)
     rng = np.random.default_rng(0)
     model = load_hf(ckpt, dtype="float32")
     cfg = model.config
@@ -161,7 +171,7 @@ def main() -> None:
     last: dict[str, list] = {}
 
     def rollout(name: str, mode: str, runner: AgentGenerator) -> dict[str, float]:
-        timer = timers[mode]
+        timer, compiles, xla = timers[mode], sum(engines[mode].compiles.values()), xla_compiles[0]
         timer.reset()
         start = time.perf_counter()
         trajectories = runner.generate(prompts, rows, sampling)
@@ -189,43 +199,91 @@ def main() -> None:
             "env_wait_share": stats["env_wait_share"],
             **phases,
             "other_s": other,
+            "compiles": float(sum(engines[mode].compiles.values()) - compiles),
+            "xla_compiles": float(xla_compiles[0] - xla),
         }
 
-    # 1. extend vs reprefill, no tool: warm-up (compiles), then interleaved timed runs.
-    runners = {mode: agent(mode) for mode in ("extend", "reprefill")}
+    # Warm-up: one rollout per mode (compiles), timed apart.
+    configs = {  # name: (append mode, tool sleep, environment threads)
+        "reprefill, no tool, 16 threads": ("reprefill", 0.0, 16),
+        "extend, no tool, 16 threads": ("extend", 0.0, 16),
+        "extend, tool 50 ms, 16 threads": ("extend", TOOL_SLEEP_S, 16),
+        "extend, tool 50 ms, 1 thread": ("extend", TOOL_SLEEP_S, 1),
+    }
+    runners = {name: agent(mode, sleep_s, workers) for name, (mode, sleep_s, workers) in configs.items()}
     first_call_s = {}
-    for mode, runner in runners.items():
+    extends: set[tuple[int, int]] = set()  # (padded width, end of the longest row) of each warm-up `engine.extend`
+    timed_extend = engines["extend"].extend
+
+    def seen_extend(*args: Any, **kwargs: Any) -> Any:
+        ends = np.asarray(kwargs["starts"]) + np.asarray(kwargs["true_length"])
+        extends.add((np.shape(kwargs["padded_tokens"])[-1], int(ends.max())))
+        return timed_extend(*args, **kwargs)
+
+    engines["extend"].extend = seen_extend
+    for mode in ("extend", "reprefill"):
         start = time.perf_counter()
-        runner.generate(prompts, rows, sampling)
+        runners[f"{mode}, no tool, 16 threads"].generate(prompts, rows, sampling)
         first_call_s[mode] = time.perf_counter() - start
         print(f"warm-up {mode}: {first_call_s[mode]:.1f} s with compiles {dict(engines[mode].compiles)}", flush=True)
+    engines["extend"].extend = timed_extend
+    # Appends that arrive staggered (environment threads finishing apart, slow tools) batch fewer rows, so the shapes
+    # of a rollout depend on timing: compile every power-of-two row count now, for `engine.extend` each (width, cache
+    # blocks reached) the warm-up appended with, for `fill` each prefill bucket of a re-prefilled history.
+    counts = [1 << i for i in range(TRAJECTORIES.bit_length())]
+    engine, state = engines["extend"], engines["extend"].init_decode_state()
+    shapes = {(width, -(-end // engine.block)): (width, end) for width, end in sorted(extends)}
+    for width, end in shapes.values():
+        for count in counts:
+            state, _ = jax.block_until_ready(
+                engine.extend(
+                    params,
+                    state,
+                    slots=np.arange(count),
+                    padded_tokens=np.zeros((count, width), np.int32),
+                    true_length=np.full(count, width),
+                    starts=np.full(count, end - width),
+                    steps=np.zeros(count),
+                    kind=SamplerKind.of(sampling),
+                )
+            )
+    free_decode_state(state)
+    generator, state = generators["reprefill"], engines["reprefill"].init_decode_state()
+    steps = TURN_TOKENS + OBS_TOKENS
+    buckets = sorted({engines["reprefill"].bucket(int(p) + k * steps) for p in lengths for k in range(1, TURNS)})
+    for bucket in buckets:
+        for count in counts:
+            histories = [np.full(bucket, 3, np.int32) for _ in range(count)]
+            state, _ = generator.fill(
+                state, histories, [(j, 0) for j in range(count)], list(range(count)), sampling, np.arange(count)
+            )
+    free_decode_state(state)
     compiles_warm = {mode: dict(engines[mode].compiles) for mode in engines}
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in runners}
+    print(
+        f"compiles after warm-up (extend width, blocks {sorted(shapes)}; history buckets {buckets}): {compiles_warm}",
+        flush=True,
+    )
+
+    # Timed: every configuration in turn, `--repeats` rounds, so that machine noise falls on all of them alike.
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for repeat in range(args.repeats):
-        for mode, runner in runners.items():
-            runs[mode].append(rollout(mode, mode, runner))
-            print(f"run {repeat + 1}/{args.repeats} {mode}: {runs[mode][-1]['seconds']:.2f} s", flush=True)
-    compiles_timed = {mode: dict(engines[mode].compiles) for mode in engines}
-    medians = {mode: median_stats(r) for mode, r in runs.items()}
+        for name, (mode, _, _) in configs.items():
+            runs[name].append(rollout(name, mode, runners[name]))
+            run = runs[name][-1]
+            print(
+                f"run {repeat + 1}/{args.repeats} {name}: {run['seconds']:.2f} s, compiles {int(run['compiles'])} "
+                f"(XLA {int(run['xla_compiles'])})",
+                flush=True,
+            )
+    compiles_end = {mode: dict(engines[mode].compiles) for mode in engines}
+    medians = {name: median_stats(r) for name, r in runs.items()}
+    ext, rep = medians["extend, no tool, 16 threads"], medians["reprefill, no tool, 16 threads"]
     # Turn 1 runs alike in both modes (same prompt, same keys); later turns differ by design: a re-prefilled slot
     # restarts its sample's step count, so its draws reuse the keys of turn 1.
     same = sum(
         np.array_equal(a.tokens[:TURN_TOKENS], b.tokens[:TURN_TOKENS])
-        for a, b in zip(last["extend"], last["reprefill"], strict=True)
+        for a, b in zip(last["extend, no tool, 16 threads"], last["reprefill, no tool, 16 threads"], strict=True)
     )
-
-    # 2. Decoder wait on a 50 ms tool, extend mode: 16 environment threads, then one.
-    tools = {"tool 50 ms, 16 workers": (TOOL_SLEEP_S, 16), "tool 50 ms, 1 worker": (TOOL_SLEEP_S, 1)}
-    tool_runs: dict[str, list[dict[str, float]]] = {}
-    for name, (sleep_s, workers) in tools.items():
-        runner = agent("extend", sleep_s, workers)
-        runner.generate(prompts, rows, sampling)  # warm-up: staggered appends may need new extend row counts
-        before = dict(engines["extend"].compiles)
-        tool_runs[name] = [rollout(name, "extend", runner) for _ in range(args.tool_repeats)]
-        recompiled = {k: v - before.get(k, 0) for k, v in engines["extend"].compiles.items() if v != before.get(k, 0)}
-        print(f"{name}: {tool_runs[name][-1]['seconds']:.2f} s, compiles in timed runs {recompiled}", flush=True)
-    tool_medians = {name: median_stats(r) for name, r in tool_runs.items()}
-    compiles_end = {mode: dict(engines[mode].compiles) for mode in engines}
 
     # Forward tokens each mode runs (before padding): prompts + decode + appended observations, vs prompts + decode +
     # every re-prefilled history (prompt + the turns and observations before it).
@@ -235,13 +293,8 @@ def main() -> None:
     reprefill_forward = int(lengths.sum()) + decode_tokens + histories
     token_ratio = reprefill_forward / extend_forward
 
-    base = medians["extend"]["seconds"]
     table_rows = []
-    for name, stats in (
-        ("reprefill, no tool, 16 workers", medians["reprefill"]),
-        ("extend, no tool, 16 workers", medians["extend"]),
-        *((f"extend, {name}", stats) for name, stats in tool_medians.items()),
-    ):
+    for name, stats in medians.items():
         s = stats["seconds"]
         table_rows.append(
             [
@@ -252,25 +305,26 @@ def main() -> None:
                 int(stats["decode_steps"]),
                 stats["env_wait_seconds"],
                 stats["env_wait_share"],
-                s - base,
-                medians["reprefill"]["seconds"] / s,
+                s - ext["seconds"],
+                rep["seconds"] / s,
+                "{} / {}".format(*(sum(int(run[k]) for run in runs[name]) for k in ("compiles", "xla_compiles"))),
             ]
         )
-    speedup = medians["reprefill"]["seconds"] / base
+    speedup = rep["seconds"] / ext["seconds"]
     report(
         f"agent rollouts: {TRAJECTORIES} trajectories x {TURNS} turns ({TURN_TOKENS} model + {OBS_TOKENS} env tokens),"
-        f" {cfg.num_params / 1e6:.1f}M params, fp32, {jax.default_backend()}, medians of {args.repeats} "
-        f"(tool rows: {args.tool_repeats})",
+        f" {cfg.num_params / 1e6:.1f}M params, fp32, {jax.default_backend()}, medians of {args.repeats}",
         [
-            "rollout (append, tool, env threads)",
+            "append, tool, env threads",
             "median s",
-            "trajectory tokens/s",
-            "model tokens/s",
+            "trajectory tok/s",
+            "model tok/s",
             "decode steps",
             "env wait s",
             "env wait share",
-            "s vs extend no tool",
+            "s - extend no tool",
             "speed-up vs reprefill",
+            "compiles timed (traces / XLA)",
         ],
         table_rows,
         args.out,
@@ -287,11 +341,10 @@ def main() -> None:
             },
             "speedup_extend_vs_reprefill": speedup,
             "forward_tokens": {"extend": extend_forward, "reprefill": reprefill_forward, "ratio": token_ratio},
-            "medians": {**medians, **tool_medians},
-            "runs": {**runs, **tool_runs},
+            "medians": medians,
+            "runs": runs,
             "first_call_s_with_compiles": first_call_s,
             "compiles_after_warmup": compiles_warm,
-            "compiles_after_timed_runs": compiles_timed,
             "compiles_at_end": compiles_end,
             "identical_first_turns_extend_vs_reprefill": int(same),
             "kv_cache_bytes_per_device": engines["extend"].kv_cache_bytes_per_device(),
@@ -304,11 +357,7 @@ def main() -> None:
     table = Table(title="where a rollout's time goes (medians, s; calls in brackets)")
     for col in ("rollout", "total", "decode steps", "engine.extend", "prefill (fill)", "env wait", "other (host)"):
         table.add_column(col)
-    for name, stats in (
-        ("reprefill, no tool", medians["reprefill"]),
-        ("extend, no tool", medians["extend"]),
-        *((f"extend, {name}", stats) for name, stats in tool_medians.items()),
-    ):
+    for name, stats in medians.items():
         table.add_row(
             name,
             f"{stats['seconds']:.3f}",
@@ -317,14 +366,14 @@ def main() -> None:
             f"{stats['other_s']:.3f}",
         )
     Console(width=160).print(table)
-    step_ms = {mode: medians[mode]["decode_s"] / medians[mode]["decode_calls"] * 1e3 for mode in medians}
     print(
         f"extend vs reprefill: {speedup:.2f}x faster (target >= 2x); forward tokens {extend_forward:,} vs "
         f"{reprefill_forward:,} ({token_ratio:.2f}x, before padding); decode step "
-        f"{step_ms['extend']:.1f} ms (extend) / {step_ms['reprefill']:.1f} ms (reprefill); "
-        f"first turns identical in both modes {same}/{TRAJECTORIES}; compiles after warm-up {compiles_warm}, "
-        f"after timed runs {compiles_timed}, at end {compiles_end}; first calls with compiles "
-        f"{ {k: round(v, 1) for k, v in first_call_s.items()} } s"
+        f"{ext['decode_s'] / ext['decode_calls'] * 1e3:.1f} ms (extend) / "
+        f"{rep['decode_s'] / rep['decode_calls'] * 1e3:.1f} ms (reprefill); engine.extend "
+        f"{ext['extend_s'] / max(ext['extend_calls'], 1) * 1e3:.0f} ms per call; first turns identical in both modes "
+        f"{same}/{TRAJECTORIES}; compiles after warm-up {compiles_warm}, at end {compiles_end}; first calls with "
+        f"compiles { {k: round(v, 1) for k, v in first_call_s.items()} } s"
     )
 
 

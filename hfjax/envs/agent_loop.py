@@ -8,6 +8,7 @@ token (sampled, so not in the cache yet): the history is read from the cache, ne
 samples the next turn's first token. Environment tokens are in the trajectory with `response_mask` 0 and logprob 0;
 each step's reward sits on the last model token of the turn it answered. Model token k of a trajectory is drawn with
 its sample's key at step k, so a trajectory's tokens do not depend on what else ran beside it.
+While no slot can decode, the steps that end within `COALESCE_S` of the first are appended in one call.
 `append="reprefill"` instead refills the slot with the whole history as a new prompt at every turn: the baseline that
 `scripts/bench_agent.py` measures against.
 Imports `hfjax.rollout` and this package's environment API.
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR = "done", "max_turns", "length", "env_error"
 EXTEND_WIDTH = 8  # observations are padded to a multiple of this many tokens
+COALESCE_S = 0.005  # while no slot can decode, steps that end this soon after the first are appended with it
 FINISH_REASONS = (FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_REJECTED)
 
 
@@ -180,8 +182,9 @@ class AgentGenerator:
                     for slot in decoding:
                         record(slot, int(tokens[slot]), float(logprobs[slot]))
                 elif live:  # every trajectory in a slot waits on its environment
-                    waiting = time.perf_counter()
-                    futures.wait([run.step for run in live.values()], return_when=futures.FIRST_COMPLETED)
+                    waiting, steps = time.perf_counter(), [run.step for run in live.values()]
+                    futures.wait(steps, return_when=futures.FIRST_COMPLETED)
+                    futures.wait(steps, timeout=COALESCE_S)  # the decoder idles anyway: one append for more of them
                     stats["env_wait_seconds"] += time.perf_counter() - waiting
         finally:
             for run in live.values():
