@@ -125,7 +125,7 @@ def test_trainer_log_probs_of_model_tokens_equal_the_rollout_with_observations_i
         assert rewards[row, last_response_index(rollout.batch["response_mask"][row : row + 1])[0]] >= 1.0
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def test_algorithms_train_on_trajectories(inputs, tmp_path, algorithm):
     history = run_rl(load_rl_config(_agent_config(inputs, tmp_path / algorithm, algorithm)))
     assert len(history) == 3

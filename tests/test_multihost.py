@@ -70,7 +70,8 @@ def _assert_same_metrics(got, want, where):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("algorithm", ["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
+@pytest.mark.slow  # about 50 s on 2 cores; CI runs the slow tests too
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_two_hosts_equal_one_host_and_resume_across_host_counts(ray_cluster, inputs, tmp_path, algorithm):
     """3 steps on 2 hosts x 4 devices equal 1 x 8 (metrics, exported weights). Then a run stopped after step 2 on
     one host count resumes on the other (GRPO: 2 x 4 -> 1 x 8, PPO: 1 x 8 -> 2 x 4) and logs step 3 as before."""
@@ -128,6 +129,7 @@ def _early_stop_policy(inputs, tmp_path):
     return str(policy), other
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_generation_per_host_and_padding_rows(ray_cluster, inputs, tmp_path):
     """Sampled: 7 prompts x 2 samples, so dispatch pads one prompt for 2 hosts and its 2 samples are dropped; the

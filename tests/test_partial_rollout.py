@@ -74,7 +74,7 @@ def _teacher_forced_logprobs(model, prompt, tokens):
     return rows[np.arange(len(tokens)), tokens]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_generation_across_a_weight_change_concatenates_both_policies(policies, temperature):
     (model_a, params_a), (model_b, params_b) = policies
     generator = _generator(model_a, params_a)

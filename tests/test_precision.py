@@ -47,7 +47,7 @@ def _host(tree):
     return [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("param_dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_small_update_moves_float32_master_weights_and_not_bfloat16_ones(checkpoint, param_dtype):
     """One AdamW step at lr 1e-6 of a bfloat16-compute model. Adam's first step is -lr * g / (|g| + eps) by hand
     (bias-corrected moments are g and g^2): with float32 master weights every weight whose gradient is well above

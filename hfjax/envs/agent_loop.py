@@ -170,6 +170,11 @@ class AgentGenerator:
             while queue or live:
                 if queue and free:
                     state = self._start(state, queue, free, live, done, prompts, rows, sampling, request_ids, record)
+                if live and all(run.step is not None for run in live.values()):  # no slot can decode: wait
+                    waiting, steps = time.perf_counter(), [run.step for run in live.values()]
+                    futures.wait(steps, return_when=futures.FIRST_COMPLETED)
+                    futures.wait(steps, timeout=COALESCE_S)  # the decoder idles anyway: one append for more of them
+                    stats["env_wait_seconds"] += time.perf_counter() - waiting
                 ready = [slot for slot, run in live.items() if run.step is not None and run.step.done()]
                 if ready:
                     state = self._observe(state, ready, live, finish, record, sampling, request_ids, kind, stats)
@@ -181,11 +186,6 @@ class AgentGenerator:
                     tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
                     for slot in decoding:
                         record(slot, int(tokens[slot]), float(logprobs[slot]))
-                elif live:  # every trajectory in a slot waits on its environment
-                    waiting, steps = time.perf_counter(), [run.step for run in live.values()]
-                    futures.wait(steps, return_when=futures.FIRST_COMPLETED)
-                    futures.wait(steps, timeout=COALESCE_S)  # the decoder idles anyway: one append for more of them
-                    stats["env_wait_seconds"] += time.perf_counter() - waiting
         finally:
             for run in live.values():
                 run.env.close()
