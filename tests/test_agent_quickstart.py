@@ -71,6 +71,7 @@ def test_splits_are_disjoint_and_the_teacher_guesses_wrong():
         assert int(row["response"]) != a * b and len(row["response"]) == len(str(a * b))
 
 
+@pytest.mark.slow  # about 25 s; the addition quickstart smoke runs by default
 def test_agent_quickstart_smoke(tmp_path):
     cfg = load_config(QuickstartConfig, "configs/agent_quickstart.yaml", [*SMOKE, f"run_dir={tmp_path}"])
     result = run_quickstart(cfg)

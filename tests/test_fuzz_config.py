@@ -44,6 +44,8 @@ def wrong_type(tp: typing.Any) -> st.SearchStrategy:
         return st.one_of(text, st.lists(st.integers(), min_size=1, max_size=3), st.just(float("nan")))
     if tp is bool:
         return st.one_of(st.integers(), text, st.just({"a": 1}))
+    if typing.get_origin(tp) is dict:  # any mapping fits dict[str, Any]: a list or a text does not
+        return st.one_of(st.just([{"x": [1]}]), text)
     return st.one_of(st.just([{"x": [1]}]), st.just({"nested": {"x": 1}}))
 
 

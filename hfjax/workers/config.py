@@ -106,12 +106,6 @@ class RolloutConfig:
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)  # multi-turn rollouts with an environment
 
     def __post_init__(self) -> None:
-        budget = self.agent.max_tokens_per_trajectory
-        if budget > self.response_length:
-            raise ValueError(
-                f"agent.max_tokens_per_trajectory: {budget} exceeds response_length {self.response_length} (the "
-                "trajectory after the prompt is the response)"
-            )
         check_fields(
             self,
             n=AT_LEAST_1,
@@ -123,6 +117,12 @@ class RolloutConfig:
             top_k=(lambda v: v >= 0, ">= 0 (0 = off)"),
             top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
         )
+        budget = self.agent.max_tokens_per_trajectory
+        if budget > self.response_length:
+            raise ValueError(
+                f"agent.max_tokens_per_trajectory: {budget} exceeds response_length {self.response_length} (the "
+                "trajectory after the prompt is the response)"
+            )
 
 
 @dataclasses.dataclass
