@@ -15,7 +15,7 @@ from flax import nnx
 
 from hfjax.data.synthetic import build_addition_tokenizer
 from hfjax.envs import Environment, StepResult, ToolEnvironment
-from hfjax.envs.agent_loop import AgentGenerator, agent_metrics
+from hfjax.envs.agent_loop import AgentGenerator, agent_columns, agent_metrics
 from hfjax.models import load_hf
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 
@@ -152,7 +152,8 @@ def test_model_tokens_have_teacher_forced_logprobs_and_environment_tokens_are_ma
         assert t.reward == pytest.approx(0.5 * (t.turns - 1) + t.turns)
         ends = np.flatnonzero(t.rewards)
         assert all(t.response_mask[i] == 1 and (i + 1 == len(t.tokens) or t.response_mask[i + 1] == 0) for i in ends)
-    metrics = agent_metrics(trajectories)
+    env_tokens = sum(int((t.response_mask == 0).sum()) for t in trajectories)
+    metrics = agent_metrics(agent_columns(trajectories), env_tokens, sum(len(t.tokens) for t in trajectories))
     assert metrics["agent/finish/done"] == 1.0
     assert metrics["agent/turns_mean"] == pytest.approx(np.mean([t.turns for t in trajectories]))
 

@@ -369,19 +369,30 @@ def _failed(request: int, sample: int, reason: str, error: str) -> Trajectory:
     return Trajectory(request, sample, np.zeros(0, np.int32), np.zeros(0, np.float32), reason, error)
 
 
-def agent_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """The turn metrics of a batch: turns, tool calls and tool errors per trajectory, the share of trajectory tokens
-    that came from environments, and the share of each finish reason (`agent/finish/<reason>`)."""
-    count = max(len(trajectories), 1)
-    tokens = sum(len(t.tokens) for t in trajectories)
-    env_tokens = sum(int(len(t.tokens) - t.response_mask.sum()) for t in trajectories)
+AGENT_COLUMNS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_finish")
+
+
+def agent_columns(trajectories: Sequence[Trajectory]) -> dict[str, np.ndarray]:
+    """Per trajectory: turns, tool calls, tool errors and the index of its finish reason in `FINISH_REASONS` (int32
+    columns of the rollout batch, so the controller computes the turn metrics over the whole batch)."""
+    values = [(t.turns, t.tool_calls, t.tool_errors, FINISH_REASONS.index(t.finish_reason)) for t in trajectories]
+    table = np.asarray(values, np.int32).reshape(-1, len(AGENT_COLUMNS))
+    return {name: table[:, i] for i, name in enumerate(AGENT_COLUMNS)}
+
+
+def agent_metrics(columns: dict[str, np.ndarray], env_tokens: int, tokens: int) -> dict[str, float]:
+    """The turn metrics of a batch from its `agent_columns`: turns, tool calls and tool errors per trajectory, the
+    share of trajectory tokens (`tokens`) that came from environments (`env_tokens`), and the share of each finish
+    reason (`agent/finish/<reason>`)."""
+    turns = columns["agent_turns"]
+    count = max(len(turns), 1)
     out = {
-        "agent/turns_mean": sum(t.turns for t in trajectories) / count,
-        "agent/turns_max": float(max((t.turns for t in trajectories), default=0)),
-        "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / count,
-        "agent/tool_errors_mean": sum(t.tool_errors for t in trajectories) / count,
+        "agent/turns_mean": float(turns.sum()) / count,
+        "agent/turns_max": float(turns.max(initial=0)),
+        "agent/tool_calls_mean": float(columns["agent_tool_calls"].sum()) / count,
+        "agent/tool_errors_mean": float(columns["agent_tool_errors"].sum()) / count,
         "agent/env_token_share": env_tokens / max(tokens, 1),
     }
-    for reason in FINISH_REASONS:
-        out[f"agent/finish/{reason}"] = sum(t.finish_reason == reason for t in trajectories) / count
+    for code, reason in enumerate(FINISH_REASONS):
+        out[f"agent/finish/{reason}"] = float((columns["agent_finish"] == code).sum()) / count
     return out

@@ -21,7 +21,7 @@ from hfjax.algos import compute_advantage, kl_penalty, masked_mean, masked_seq_m
 from hfjax.config import RLConfig
 from hfjax.protocol import DataProto
 from hfjax.trainer.timeline import Timeline
-from hfjax.workers.sequences import scores_to_token_level
+from hfjax.workers.sequences import batch_agent_metrics, scores_to_token_level
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
 PUBLIC_API = (
@@ -128,7 +128,8 @@ class Step:
         reshard = gen_metrics.get("reshard_seconds", 0.0)  # none on a rollout group of its own
         self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + reshard
         self.metrics["perf/kv_cache_bytes"] = gen_metrics["gen_kv_cache_bytes"]
-        self.metrics.update({k: v for k, v in gen_metrics.items() if k.startswith("agent/")})
+        if "agent/env_wait_share" in gen_metrics:  # the rest of agent/* comes from the batch (`generate`)
+            self.metrics["agent/env_wait_share"] = gen_metrics["agent/env_wait_share"]
 
     def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
         request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
@@ -153,6 +154,8 @@ class Step:
         rows = self.prompts.repeat(n, interleave=True)
         rows.pop(batch_keys=PROMPT_TENSORS)
         self.batch = DataProto(out.batch, rows.non_tensor_batch, {})
+        if "agent_turns" in self.batch.batch:  # multi-turn: over the whole batch, not a mean of the hosts' metrics
+            self.metrics.update(batch_agent_metrics(self.batch.batch))
 
     def greedy_baseline(self) -> None:
         """ReMax: the reward of one greedy response per prompt, repeated for the prompt's n samples, as the

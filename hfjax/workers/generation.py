@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hfjax.envs.agent_loop import AgentGenerator, agent_metrics
+from hfjax.envs.agent_loop import AgentGenerator
 from hfjax.envs.base import load_environment
 from hfjax.protocol import ROW_OFFSET, DataProto
 from hfjax.rollout import OfflineGenerator, SamplingParams
@@ -113,7 +113,6 @@ def generate_batch(
         "gen_started_at": started,
         "gen_ended_at": time.time(),
     }
-    if agent is not None:
-        timing.update(agent_metrics(outputs))
+    if agent is not None:  # the turn metrics come from the batch's agent columns, on the controller
         timing["agent/env_wait_share"] = stats["env_wait_share"]
     return batch, timing

@@ -16,6 +16,7 @@ import numpy as np
 
 from hfjax.controller.global_arrays import process_reduce
 from hfjax.data.tokenize import position_ids
+from hfjax.envs.agent_loop import AGENT_COLUMNS, agent_columns, agent_metrics
 from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
 from hfjax.training.train_state import split_rows
@@ -72,6 +73,7 @@ def assemble(
         for i, out in enumerate(outputs):
             rewards[i, : len(out.rewards)] = out.rewards
         batch["env_rewards"] = rewards
+        batch.update(agent_columns(outputs))
     if any(out.versions is not None for out in outputs):  # partial rollouts: each token's policy version (-1: none)
         versions = np.full((rows, response_length), -1, np.int32)
         for i, out in enumerate(outputs):
@@ -94,6 +96,15 @@ def _own_prompts(
     for i, row in enumerate(rows):
         out[i, width - len(row) :], out_mask[i, width - len(row) :] = row, 1
     return out, out_mask
+
+
+def batch_agent_metrics(batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """The turn metrics (`hfjax.envs.agent_loop.agent_metrics`) of a whole rollout batch of trajectories; environment
+    tokens are the attended response tokens outside `response_mask`."""
+    width = batch["responses"].shape[1]
+    attended = int(np.asarray(batch["attention_mask"])[:, -width:].sum())
+    env_tokens = attended - int(np.asarray(batch["response_mask"]).sum())
+    return agent_metrics({k: np.asarray(batch[k]) for k in AGENT_COLUMNS}, env_tokens, attended)
 
 
 def response_slice(per_token: jax.Array, response_length: int) -> jax.Array:
