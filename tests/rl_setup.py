@@ -19,6 +19,26 @@ def deterministic(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if not k.startswith(VARIABLE) and k != "step"}
 
 
+# a quickstart (either task) shrunk to a smoke run: tiny data and model, 3 SFT and 2 RL steps in-process
+QUICKSTART_SMOKE = [
+    "task.num_train=64",
+    "task.num_test=16",
+    "task.num_sft=64",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "sft.trainer.total_steps=3",
+    "rl.trainer.total_steps=2",
+    "rl.trainer.test_freq=0",
+    "rl.trainer.backend=local",
+    "rl.data.train_batch_size=8",
+    "rl.rollout.n=2",
+    "rl.rollout.slots=16",
+    "rl.actor.ppo_mini_batch_size=16",
+    "rl.actor.micro_batch_size=16",
+]
+
+
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
 

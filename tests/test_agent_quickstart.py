@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from rl_setup import QUICKSTART_SMOKE
 
 from hfjax.data import tool_task
 from hfjax.envs import observation_tokens, prompt_tokens
@@ -15,25 +16,7 @@ from hfjax.envs.examples.calculator import CalculatorEnv
 from hfjax.quickstart import QuickstartConfig, run_quickstart
 from hfjax.typed_config import load_config
 
-SMOKE = [
-    "task.num_train=64",
-    "task.num_test=16",
-    "task.num_sft=64",
-    "sft.data.batch_size=16",
-    "sft.data.micro_batch_size=16",
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "sft.trainer.total_steps=3",
-    "rl.trainer.total_steps=2",
-    "rl.trainer.test_freq=0",
-    "rl.trainer.backend=local",
-    "rl.data.train_batch_size=8",
-    "rl.rollout.n=2",
-    "rl.rollout.slots=16",
-    "rl.actor.ppo_mini_batch_size=16",
-    "rl.actor.micro_batch_size=16",
-]
+SMOKE = [*QUICKSTART_SMOKE, "sft.data.batch_size=16", "sft.data.micro_batch_size=16"]  # 64 demonstrations
 
 
 def test_demonstrations_tokenize_as_the_rollout_builds_the_conversation():

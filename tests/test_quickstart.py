@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import transformers as tf
+from rl_setup import QUICKSTART_SMOKE as SMOKE
 
 from hfjax.config import load_rl_config
 from hfjax.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
@@ -16,24 +17,6 @@ from hfjax.trainer.launch import run_rl
 from hfjax.typed_config import load_config
 
 pytest_plugins = ["ray_cluster"]
-
-SMOKE = [
-    "task.num_train=64",
-    "task.num_test=16",
-    "task.num_sft=64",
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "sft.trainer.total_steps=3",
-    "rl.trainer.total_steps=2",
-    "rl.trainer.test_freq=0",
-    "rl.trainer.backend=local",
-    "rl.data.train_batch_size=8",
-    "rl.rollout.n=2",
-    "rl.rollout.slots=16",
-    "rl.actor.ppo_mini_batch_size=16",
-    "rl.actor.micro_batch_size=16",
-]
 
 
 def test_quickstart_smoke(tmp_path):

@@ -162,8 +162,7 @@ class AgentGenerator:
             turn = run.tokens[run.turn_start :]
             if token in stops or len(turn) >= self.max_tokens_per_turn or len(run.tokens) >= self.max_tokens:
                 run.turns += 1
-                text = self.tokenizer.decode(turn[:-1] if token in stops else turn, skip_special_tokens=False)
-                run.step = pool.submit(self._env_step, run.env, text)
+                run.step = pool.submit(self._env_step, run.env, turn[:-1] if token in stops else turn)
 
         state = engine.init_decode_state()
         try:
@@ -240,9 +239,11 @@ class AgentGenerator:
             record(slot, int(token), float(logprob))
         return state
 
-    def _env_step(self, env: Environment, text: str) -> tuple[StepResult, list[int]] | Exception:
-        """One environment step and its observation's tokens (on a pool thread); an exception is returned."""
+    def _env_step(self, env: Environment, turn: list[int]) -> tuple[StepResult, list[int]] | Exception:
+        """One environment step on the turn's decoded text, and its observation's tokens (on a pool thread, off the
+        decoding loop); an exception is returned."""
         try:
+            text = self.tokenizer.decode(turn, skip_special_tokens=False)
             result = check_step_result(env.step(text), type(env).__name__)
             tokens = [] if result.done else self._observation(result.observation)
             return result, tokens
