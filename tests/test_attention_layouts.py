@@ -30,7 +30,6 @@ from hfjax.algos import logprobs_from_logits
 from hfjax.models import attention_pallas, save_hf
 from hfjax.models.attention import (
     attend_blocks,
-    attention_layout,
     attention_mask,
     causal_attention,
     decode_attention,
@@ -38,6 +37,7 @@ from hfjax.models.attention import (
     dot_product_attention,
     resolve_implementation,
 )
+from hfjax.models.program import program_layout
 from hfjax.parallel import Layout
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.training import OptimConfig, TrainState, make_optimizer
@@ -55,7 +55,7 @@ def _in_layout(layout: Layout | None, fn):
     """`fn` with its attention traced under `layout`, as the engine and the training programs trace theirs."""
 
     def traced(*args):
-        with attention_layout(layout):
+        with program_layout(layout):
             return fn(*args)
 
     return traced
@@ -169,8 +169,9 @@ def test_kernels_run_xla_where_the_layout_cannot_split_them(layout):
 
 
 def test_auto_runs_pallas_per_shard_on_a_tpu_only_inside_a_layout(monkeypatch):
-    """On CPU a layout changes nothing (the same xla program); on a (mocked) TPU backend with 8 devices, auto runs the
-    kernel in a shard_map inside a layout and xla outside one."""
+    """On CPU a layout changes nothing (the same xla program); on (mocked) TPU devices, 8 of them, auto runs the
+    kernel in a shard_map inside a layout and xla outside one. Inside a layout the layout's devices decide (a program
+    compiled for a target chooses for the target), outside one the default backend."""
     monkeypatch.delenv("HFJAX_ATTENTION", raising=False)
     q, k, v = qkv_inputs(15, 4, 12, 4, 2, 8, jnp.float32)
     valid = left_padded(12, [12, 9, 1, 0])
@@ -183,9 +184,12 @@ def test_auto_runs_pallas_per_shard_on_a_tpu_only_inside_a_layout(monkeypatch):
     assert "shard_map" not in plain and "pallas_call" not in plain
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert jax.device_count() == 8 and resolve_implementation() == "xla"  # no known layout: XLA must partition it
-    with attention_layout(DATA4_TENSOR2):
+    with program_layout(DATA4_TENSOR2):
+        assert resolve_implementation() == "xla"  # the layout's devices are CPUs, whatever the default backend says
+    monkeypatch.setattr(Layout, "platform", property(lambda self: "tpu"))
+    with program_layout(DATA4_TENSOR2):
         assert resolve_implementation() == "pallas_tpu"
-        with attention_layout(None):
+        with program_layout(None):
             assert resolve_implementation() == "xla"
     tpu = jax.make_jaxpr(_in_layout(DATA4_TENSOR2, attend))(q, k, v)  # traced, not run: no TPU here
     _assert_per_shard(tpu, P("data", None, "tensor", None), kernels=1)
@@ -197,12 +201,12 @@ def test_pallas_kernels_lower_for_tpu_per_shard():
     layout = DATA4_TENSOR2
 
     def loss(q, k, v, valid):
-        with attention_layout(layout):
+        with program_layout(layout):
             out = causal_attention(q, k, v, valid=valid, window=100, implementation="pallas_tpu")
         return out.astype(jnp.float32).sum()
 
     def decode(q, keys, values, lengths):
-        with attention_layout(layout):
+        with program_layout(layout):
             return decode_attention(q, keys, values, lengths, 64, implementation="pallas_tpu")
 
     q, kv = jax.ShapeDtypeStruct((8, 200, 8, 128), BF16), jax.ShapeDtypeStruct((8, 200, 2, 128), BF16)

@@ -13,55 +13,43 @@ Implementations (`IMPLEMENTATIONS`):
   dims, GQA); elsewhere xla. Decode has no cuDNN kernel here: it runs xla.
 - `pallas_tpu`: the Pallas TPU kernels of `hfjax.models.attention_pallas` (splash attention, a decode kernel).
 - `pallas_interpret`: the same kernels in Pallas interpret mode, on any backend (what CPU tests run).
-- `auto`: `choose_implementation` for `jax.default_backend()`: xla on CPU, cudnn on a CUDA GPU, pallas_tpu on a TPU
-  when the program has one device or its layout is known (below); a TPU program over several devices with no known
-  layout stays on xla (XLA cannot partition a Pallas kernel over devices by itself).
+- `auto`: `choose_implementation` for the program's platform (`hfjax.models.program.program_platform`: the devices
+  of its layout, so a program compiled for a target chooses for the target): xla on CPU, cudnn on a CUDA GPU,
+  pallas_tpu on a TPU when the program has one device or its layout is known (below); a TPU program over several
+  devices with no known layout stays on xla (XLA cannot partition a Pallas kernel over devices by itself).
 The choice is the `implementation` argument, else the `HFJAX_ATTENTION` environment variable, else `auto`, read when
 the function is traced: a jitted function keeps the choice of its trace.
 
-Layout: code that owns a program's `hfjax.parallel.Layout` enters `attention_layout(layout)` inside the traced
+Layout: code that owns a program's `hfjax.parallel.Layout` enters `program_layout(layout)` inside the traced
 function (the engine's steps, a model role's row functions, the training programs). A Pallas kernel traced under a
 layout of several devices then runs per shard in a `jax.shard_map` over the layout's mesh (`attention_pallas.
 per_shard`: batch rows over the batch mesh axes, query and kv heads over the tensor axis), or, where the operands do
 not split so, as xla for that call. Outside any layout (a plain `model(...)` call) the kernels run unsplit.
-Imports `hfjax.models.config` (the masked score), `hfjax.models.attention_pallas` (only when a Pallas implementation
-runs) and `hfjax.parallel.layout` (type hints only).
+Imports `hfjax.models.config` (the masked score), `hfjax.models.program` (the program's layout and platform) and
+`hfjax.models.attention_pallas` (only when a Pallas implementation runs).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import os
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
 from hfjax.models.config import MASKED_SCORE
-
-if TYPE_CHECKING:
-    from hfjax.parallel.layout import Layout
+from hfjax.models.program import (
+    current_layout,
+    program_device,
+    program_device_count,
+    program_platform,
+    program_platform_version,
+)
 
 ENV_VAR = "HFJAX_ATTENTION"
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas_tpu", "pallas_interpret")
 PALLAS = ("pallas_tpu", "pallas_interpret")
-_LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("hfjax_attention_layout", default=None)
-
-
-@contextlib.contextmanager
-def attention_layout(layout: Layout | None) -> Iterator[None]:
-    """Attention traced inside this block belongs to a program over `layout` (None: no known layout). Enter it inside
-    the jitted function, with a layout fixed for that function or given by one of its static arguments: jit caches a
-    trace by the function and its static arguments, not by this context."""
-    token = _LAYOUT.set(layout)
-    try:
-        yield
-    finally:
-        _LAYOUT.reset(token)
 
 
 def choose_implementation(
@@ -71,7 +59,7 @@ def choose_implementation(
     when the program has one device or runs `in_layout` (its layout known, so the kernels run per shard in a
     shard_map), else xla. XLA cannot partition a Pallas (Mosaic) kernel over devices by itself, so a program over
     several TPU devices with no known layout stays on xla."""
-    if backend in ("gpu", "cuda") and "cuda" in platform_version.lower():
+    if backend in ("gpu", "cuda") and any(vendor in platform_version.lower() for vendor in ("cuda", "nvidia")):
         return "cudnn"
     if backend == "tpu" and (device_count == 1 or in_layout):
         return "pallas_tpu"
@@ -89,8 +77,9 @@ def resolve_implementation(implementation: str | None = None) -> str:
         raise ValueError(f"{source}={name!r} is not an attention implementation: expected one of {IMPLEMENTATIONS}")
     if name != "auto":
         return name
-    platform_version = jax.extend.backend.get_backend().platform_version
-    return choose_implementation(jax.default_backend(), platform_version, jax.device_count(), _LAYOUT.get() is not None)
+    return choose_implementation(
+        program_platform(), program_platform_version(), program_device_count(), current_layout() is not None
+    )
 
 
 def attention_mask(valid: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
@@ -168,7 +157,7 @@ def cudnn_supported(
 
 
 def _cudnn_head_dim_limit() -> int:
-    capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+    capability = str(getattr(program_device(), "compute_capability", "0"))
     return 256 if tuple(int(part) for part in capability.split(".")) >= (9, 0) else 128
 
 
@@ -223,7 +212,7 @@ def causal_attention(
     The real keys are `valid` [b, t] (any pattern, e.g. left padding), or `lengths` [b] (the first lengths[b] of each
     row: right padding), or else the diagonal of `mask`, which must then be `attention_mask(valid, index, index,
     window)` [b, t, t]. The xla implementation uses `mask` when given (one mask can serve every layer of a window)
-    and builds it otherwise; the others use the structured form. Under an `attention_layout` of several devices a
+    and builds it otherwise; the others use the structured form. Under an `program_layout` of several devices a
     Pallas kernel runs per shard (xla where the operands do not split by the layout)."""
     if valid is None and lengths is None and mask is None:
         raise ValueError("causal_attention needs valid, lengths or mask")
@@ -247,7 +236,7 @@ def causal_attention(
         kernel = functools.partial(
             attention_pallas.splash_causal_attention, window=window, interpret=name == "pallas_interpret"
         )
-        out = attention_pallas.per_shard(kernel, (q, k, v, valid), attention_pallas.CAUSAL_AXES, _LAYOUT.get())
+        out = attention_pallas.per_shard(kernel, (q, k, v, valid), attention_pallas.CAUSAL_AXES, current_layout())
         if out is not None:
             return out
     return dot_product_attention(q, k, v, mask if mask is not None else attention_mask(valid, index, index, window))
@@ -321,7 +310,7 @@ def decode_attention(
 ) -> jax.Array:
     """One query per slot at position `lengths` [S] over the slot's cache blocks (block i holds positions
     i*B .. i*B+B-1): q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d]
-    -> [S, 1, heads, d]. A slot sees positions <= its length (and within `window`). Under an `attention_layout` of
+    -> [S, 1, heads, d]. A slot sees positions <= its length (and within `window`). Under an `program_layout` of
     several devices the Pallas kernel runs per shard (xla where the operands do not split by the layout)."""
     name = resolve_implementation(implementation)
     if name in PALLAS:
@@ -331,7 +320,7 @@ def decode_attention(
             attention_pallas.decode_attention, window=window, interpret=name == "pallas_interpret"
         )
         operands = (q, tuple(key_blocks), tuple(value_blocks), lengths)
-        out = attention_pallas.per_shard(kernel, operands, attention_pallas.DECODE_AXES, _LAYOUT.get())
+        out = attention_pallas.per_shard(kernel, operands, attention_pallas.DECODE_AXES, current_layout())
         if out is not None:
             return out
     positions = key_blocks[0].shape[-1] * len(key_blocks)

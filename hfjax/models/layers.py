@@ -5,7 +5,9 @@ Weights are stored output-major like HF's `[out, in]` (loading is a reshape, nev
 were also faster this way on our shapes).
 Compute runs in `dtype`; parameters are stored in `param_dtype`; norms and softmax run in float32.
 The attention step is `hfjax.models.attention.causal_attention`.
-Imports `hfjax.models.attention`, `hfjax.models.config` and the logical axis names of `hfjax.parallel.layout`.
+Activations are pinned to their logical axes (`hfjax.models.program.constrain`: the residual stream, q/k/v, the
+attention output, the MLP hidden), so that the program's layout, not propagation from the weights, splits them.
+Imports `hfjax.models.attention`, `.config`, `.dense`, `.program` and the logical axis names of `hfjax.parallel.layout`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from flax import nnx
 from hfjax.models.attention import causal_attention
 from hfjax.models.config import ModelConfig, RopeConfig
 from hfjax.models.dense import dense
+from hfjax.models.program import constrain
 from hfjax.parallel.layout import LOGICAL_AXES
 
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream (rows split; embed never)
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -127,11 +131,14 @@ class Attention(nnx.Module):
         v = self._project(x, self.v_kernel, self.v_bias)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        heads, kv_heads = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim")
+        q, k = constrain(apply_rope(q, cos, sin), heads), constrain(apply_rope(k, cos, sin), kv_heads)
+        return q, k, constrain(v, kv_heads)
 
     def project_out(self, attended: jax.Array) -> jax.Array:
         embed, heads, head_dim = self.o_kernel.shape
         flat = self.o_kernel[...].astype(self.dtype).reshape(embed, heads * head_dim)
+        attended = constrain(attended, ("batch", "length", "heads", "head_dim"))
         y = dense(attended.reshape(*attended.shape[:2], heads * head_dim), flat)
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
@@ -158,7 +165,7 @@ class MLP(nnx.Module):
         hidden = jax.nn.silu(self._dense(x, self.gate_kernel, self.gate_bias)) * self._dense(
             x, self.up_kernel, self.up_bias
         )
-        return self._dense(hidden, self.down_kernel, self.down_bias)
+        return self._dense(constrain(hidden, ("batch", "length", "mlp")), self.down_kernel, self.down_bias)
 
 
 class DecoderLayer(nnx.Module):
@@ -186,5 +193,5 @@ class DecoderLayer(nnx.Module):
         attends over k, v; generation writes them to its KV cache first and attends over the cache)."""
         attn = self.self_attn
         q, k, v = attn.project_qkv(self.input_layernorm(x), cos, sin)
-        x = x + attn.project_out(attend(q, k, v))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = constrain(x + attn.project_out(attend(q, k, v)), RESIDUAL)
+        return constrain(x + self.mlp(self.post_attention_layernorm(x)), RESIDUAL)

@@ -4,7 +4,7 @@ Inputs are batched and may be left-padded: `attention_mask` [batch, length] is 1
 to `cumsum(mask) - 1`, as HF `generate` computes them. Outputs are float32.
 The embedding and LM head have `padded_vocab_size` rows (zero beyond `vocab_size`); `CausalLM.logits` gives the
 padding columns `MASKED_SCORE`, so no softmax, sample or loss ever sees them, and `CausalLM.__call__` drops them.
-Imports `hfjax.models.attention`, `.config`, `.dense` and `.layers`.
+Imports `hfjax.models.attention`, `.config`, `.dense`, `.layers`, `.lm_head` and `.program`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hfjax.models import lm_head
 from hfjax.models.attention import attention_mask
 from hfjax.models.config import MASKED_SCORE, ModelConfig
 from hfjax.models.dense import dense
 from hfjax.models.layers import (
+    RESIDUAL,
     DecoderLayer,
     RMSNorm,
     logical_param,
@@ -24,6 +26,8 @@ from hfjax.models.layers import (
     rope_inv_freq,
     rope_tables,
 )
+from hfjax.models.lm_head import chunk_length, token_logprobs
+from hfjax.models.program import constrain
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -75,10 +79,10 @@ class Decoder(nnx.Module):
         index = jnp.arange(length, dtype=jnp.int32)
         masks = {w: attention_mask(valid, index, index, w) for w in {layer.window for layer in self.layers}}
         cos, sin = self.rotary(positions)
-        x = self.embed(input_ids)
+        x = constrain(self.embed(input_ids), RESIDUAL)
         for layer in self.layers:
             x = layer(x, cos, sin, masks[layer.window])
-        return self.norm(x)
+        return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """Token embeddings [..., embed] in the compute dtype."""
@@ -138,11 +142,40 @@ class CausalLM(_Backbone):
     ) -> jax.Array:
         return self.logits(self.model(input_ids, attention_mask, positions))[..., : self.config.vocab_size]
 
+    @property
+    def head_kernel(self) -> nnx.Param:
+        """The LM head [padded_vocab_size, embed]: the embedding when tied."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
+    def token_logprobs(
+        self,
+        hidden: jax.Array,
+        labels: jax.Array,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        chunk_tokens: int | None = None,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """(log softmax(logits / temperature)[labels], entropy or None) [rows, length] float32 for hidden states
+        [rows, length, embed], computed a chunk of about `chunk_tokens` tokens per device at a time (default
+        `hfjax.models.lm_head.LOGITS_CHUNK_TOKENS`): never the [rows, length, vocab] logits."""
+        chunk = chunk_length(chunk_tokens or lm_head.LOGITS_CHUNK_TOKENS, hidden.shape[0])
+        return token_logprobs(
+            hidden,
+            self.head_kernel[...],
+            labels,
+            vocab_size=self.config.vocab_size,
+            temperature=temperature,
+            chunk=chunk,
+            with_entropy=with_entropy,
+        )
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM-head logits [..., padded_vocab_size] float32 for hidden states [..., embed]; the padding columns hold
-        `MASKED_SCORE`."""
-        kernel = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return mask_vocab_padding(self._to_float32(hidden, kernel[...]), self.config.vocab_size)
+        `MASKED_SCORE`. Materialises every logit: for the log probs of given tokens use `token_logprobs`."""
+        kernel = self.head_kernel
+        logits = constrain(self._to_float32(hidden, kernel[...]), ("batch",) + (None,) * (hidden.ndim - 2) + ("vocab",))
+        return mask_vocab_padding(logits, self.config.vocab_size)
 
 
 class SequenceClassifier(_Backbone):

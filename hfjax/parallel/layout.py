@@ -27,6 +27,7 @@ RULE_PRESETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "dp_tp_gen": (("batch", ("data", "fsdp")), *_TENSOR_PARALLEL),
 }
 LAYOUT_KEYS = ("mesh", "rules", "devices")
+WEIGHT_ONLY_AXES = ("embed", "length", "head_dim")  # logical axes that split weights but never activations
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -63,6 +64,7 @@ class Layout:
     axes: tuple[tuple[str, int], ...]
     rules: Rules
     device_ids: tuple[int, ...] | None = None
+    device_pool: tuple[Any, ...] | None = None  # the devices to build the mesh over (default: `jax.devices()`)
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.axes]
@@ -121,6 +123,11 @@ class Layout:
             device_ids=None if devices is None else tuple(int(d) for d in devices),
         )
 
+    def on_devices(self, devices: Sequence[Any]) -> Layout:
+        """This layout over `devices` instead of this process's `jax.devices()`: e.g. the compile-only devices of a
+        TPU topology or GPU target, so that a program is traced and compiled for that target on any machine."""
+        return dataclasses.replace(self, device_pool=tuple(devices))
+
     @property
     def size(self) -> int:
         return math.prod(size for _, size in self.axes)
@@ -130,8 +137,9 @@ class Layout:
 
     @functools.cached_property
     def mesh(self) -> Mesh:
-        """The mesh over `devices` (in that order) or all of `jax.devices()`; sizes must multiply to their count."""
-        all_devices = jax.devices()
+        """The mesh over `device_ids` (in that order) of `device_pool` (default: all of `jax.devices()`); sizes must
+        multiply to their count."""
+        all_devices = list(self.device_pool) if self.device_pool is not None else jax.devices()
         if self.device_ids is None:
             devices = all_devices
         else:
@@ -149,6 +157,30 @@ class Layout:
         names = tuple(name for name, _ in self.axes)
         array = np.array(devices, dtype=object).reshape([size for _, size in self.axes])
         return Mesh(array, names, axis_types=(AxisType.Auto,) * len(names))
+
+    @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices (`cpu`, `gpu` or `tpu`): what a program over this layout is compiled
+        for, whatever machine traces it."""
+        return str(self.mesh.devices.flat[0].platform)
+
+    def activation_spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+        """PartitionSpec of an activation: like `spec`, except that `embed`, `length` and `head_dim` stay whole
+        (they shard weights, not activations: under `fsdp` the rows split and the weights are gathered) and a mesh
+        axis that does not divide its dimension is left out (that dimension is replicated over it)."""
+        rules = dict(self.rules)
+        used: set[str] = set()
+        entries: list[tuple[str, ...] | str | None] = []
+        for size, logical in zip(shape, logical_axes, strict=True):
+            mesh_axes: list[str] = []
+            if logical not in WEIGHT_ONLY_AXES:
+                for axis in rules.get(logical, ()):
+                    parts = math.prod(self.axis_size(a) for a in mesh_axes) * self.axis_size(axis)
+                    if axis not in used and self.axis_size(axis) > 1 and size % parts == 0:
+                        mesh_axes.append(axis)
+            used.update(mesh_axes)
+            entries.append(tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+        return PartitionSpec(*entries)
 
     def spec(
         self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None, name: str = "array"

@@ -8,7 +8,7 @@ compiles stay few), or appends them to an `existing_prefix`; `insert` copies pre
 each sample's first token (the token `prefill` returns is sample 0's: both draw it with the same key); `extend` appends
 tokens to running slots (a multi-turn observation) without re-prefilling their history; `generate` advances every slot
 by one token, attending only over the blocks that the longest slot has reached when told its length (one compiled step
-per block count). The jitted steps donate the decode state, trace attention under the layout (`attention_layout`: Pallas
+per block count). The jitted steps donate the decode state, trace attention under the layout (`program_layout`: Pallas
 kernels run per shard), and `compiles` counts traces. Parameters are passed on every call (JetStream's convention), so
 new weights of the same shapes and shardings never recompile. `prefill_insert` fuses `prefill` and `insert` into one
 compiled call (what `OfflineGenerator` runs); it gives the tokens of the two calls made one after the other.
@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
-from hfjax.models.attention import attention_layout
+from hfjax.models.program import program_layout
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cached_forward import (
@@ -138,12 +138,12 @@ class JaxEngine:
 
     def _jit(self, name: str, fn: Any, static: tuple[str, ...] = ("kind",), **jit_kwargs: Any) -> Any:
         """`jax.jit` of fn (with `static` argument names) that counts its traces in `compiles[name]` and traces its
-        attention under the engine's layout (`attention_layout`)."""
+        attention under the engine's layout (`program_layout`)."""
 
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.compiles[name] += 1
-            with attention_layout(self.layout):
+            with program_layout(self.layout):
                 return fn(*args, **kwargs)
 
         return jax.jit(counted, static_argnames=static, compiler_options=FORWARD_COMPILER_OPTIONS, **jit_kwargs)

@@ -40,7 +40,8 @@ def _load(files: Sequence[str], tokenizer: Any, data: DataSection) -> SFTDataset
 
 
 def _token_logprobs(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(log p of each next token, the argmax prediction, the mask of scored positions), all [b, t - 1]."""
+    """(log p of each next token, the argmax prediction, the mask of scored positions), all [b, t - 1], from the
+    whole logits (validation only: it needs the argmax)."""
     # the padded vocabulary's logits (its padding columns masked: never the argmax, nothing in the log-sum-exp), so
     # that a tensor-sharded vocabulary is not re-cut to the HF size
     hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, :-1]
@@ -50,8 +51,11 @@ def _token_logprobs(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array,
 
 
 def sft_loss(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """This micro-batch's response-token NLL sum / the step's response tokens (`global_tokens`)."""
-    logp, _, mask = _token_logprobs(model, batch)
+    """This micro-batch's response-token NLL sum / the step's response tokens (`global_tokens`), the log probs a
+    chunk of tokens at a time (no [b, t, vocab] logits)."""
+    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, :-1]
+    logp, _ = model.token_logprobs(hidden, batch["input_ids"][:, 1:])
+    mask = batch["loss_mask"][:, 1:]
     return agg_loss(-logp, mask, "token-mean", global_tokens=batch["global_tokens"][0]), {}
 
 

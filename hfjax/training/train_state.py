@@ -6,7 +6,7 @@ jitted add (the accumulator is donated), then one jitted apply: global-norm clip
 update at all when the norm is not finite (the step is counted in `skipped_steps`).
 
 Compilation: the programs are module-level and keyed by the model's graph, the loss function, the shardings, the
-layout (the gradient and eval programs trace attention under it, `attention_layout`: Pallas kernels run per shard), the
+layout (the gradient and eval programs trace attention under it, `program_layout`: Pallas kernels run per shard), the
 optimizer and the input shapes, so they compile once per distinct micro-batch shape and are shared by every
 `TrainState` with the same keys (callers pad micro-batches to fixed shapes). `compile_counts()` reports them.
 Precision: parameters are the master copy in their stored dtype (float32 by default; the model computes in its own
@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS, GRADIENT_COMPILER_OPTIONS
-from hfjax.models.attention import attention_layout
+from hfjax.models.program import program_layout
 from hfjax.parallel import Layout, LayoutError
 from hfjax.training.optim import current_learning_rate
 
@@ -111,7 +111,7 @@ def _loss_and_grad(
     def loss(p: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
         return loss_fn(nnx.merge(graphdef, p, rest), batch, **dict(static))
 
-    with attention_layout(layout):
+    with program_layout(layout):
         (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return value, aux, jax.lax.with_sharding_constraint(grads, shardings.tree())
 
@@ -150,7 +150,7 @@ _apply_keeping = jax.jit(_apply_gradients, static_argnames=_APPLY_STATIC)
 def _forward(
     params: Any, rest: Any, batch: dict[str, jax.Array], *, graphdef: Any, fn: Callable[..., Any], layout: Layout
 ) -> Any:
-    with attention_layout(layout):
+    with program_layout(layout):
         return fn(nnx.merge(graphdef, params, rest), batch)
 
 

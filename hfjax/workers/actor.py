@@ -22,9 +22,7 @@ import numpy as np
 from hfjax.algos import (
     actor_options,
     agg_loss,
-    entropy_from_logits,
     kl_penalty,
-    logprobs_from_logits,
     policy_loss,
     rollout_correction,
 )
@@ -44,12 +42,15 @@ from hfjax.workers.weight_sync import WeightShards, export_shards
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
 
-def _response_logprobs(model: Any, batch: dict[str, jax.Array], temperature: float) -> tuple[jax.Array, jax.Array]:
-    """(log probs, logits / temperature) at the positions that predict the response tokens (the vocabulary
-    projection runs on those positions only)."""
+def _response_logprobs(
+    model: Any, batch: dict[str, jax.Array], temperature: float, with_entropy: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """(log probs, entropies or None) [rows, response] of the response tokens under logits / temperature: the
+    vocabulary projection runs on the response positions only, a chunk of tokens at a time (never the whole
+    [rows, response, vocab] logits: `CausalLM.token_logprobs`)."""
     hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-    scaled = model.logits(response_slice(hidden, batch["responses"].shape[1])) / temperature
-    return logprobs_from_logits(scaled, batch["responses"]), scaled
+    response = response_slice(hidden, batch["responses"].shape[1])
+    return model.token_logprobs(response, batch["responses"], temperature=temperature, with_entropy=with_entropy)
 
 
 def actor_loss(
@@ -67,7 +68,7 @@ def actor_loss(
         "global_seqs": batch["global_seqs"][0],
         "norm_length": response_length,
     }
-    logp, scaled = _response_logprobs(model, batch, temperature)
+    logp, entropies = _response_logprobs(model, batch, temperature, with_entropy=True)
     # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
     old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
     clip = {
@@ -101,8 +102,9 @@ def actor_loss(
         **options,
         **counts,
     )
-    entropy = agg_loss(entropy_from_logits(scaled), mask, cfg.loss_agg_mode, **counts)
-    # at coefficient 0 the entropy is a metric only: no backward pass through it over [rows, response, vocab]
+    if not cfg.entropy_coeff:  # a metric only: nothing flows back through it
+        entropies = jax.lax.stop_gradient(entropies)
+    entropy = agg_loss(entropies, mask, cfg.loss_agg_mode, **counts)
     loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff else pg_loss
     metrics = {
         "actor/pg_loss": pg_loss,
@@ -222,12 +224,12 @@ class ActorRolloutRefWorker(TrainedRole):
         return DataProto.from_dict(batch, meta_info={"metrics": timing})
 
     def _logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        logp, scaled = _response_logprobs(model, batch, self.rollout_cfg.temperature)
-        return {"log_probs": logp, "entropys": entropy_from_logits(scaled)}
+        logp, entropies = _response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=True)
+        return {"log_probs": logp, "entropys": entropies}
 
     def _ref_logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        # log probs only: the entropy would be one more pass over [rows, response, vocab] logits
-        return {"log_probs": _response_logprobs(model, batch, self.rollout_cfg.temperature)[0]}
+        # log probs only: the entropy would be one more reduction over every chunk's logits
+        return {"log_probs": _response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=False)[0]}
 
     def _log_probs(self, jitted: Any, params: Any, data: DataProto) -> dict[str, np.ndarray]:
         keys = ("input_ids", "attention_mask", "position_ids", "responses")

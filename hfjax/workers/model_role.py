@@ -1,6 +1,6 @@
 """What every model role shares: its layout (default: all of this process's devices), loading its checkpoint under
 it, and running a jitted per-row function over fixed-size micro-batches placed on it (attention traced under the
-layout, `hfjax.models.attention.attention_layout`).
+layout, `hfjax.models.program.program_layout`).
 
 Imports `hfjax.models`, `hfjax.parallel`, `hfjax.training` and this package's sequences.
 """
@@ -22,7 +22,7 @@ from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.controller.global_arrays import process_reduce, to_local
 from hfjax.models import load_hf
-from hfjax.models.attention import attention_layout
+from hfjax.models.program import program_layout
 from hfjax.parallel import Layout
 from hfjax.protocol import PADDING_ROWS, DataProto
 from hfjax.training.checkpoint import CheckpointManager, UnreadableStepError
@@ -62,7 +62,7 @@ class LoadedModel:
         layout; the outputs keep the batch's row sharding (so each process of a group holds the rows it passed in)."""
 
         def rows(params: Any, batch: dict[str, jax.Array]) -> Any:
-            with attention_layout(self.layout):
+            with program_layout(self.layout):
                 out = fn(self.merge(params), batch)
             return jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(self.layout, x.shape)), out

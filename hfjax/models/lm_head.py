@@ -1,0 +1,183 @@
+"""`token_logprobs`: LM-head log probs (and entropies) of given tokens without the [rows, length, vocab] logits.
+
+The logits / temperature of a chunk of `chunk` positions at a time are computed, reduced to the per-token log prob
+(z[label] - logsumexp(z)) and entropy (logsumexp(z) - sum softmax(z) z), and dropped, in a `jax.lax.scan` over the
+length. The backward is a `jax.custom_vjp` that is chunked the same way, rather than autodiff of a `jax.checkpoint`ed
+chunk body, because:
+- its residuals are [rows, length] statistics (logsumexp, and the entropy), and each backward chunk recomputes the
+  logits once and turns them into d(logits) in one elementwise pass (autodiff of the recomputed logsumexp/softmax
+  keeps several float32 [rows, chunk, vocab] intermediates alive: on XLA:CPU, at 8 x 1024 tokens, embed 896 and a
+  151,936 vocabulary in bf16, the loss-and-gradient's temporaries are 1.7 / 2.9 / 5.2 GiB at chunks 128 / 256 / 512
+  here against 3.8 / 6.9 / 10.7 GiB with `jax.checkpoint`);
+- the kernel gradient accumulates over chunks in float32 (autodiff would sum the chunks' kernel cotangents in the
+  kernel's compute dtype, bfloat16 at real shapes).
+Every matmul runs in the compute dtype (that of `hidden`) with float32 accumulation; the float32 cotangent of the
+logits is cast to the compute dtype before the two backward matmuls (exact in float32 compute). The entropy is
+computed from max-centred logits, log s - sum(e u) / s with u = z - max z, e = exp(u), s = sum e: no large max
+cancels (more accurate than `entropy_from_logits` on peaked distributions).
+
+Memory, bytes per device, with T = rows * chunk tokens per chunk (the rows local to the device), V the padded vocab,
+E the embed size, c the compute dtype's and k the kernel's item size:
+  forward:  4 T V (a chunk's float32 logits; the reductions read them)
+  backward: (4 + c) T V (the recomputed float32 logits and d(logits) in the compute dtype)
+            + 4 V E (the float32 kernel-gradient accumulator) + k V E (the gradient returned in the kernel dtype)
+  plus c V E for the kernel cast to the compute dtype when its stored dtype differs, and O(rows * length * E).
+XLA:CPU adds its own copies (the logits stored again scaled and masked, d(logits) and the kernel transposed): it
+measures about 8 T V + 4 V E (see tests/test_lm_head.py).
+Under a program layout (`hfjax.models.program`) the chunk's logits are constrained to rows over the batch axes and
+the vocabulary over `tensor`, so the memory above is divided by the tensor size, and `chunk_length` picks the chunk
+from a budget of tokens per device.
+Imports `hfjax.models.config` and `hfjax.models.program`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hfjax.models.config import MASKED_SCORE
+from hfjax.models.program import constrain, current_layout
+
+LOGITS_CHUNK_TOKENS = 512  # tokens per device in one chunk of logits: 512 x 151,936 float32 is 297 MiB
+
+
+def _chunk_logits(hidden: jax.Array, kernel: jax.Array, vocab_size: int, temperature: float) -> jax.Array:
+    """float32 logits / temperature [rows, chunk, padded vocab] of one chunk, the padding columns at `MASKED_SCORE`
+    (as `mask_vocab_padding`). The one place the per-chunk logits are made: their sharding constraint (logical axes
+    batch, length, vocab) goes here."""
+    logits = jnp.einsum("rce,ve->rcv", hidden, kernel, preferred_element_type=jnp.float32) / temperature
+    logits = constrain(logits, ("batch", None, "vocab"))
+    if logits.shape[-1] == vocab_size:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, MASKED_SCORE)
+
+
+def chunk_length(tokens_per_device: int, rows: int) -> int:
+    """Positions per chunk so that a chunk holds about `tokens_per_device` tokens on each device: the rows are split
+    over the traced program's `batch` mesh axes (`hfjax.models.program`), so each device holds rows / parts of them."""
+    layout = current_layout()
+    parts = 1
+    if layout is not None:
+        axes = layout.activation_spec(("batch",), (rows,))[0] or ()
+        parts = math.prod(layout.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
+    return max(8, tokens_per_device * parts // max(rows, 1))
+
+
+def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[rows, length, ...] -> [length / chunk, rows, chunk, ...], the length zero-padded to a multiple of `chunk`."""
+    rows, length = x.shape[:2]
+    pad = -length % chunk
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.swapaxes(x.reshape(rows, (length + pad) // chunk, chunk, *x.shape[2:]), 0, 1)
+
+
+def _from_chunks(x: jax.Array, length: int) -> jax.Array:
+    """[length / chunk, rows, chunk] -> [rows, length] (the padding dropped)."""
+    return jnp.swapaxes(x, 0, 1).reshape(x.shape[1], -1)[:, :length]
+
+
+def _add_pairs(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _forward(
+    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int, temperature: float, chunk: int, ent: bool
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """((logp[, entropy]), (logsumexp[, entropy])), each [rows, length] float32."""
+    kernel = kernel.astype(hidden.dtype)
+
+    def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, ...]]:
+        h, y = xs
+        z = _chunk_logits(h, kernel, vocab_size, temperature)
+        top = jnp.max(z, axis=-1, keepdims=True)
+        shifted = z - top  # centred: the entropy's difference cancels no large max
+        exps = jnp.exp(shifted)
+        if ent:  # one two-output reduction, so exps is never stored
+            total, weighted = jax.lax.reduce(
+                (exps, exps * shifted), (np.float32(0), np.float32(0)), _add_pairs, (exps.ndim - 1,)
+            )
+        else:
+            total = jnp.sum(exps, axis=-1)
+        lse = top[..., 0] + jnp.log(total)
+        # the label's logit from the label's kernel row ([rows, chunk, embed]), not a gather from the logits: no
+        # second pass over [rows, chunk, vocab], and no logits collected across a tensor-sharded vocabulary
+        logp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
+        if not ent:
+            return None, (logp, lse)
+        entropy = jnp.log(total) - weighted / total
+        return None, (logp, lse, entropy)
+
+    _, out = jax.lax.scan(body, None, (_to_chunks(hidden, chunk), _to_chunks(labels, chunk)))
+    out = [_from_chunks(o, hidden.shape[1]) for o in out]
+    return (out[0], out[2]) if ent else (out[0],), tuple(out[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _token_stats(
+    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int, temperature: float, chunk: int, ent: bool
+) -> tuple[jax.Array, ...]:
+    return _forward(hidden, kernel, labels, vocab_size, temperature, chunk, ent)[0]
+
+
+def _token_stats_fwd(
+    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int, temperature: float, chunk: int, ent: bool
+) -> tuple[tuple[jax.Array, ...], tuple]:
+    out, stats = _forward(hidden, kernel, labels, vocab_size, temperature, chunk, ent)
+    return out, (hidden, kernel, labels, stats)
+
+
+def _token_stats_bwd(
+    vocab_size: int, temperature: float, chunk: int, ent: bool, residuals: tuple, grads: tuple[jax.Array, ...]
+) -> tuple[jax.Array, jax.Array, None]:
+    hidden, kernel, labels, stats = residuals
+    compute = kernel.astype(hidden.dtype)
+    columns = jnp.arange(kernel.shape[0])
+
+    def body(grad_kernel: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        h, y, lse, g_logp, *rest = xs
+        z = _chunk_logits(h, compute, vocab_size, temperature)
+        log_p = z - lse[..., None]
+        p = jnp.exp(log_p)
+        # d logp / dz = onehot(label) - p;  d entropy / dz = p (sum softmax(z) z - z) = -p (log p + entropy)
+        dz = g_logp[..., None] * ((columns == y[..., None]) - p)
+        if ent:
+            entropy, g_ent = rest
+            dz = dz - g_ent[..., None] * p * (log_p + entropy[..., None])
+        dz = jnp.where(columns < vocab_size, dz / temperature, 0.0).astype(compute.dtype)
+        grad_h = jnp.einsum("rcv,ve->rce", dz, compute, preferred_element_type=jnp.float32).astype(hidden.dtype)
+        grad_kernel = grad_kernel + jnp.einsum("rcv,rce->ve", dz, h, preferred_element_type=jnp.float32)
+        return grad_kernel, grad_h
+
+    per_token = [stats[0], grads[0]] + ([stats[1], grads[1]] if ent else [])
+    xs = (_to_chunks(hidden, chunk), _to_chunks(labels, chunk), *(_to_chunks(x, chunk) for x in per_token))
+    grad_kernel, grad_h = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), xs)
+    grad_h = jnp.swapaxes(grad_h, 0, 1).reshape(hidden.shape[0], -1, hidden.shape[2])[:, : hidden.shape[1]]
+    return grad_h, grad_kernel.astype(kernel.dtype), None
+
+
+_token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
+
+
+def token_logprobs(
+    hidden: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    chunk: int = 256,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """(log softmax(z)[label], entropy of softmax(z) or None) [rows, length] float32, z = hidden @ kernel.T /
+    temperature over the first `vocab_size` columns, for `hidden` [rows, length, embed] in the compute dtype, the LM
+    head `kernel` [padded vocab, embed] in its stored dtype and integer `labels` [rows, length], `chunk` positions
+    at a time (see the module docstring for the memory). Differentiable in `hidden` and `kernel` through both."""
+    if chunk < 1:
+        raise ValueError(f"chunk: expected a positive number of positions, got {chunk}")
+    chunk = max(1, min(chunk, hidden.shape[1]))
+    out = _token_stats(hidden, kernel, labels.astype(jnp.int32), vocab_size, temperature, chunk, with_entropy)
+    return out[0], out[1] if with_entropy else None

@@ -1,0 +1,84 @@
+"""The program a model is traced into: its `Layout` (set by whoever owns the jitted function), the platform of that
+layout's devices, and sharding constraints on activations by logical axis.
+
+Code that owns a program's layout enters `program_layout(layout)` inside the traced function (the training programs,
+a model role's row functions, the engine's steps). Inside it:
+- `program_platform()` is the platform of the layout's devices, so a program traced on a CPU machine for the
+  compile-only devices of a TPU or GPU target makes the target's choices (attention kernel, dense path, cache
+  blocks); outside any layout it is `jax.default_backend()`.
+- `constrain(x, axes)` pins an activation to the layout's sharding of its logical axes (`Layout.activation_spec`):
+  rows over the `batch` mesh axes, heads and MLP over `tensor`, the vocabulary of logits over `tensor`; `embed`
+  stays whole. With no layout, or one of one device, it is the identity.
+Why constrain: left to propagation, XLA follows the weights, which under `fsdp` split along `embed`, and splits the
+residual stream along `embed` too, so every device computes every row and all-reduces activations. Pinned activations
+make `fsdp` data parallel over rows with weights gathered per layer (ZeRO-3), and `tensor` Megatron-style.
+Jit caches a trace by the function and its static arguments, not by this context: enter it with a layout fixed for
+that function or given by one of its static arguments.
+Imports `hfjax.parallel.layout` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import jax
+from jax.sharding import NamedSharding
+
+from hfjax.parallel.layout import Layout
+
+_LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("hfjax_program_layout", default=None)
+
+
+@contextlib.contextmanager
+def program_layout(layout: Layout | None) -> Iterator[None]:
+    """Model code traced inside this block belongs to a program over `layout` (None: no known layout)."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def current_layout() -> Layout | None:
+    """The layout of the program being traced, if its owner declared one."""
+    return _LAYOUT.get()
+
+
+def program_device() -> jax.Device:
+    """A device of the traced program (its layout's first), else this process's first: what the program's
+    trace-time choices read (platform, platform version, compute capability)."""
+    layout = _LAYOUT.get()
+    return layout.mesh.devices.flat[0] if layout is not None else jax.devices()[0]
+
+
+def program_platform() -> str:
+    """`cpu`, `gpu` or `tpu`: the platform of the traced program's devices (its layout's), else the default
+    backend's."""
+    layout = _LAYOUT.get()
+    return layout.platform if layout is not None else jax.default_backend()
+
+
+def program_platform_version() -> str:
+    """The platform version of the program's devices' client and their device kind, one per line: names `cuda` on a
+    CUDA GPU, the `NVIDIA ...` kind on a compile-only CUDA device (whose version names no CUDA)."""
+    device = program_device()
+    version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+    return f"{version}\n{getattr(device, 'device_kind', '')}"
+
+
+def program_device_count() -> int:
+    """Devices of the traced program's layout, else of this process."""
+    layout = _LAYOUT.get()
+    return layout.size if layout is not None else jax.device_count()
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """`x` constrained to the current layout's activation sharding of `logical_axes` (one name or None per
+    dimension); the identity outside a layout of several devices."""
+    layout = _LAYOUT.get()
+    if layout is None or layout.size == 1:
+        return x
+    spec = layout.activation_spec(logical_axes, x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
