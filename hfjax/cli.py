@@ -6,9 +6,11 @@ loaded); `hfjax layouts` lists the rule presets or compares layout pairs; `hfjax
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from hfjax.cli_support import configure_logging, debugging, run_command, version
@@ -226,6 +228,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compile(args: argparse.Namespace) -> int:
+    from hfjax.compiled import parse_target
+
+    target = parse_target(args.target)  # before any config work: a bad name is the first error
+    from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak
+    from hfjax.config import load_rl_config
+
+    cfg = load_rl_config(args.config, args.overrides)
+    programs = compile_run(cfg, target)
+    predicted = predicted_peak(cfg, target)
+    print(format_report(programs, target, predicted))
+    problems = fits(programs, target)
+    for line in problems:
+        print(line)
+    if args.json:
+        rows = [{**dataclasses.asdict(p), "peak": p.peak} for p in programs]
+        Path(args.json).write_text(
+            json.dumps(
+                {"target": target.name, "programs": rows, "fits": not problems, "cost_model_peak": predicted}, indent=1
+            )
+        )
+    return 1 if problems else 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from hfjax.trainer.launch import export_run
 
@@ -322,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the resolved config, worker groups, layouts and the cost model's memory per device; start nothing",
     )
     train.set_defaults(run=cmd_train)
+    compile_ = sub.add_parser(
+        "compile", help="compile a run's programs for a TPU or GPU target on this machine; print memory per device"
+    )
+    compile_.add_argument("config", help="YAML config (see configs/)")
+    compile_.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.micro_batch_size=8")
+    compile_.add_argument("--target", required=True, help="v5e:2x4, v5p:2x2x1, v6e:2x4, h100, h100x8, a100-80gbx8, ...")
+    compile_.add_argument("--json", help="also write the table as JSON to this file")
+    compile_.set_defaults(run=cmd_compile)
     export = sub.add_parser("export", help="write a run's actor checkpoint as a Hugging Face model")
     export.add_argument("run_dir")
     export.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
@@ -368,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
         ).strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.command == "compile":  # compile-only devices: JAX itself runs on the CPU, never on the plugins' hardware
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     enable_compilation_cache()
     configure_logging()

@@ -26,6 +26,7 @@ def version() -> str:
 def user_errors() -> tuple[type[BaseException], ...]:
     """hfjax's own errors: what the user must change (config, data, files, layouts, sampling, rewards, run directory,
     checkpoints) or what stopped a run (a worker that failed, died or hung; a run that cannot learn)."""
+    from hfjax.compiled.targets import TargetError
     from hfjax.controller.worker_group import WorkerError
     from hfjax.data.records import DataError
     from hfjax.mapping.cost import InfeasibleError
@@ -49,6 +50,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         SamplingError,
         PromptFileError,
         InfeasibleError,
+        TargetError,
         UnsupportedModelError,
         ModelFileError,
         PlotError,

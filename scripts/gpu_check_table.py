@@ -13,7 +13,8 @@ Subcommands:
                                       (smaller) response length in a fresh process
     table OUT_DIR                     the table of every check (OUT_DIR/*.status + results), printed and written to
                                       OUT_DIR/gpu_check.json; exit status 1 when any check failed
-Imports hfjax only inside the subcommands that need it (and never Ray).
+Imports hfjax only inside the subcommands that need it, never Ray itself; with GPU_CHECK_BLOCK_RAY=1
+(`gpu_check.sh --block-ray`) `import ray` fails in `generate` and `grpo`, as on a machine without Ray.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,7 +48,7 @@ CHECKS = (
 # The tiny GRPO model: the Qwen2 family of the full shape (q/k/v bias, tied embeddings, a vocabulary larger than the
 # tokenizer's), small enough for a CPU.
 TINY_QWEN = dict(
-    vocab_size=1024,
+    vocab_size=2304,
     hidden_size=64,
     intermediate_size=128,
     num_layers=2,
@@ -54,6 +56,7 @@ TINY_QWEN = dict(
     num_kv_heads=2,
     head_dim=16,
     max_position_embeddings=512,
+    sliding_windows=(),
 )
 
 
@@ -167,8 +170,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------------------- grpo
 def build_qwen_checkpoint(out: Path, tiny: bool) -> Path:
     """A random-weight Hugging Face Qwen2 checkpoint of `NAMED_CONFIGS["qwen2.5-0.5b"]`'s shape (tiny: `TINY_QWEN`)
-    in bfloat16, with a local byte-level BPE tokenizer (vocabulary 8192, tiny 512; the reference checkpoint's
-    corpus) whose ids 0-2 are pad/bos/eos. Built once: an existing `out/config.json` is reused."""
+    in bfloat16, with a local byte-level BPE tokenizer (vocabulary 8192, tiny 2048: enough merges for the
+    workload's words; the reference checkpoint's corpus) whose ids 0-2 are pad/bos/eos. Built once: an existing
+    `out/config.json` is reused."""
     if (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file():
         return out
     import torch
@@ -184,7 +188,7 @@ def build_qwen_checkpoint(out: Path, tiny: bool) -> Path:
     shape = (
         dataclasses.replace(shape, **TINY_QWEN) if tiny else dataclasses.replace(shape, max_position_embeddings=32768)
     )
-    tokenizer = build_bpe_tokenizer(tokenizer_corpus(), 512 if tiny else 8192)
+    tokenizer = build_bpe_tokenizer(tokenizer_corpus(), 2048 if tiny else 8192)
     hf = shape.to_hf_dict("causal_lm", "bfloat16")
     hf.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=0)
     config = transformers.Qwen2Config(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
@@ -193,6 +197,7 @@ def build_qwen_checkpoint(out: Path, tiny: bool) -> Path:
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     params = sum(p.numel() for p in model.parameters())
     print(f"random Qwen2 checkpoint at {out}: {params / 1e6:.1f}M parameters, vocabulary {config.vocab_size}")
@@ -247,7 +252,9 @@ def cmd_grpo(args: argparse.Namespace) -> None:
     for length in [int(x) for x in args.response_lengths.split(",")]:
         result = work / f"attempt-{length}.json"
         result.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "grpo-once", str(result), str(ckpt), str(workload), str(length)]
+        run_dir = work / f"run-{length}"  # trainer.resume=never: a fresh directory for every attempt
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [sys.executable, __file__, "grpo-once", str(result), str(ckpt), str(workload), str(run_dir), str(length)]
         cmd += _forward(args)
         print(f"GRPO attempt: responses of {length} tokens", flush=True)
         started = time.perf_counter()
@@ -283,7 +290,6 @@ def cmd_grpo_once(args: argparse.Namespace) -> None:
     drives it); writes the per-step times and token rates. The first step includes compiles; the summary takes the
     steps after it (all of them when there is one)."""
     import statistics
-    import tempfile
 
     from hfjax.config import load_rl_config
     from hfjax.trainer import rl
@@ -291,8 +297,7 @@ def cmd_grpo_once(args: argparse.Namespace) -> None:
 
     if not args.save:  # a benchmark: no final checkpoint (the 0.5B actor's state is ~6 GB of writes)
         rl.RLTrainer.save = lambda self: None
-    run_dir = Path(tempfile.mkdtemp(prefix="hfjax-gpu-check-grpo-"))
-    cfg = grpo_config(args, args.ckpt, args.workload, args.response_length, run_dir)
+    cfg = grpo_config(args, args.ckpt, args.workload, args.response_length, args.run_dir)
     history = run_rl(load_rl_config(cfg))
     steady = history[1:] or history
     step_s = statistics.median(h["timing_s/step"] for h in steady)
@@ -320,7 +325,7 @@ def cmd_grpo_once(args: argparse.Namespace) -> None:
                 "backend": "local",
             },
             "checkpoint": str(args.ckpt),
-            "run_dir": str(run_dir),
+            "run_dir": str(args.run_dir),
         },
     )
 
@@ -486,7 +491,7 @@ def main() -> None:
     p.add_argument("--response-lengths", default="512,256,128", help="tried in order until one fits")
     _grpo_flags(p)
     p = sub.add_parser("grpo-once")
-    for name in ("out", "ckpt", "workload"):
+    for name in ("out", "ckpt", "workload", "run_dir"):
         p.add_argument(name, type=Path)
     p.add_argument("response_length", type=int)
     _grpo_flags(p)
@@ -494,6 +499,9 @@ def main() -> None:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--mode", default="full")
     args = parser.parse_args()
+    block = os.environ.get("GPU_CHECK_BLOCK_RAY") == "1"
+    if block and args.command in ("generate", "grpo", "grpo-once") and "ray" not in sys.modules:
+        sys.modules["ray"] = None  # as on the GPU machine (no Ray): an `import ray` on these paths fails here too
     commands = {"env": cmd_env, "pytest": cmd_pytest, "generate": cmd_generate, "grpo": cmd_grpo,
                 "grpo-once": cmd_grpo_once, "table": cmd_table}  # fmt: skip
     commands[args.command](args)

@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hfjax.controller.liveness import LivenessConfig
-from hfjax.controller.ray_worker_group import RayWorkerGroup
 from hfjax.controller.resource_pool import ResourcePool
 from hfjax.controller.worker import Worker, check_worker_cls, construct_worker
 from hfjax.controller.worker_group import LocalWorkerGroup, RoleGroup
@@ -60,6 +59,8 @@ class Colocated:
         if resource_pool is None:
             group = LocalWorkerGroup(ColocatedWorker, self.roles)
         else:
+            from hfjax.controller.ray_worker_group import RayWorkerGroup  # Ray loads only for a Ray group
+
             name = "+".join(self.roles)  # the prefix of its processes' console output
             group = RayWorkerGroup(resource_pool, ColocatedWorker, self.roles, liveness=liveness, name=name)
         return {name: group.role(name, cls) for name, (cls, _, _) in self.roles.items()}

@@ -15,6 +15,18 @@ LLAMA3_ROPE = RopeConfig(
 )
 
 NAMED_CONFIGS: dict[str, ModelConfig] = {
+    # 25.8M parameters: the benchmarks' reference checkpoint (scripts/make_reference_ckpt.py builds it with weights).
+    "bench-25m": ModelConfig(
+        family="llama",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_layers=6,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+    ),
     # ~207M parameters: the resharding benchmark's model.
     "llama-200m": ModelConfig(
         family="llama",

@@ -96,7 +96,7 @@ class JaxEngine:
         self._slots = max_concurrent_decodes
         self._max_prefill = max_prefill_length
         self.capacity = max_prefill_length + max_new_tokens
-        self.block = kv_block_size(self.capacity)
+        self.block = kv_block_size(self.capacity, self.layout.platform)
         self.blocks = -(-self.capacity // self.block)
         self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
         self.compiles: collections.Counter[str] = collections.Counter()
@@ -167,8 +167,19 @@ class JaxEngine:
 
     def init_decode_state(self) -> DecodeState:
         """Empty slots: zero caches and lengths (an empty slot computes harmlessly until something is inserted)."""
+        return jax.device_put(self._empty_state(), self.state_sharding)
+
+    def abstract_decode_state(self) -> DecodeState:
+        """`init_decode_state` as `jax.ShapeDtypeStruct`s with its shardings: allocates nothing (to lower and compile
+        the engine's programs for devices this process does not run on)."""
+        shapes = jax.eval_shape(self._empty_state)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, self.state_sharding
+        )
+
+    def _empty_state(self) -> DecodeState:
         layers, blocks = self.config.num_layers, range(self.blocks)
-        state = DecodeState(
+        return DecodeState(
             tuple(tuple(jnp.zeros(self._key_shape, self._cache_dtype) for _ in blocks) for _ in range(layers)),
             tuple(tuple(jnp.zeros(self._value_shape, self._cache_dtype) for _ in blocks) for _ in range(layers)),
             jnp.zeros(self._slots, jnp.int32),
@@ -179,7 +190,6 @@ class JaxEngine:
             jnp.zeros(self._slots, jnp.int32),
             jnp.ones(self._slots, jnp.float32),
         )
-        return jax.device_put(state, self.state_sharding)
 
     def kv_cache_bytes_per_device(self) -> int:
         """Bytes of the decode state's KV cache on each device (its largest shard per block, summed)."""

@@ -16,6 +16,7 @@ from hfjax.rollout.sampling import SamplerKind, SamplingParams
 MIN_PREFILL_BUCKET = 16
 MAX_KV_BLOCKS = 8  # per layer: decode steps compile once per count of blocks in use
 MIN_KV_BLOCK = 32  # positions
+TPU_KV_MULTIPLE = 128  # a TPU's lane width: the block dimension of the keys' [.., head_dim, block] tiles
 ALL_FILTERS = SamplerKind(top_k=True, top_p=True)
 
 
@@ -95,7 +96,9 @@ def prefill_buckets(max_prefill_length: int) -> tuple[int, ...]:
     return (*out, max_prefill_length)
 
 
-def kv_block_size(capacity: int) -> int:
-    """Positions per decode-cache block for a cache of `capacity` positions: at least `MIN_KV_BLOCK`, a multiple of
-    16, and at most `MAX_KV_BLOCKS` blocks."""
-    return max(MIN_KV_BLOCK, -(-capacity // (16 * MAX_KV_BLOCKS)) * 16)
+def kv_block_size(capacity: int, platform: str = "cpu") -> int:
+    """Positions per decode-cache block for a cache of `capacity` positions on `platform`: at least `MIN_KV_BLOCK`,
+    a multiple of 16 (of 128 on a TPU, whose 128-lane tiles would pad any other size: a block of 192 took 256), and
+    at most `MAX_KV_BLOCKS` blocks."""
+    multiple = TPU_KV_MULTIPLE if platform == "tpu" else 16
+    return max(MIN_KV_BLOCK, -(-capacity // (multiple * MAX_KV_BLOCKS)) * multiple)

@@ -175,6 +175,43 @@ def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def optimizer_shardings(optimizer: optax.GradientTransformation, params: Any, layout: Layout) -> Any:
+    """Shardings of the float32 optimizer state of `params` (concrete arrays or `ShapeDtypeStruct`s with shardings):
+    each parameter's moments as the parameter, scalars (step counts, the injected rate) replicated."""
+    replicated = NamedSharding(layout.mesh, PartitionSpec())
+    return optax.tree_utils.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        jax.eval_shape(functools.partial(_init_float32, optimizer), params),
+        jax.tree.map(lambda x: x.sharding, params),
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def abstract_optimizer_state(optimizer: optax.GradientTransformation, params: Any, layout: Layout) -> Any:
+    """The optimizer state of `params` as `ShapeDtypeStruct`s with their shardings, allocating nothing (to lower and
+    compile the programs of a state that is not built, e.g. for another machine)."""
+    shapes = jax.eval_shape(functools.partial(_init_float32, optimizer), params)
+    return _abstract(shapes, optimizer_shardings(optimizer, params, layout))
+
+
+def apply_program(donate: bool = True) -> Any:
+    """The jitted optimizer step `(params, opt_state, grads, *, optimizer, grad_clip, shardings)`: what
+    `TrainState.update` applies after accumulating the micro-batches' gradients."""
+    return _apply_donating if donate else _apply_keeping
+
+
+def grad_program() -> Any:
+    """The jitted loss-and-gradient program of one micro-batch `(params, rest, batch, *, graphdef, loss_fn, static,
+    shardings, layout)`."""
+    return _loss_and_grad
+
+
+def frozen(tree: Any) -> Any:
+    """A pytree of shardings as the hashable static argument the programs above take."""
+    return _Frozen.of(tree)
+
+
 class TrainState:
     """Parameters (`params`, an `nnx.State` of `nnx.Param`), optimizer state (`opt_state`, sharded like the
     parameters; scalars replicated), `step` (optimizer steps taken, skipped ones included) and `skipped_steps`.
@@ -197,15 +234,8 @@ class TrainState:
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.params = jax.device_put(params, layout.shardings(params))
         self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
-        replicated = NamedSharding(layout.mesh, PartitionSpec())
+        self.opt_shardings = optimizer_shardings(optimizer, self.params, layout)
         init = functools.partial(_init_float32, optimizer)
-        self.opt_shardings = optax.tree_utils.tree_map_params(
-            optimizer,
-            lambda _, sharding: sharding,
-            jax.eval_shape(init, self.params),
-            self.param_shardings,
-            transform_non_params=lambda _: replicated,
-        )
         self.opt_state = jax.jit(init, out_shardings=self.opt_shardings)(self.params)
         self.step = 0
         self.skipped_steps = 0

@@ -42,7 +42,7 @@ from hfjax.workers.weight_sync import WeightShards, export_shards
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
 
 
-def _response_logprobs(
+def response_logprobs(
     model: Any, batch: dict[str, jax.Array], temperature: float, with_entropy: bool
 ) -> tuple[jax.Array, jax.Array | None]:
     """(log probs, entropies or None) [rows, response] of the response tokens under logits / temperature: the
@@ -68,7 +68,7 @@ def actor_loss(
         "global_seqs": batch["global_seqs"][0],
         "norm_length": response_length,
     }
-    logp, entropies = _response_logprobs(model, batch, temperature, with_entropy=True)
+    logp, entropies = response_logprobs(model, batch, temperature, with_entropy=True)
     # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
     old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
     clip = {
@@ -224,12 +224,12 @@ class ActorRolloutRefWorker(TrainedRole):
         return DataProto.from_dict(batch, meta_info={"metrics": timing})
 
     def _logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        logp, entropies = _response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=True)
+        logp, entropies = response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=True)
         return {"log_probs": logp, "entropys": entropies}
 
     def _ref_logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         # log probs only: the entropy would be one more reduction over every chunk's logits
-        return {"log_probs": _response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=False)[0]}
+        return {"log_probs": response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=False)[0]}
 
     def _log_probs(self, jitted: Any, params: Any, data: DataProto) -> dict[str, np.ndarray]:
         keys = ("input_ids", "attention_mask", "position_ids", "responses")

@@ -27,7 +27,7 @@ from hfjax.workers.sequences import response_slice
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
-def _values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+def response_values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     values = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     return response_slice(values, batch["responses"].shape[1])
 
@@ -38,7 +38,7 @@ def critic_loss(
     """The clipped value loss of one micro-batch and its metrics, normalised as `actor_loss` is (mini-batch counts,
     untrimmed `response_length`; the metrics are shares that sum over micro-batches). A module function bound with
     `functools.partial`, for the reason `actor_loss` gives."""
-    vpreds = _values(model, batch)
+    vpreds = response_values(model, batch)
     loss, clipfrac = value_loss(
         vpreds,
         batch["returns"],
@@ -70,7 +70,7 @@ class CriticWorker(TrainedRole):
         )
         optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
         self.state = TrainState(self.critic.model, layout, optimizer, cfg.optim.grad_clip)
-        self._values = self.critic.rows_fn(lambda model, batch: {"values": _values(model, batch)})
+        self._values = self.critic.rows_fn(lambda model, batch: {"values": response_values(model, batch)})
         return {"layout": layout.describe(), "params": self.critic.config.num_params}
 
     @register(Dispatch.DP_COMPUTE_PROTO)

@@ -58,17 +58,8 @@ class LoadedModel:
         return nnx.merge(self.graphdef, params, self.rest)
 
     def rows_fn(self, fn: Callable[[nnx.Module, dict[str, jax.Array]], Any]) -> Callable[..., Any]:
-        """`fn(model, batch) -> arrays with rows first`, jitted over (params, batch) with attention traced under the
-        layout; the outputs keep the batch's row sharding (so each process of a group holds the rows it passed in)."""
-
-        def rows(params: Any, batch: dict[str, jax.Array]) -> Any:
-            with program_layout(self.layout):
-                out = fn(self.merge(params), batch)
-            return jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(self.layout, x.shape)), out
-            )
-
-        return jax.jit(rows, compiler_options=FORWARD_COMPILER_OPTIONS)
+        """`fn(model, batch) -> arrays with rows first`, jitted over (params, batch) (`rows_program`)."""
+        return rows_program(self.graphdef, self.rest, self.layout, fn)
 
     def map_rows(
         self,
@@ -96,6 +87,21 @@ class LoadedModel:
             host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
         joined = jax.tree.map(lambda *parts: np.concatenate(parts)[:rows], *host)
         return jax.tree.map(lambda x: x[np.argsort(order)], joined)
+
+
+def rows_program(
+    graphdef: Any, rest: Any, layout: Layout, fn: Callable[[nnx.Module, dict[str, jax.Array]], Any]
+) -> Callable[..., Any]:
+    """`fn(model, batch) -> arrays with rows first` jitted over (params, batch), traced under `layout`
+    (`hfjax.models.program.program_layout`); the outputs keep the batch's row sharding (so each process of a group
+    holds the rows it passed in)."""
+
+    def rows(params: Any, batch: dict[str, jax.Array]) -> Any:
+        with program_layout(layout):
+            out = fn(nnx.merge(graphdef, params, rest), batch)
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(layout, x.shape)), out)
+
+    return jax.jit(rows, compiler_options=FORWARD_COMPILER_OPTIONS)
 
 
 def process_share(rows: int, name: str) -> int:

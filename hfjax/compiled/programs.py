@@ -1,0 +1,308 @@
+"""The compiled programs of an RL run at its config's shapes, lowered with abstract weights over any devices (a
+target's compile-only devices, or this machine's), with what each needs per device.
+
+Each program is the one the workers run, built by the same functions (`actor_loss`, `critic_loss`, the train state's
+gradient and optimizer programs, the row programs of log probs and values, the engine's prefill and decode), at the
+largest shapes a run of the config reaches: a micro-batch of `micro_batch_size` rows of `max_prompt_length +
+response_length` tokens, the engine's `rollout.slots` and its longest prefill bucket. The weights are
+`jax.ShapeDtypeStruct`s: nothing is allocated, so a 70B model compiles on a laptop.
+
+Each program comes as a `ProgramTrace` (the traced program): `measure` compiles it for its devices, and
+`traced.lower(lowering_platforms=(...))` lowers it for a platform without its compiler (`jax.export`'s path).
+`ProgramMemory` holds what the compiler says (arguments, outputs, aliased outputs, temporaries: bytes per device) and
+what the run keeps on the device outside the program while it runs (`resident`: the optimizer state during a
+gradient program, the reference weights, the master copy during generation, ...). `peak` adds them up.
+Imports `hfjax.models`, `hfjax.parallel`, `hfjax.rollout`, `hfjax.training`, `hfjax.workers` and `hfjax.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hfjax.config import RLConfig
+from hfjax.models.config import ModelConfig
+from hfjax.models.hf import abstract_model
+from hfjax.parallel.layout import Layout
+from hfjax.rollout import JaxEngine
+from hfjax.rollout.interface import prefill_buckets
+from hfjax.rollout.sampling import SamplerKind
+from hfjax.training.optim import make_optimizer
+from hfjax.training.train_state import (
+    abstract_optimizer_state,
+    apply_program,
+    batch_sharding,
+    frozen,
+    grad_program,
+)
+from hfjax.workers.actor import actor_loss, response_logprobs
+from hfjax.workers.critic import critic_loss, response_values
+from hfjax.workers.generation import sampling_params
+from hfjax.workers.model_role import rows_program
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """One compiled program's bytes per device (from `compiled.memory_analysis()`), the bytes its group keeps on the
+    device outside it while it runs, its FLOPs per device and its compile time."""
+
+    group: str
+    program: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    resident: int
+    flops: float
+    compile_seconds: float
+
+    @property
+    def peak(self) -> int:
+        """Bytes per device while the program runs: its buffers (donated outputs counted once) plus the residents."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
+
+
+def bytes_per_device(tree: Any) -> int:
+    """The bytes one device holds of a tree of arrays or `ShapeDtypeStruct`s with shardings (its largest shard)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramTrace:
+    """A traced program of a run (`jax.stages.Traced`), its group, and the bytes its group keeps resident beside it."""
+
+    group: str
+    program: str
+    traced: Any
+    resident: int
+
+
+def measure(trace: ProgramTrace) -> ProgramMemory:
+    """Compiles a traced program for its devices and reads its memory and cost analyses."""
+    group, program, resident = trace.group, trace.program, trace.resident
+    started = time.perf_counter()
+    compiled = trace.traced.lower().compile()
+    seconds = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    return ProgramMemory(
+        group,
+        program,
+        int(memory.argument_size_in_bytes),
+        int(memory.output_size_in_bytes),
+        int(memory.alias_size_in_bytes),
+        int(memory.temp_size_in_bytes),
+        int(resident),
+        float(cost.get("flops", 0.0)),
+        seconds,
+    )
+
+
+@dataclasses.dataclass
+class AbstractModel:
+    """A model's graph, its parameters as `ShapeDtypeStruct`s sharded by `layout`, and the rest of its state."""
+
+    graphdef: Any
+    params: Any
+    rest: Any
+    layout: Layout
+
+    @classmethod
+    def build(
+        cls, config: ModelConfig, head: str, layout: Layout, dtype: str, param_dtype: str | None
+    ) -> AbstractModel:
+        model = abstract_model(config, head, dtype, param_dtype)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        per_param = layout.shardings(params)
+        shardings = jax.tree.map(lambda s, p: jax.tree.map(lambda _: s, p), per_param, params)
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+        return cls(graphdef, abstract, rest, layout)
+
+    @property
+    def shardings(self) -> Any:
+        return jax.tree.map(lambda x: x.sharding, self.params)
+
+    def cast(self, dtype: str, layout: Layout | None = None) -> Any:
+        """The parameters in `dtype` (the generation copy), sharded by `layout` (default: this model's)."""
+        layout = layout or self.layout
+        if layout is self.layout:
+            shardings = self.shardings
+        else:
+            per_param = layout.shardings(self.params)
+            shardings = jax.tree.map(lambda s, p: jax.tree.map(lambda _: s, p), per_param, self.params)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=s), self.params, shardings
+        )
+
+
+def sequence_batch(layout: Layout, rows: int, prompt: int, response: int, extra: Sequence[str]) -> dict[str, Any]:
+    """A micro-batch of the RL layout (`hfjax.workers.sequences`) as `ShapeDtypeStruct`s, rows over the batch axes;
+    `extra` names the float [rows, response] columns the program reads (advantages, old log probs, ...)."""
+    shapes = {
+        "input_ids": ((rows, prompt + response), jnp.int32),
+        "attention_mask": ((rows, prompt + response), jnp.int32),
+        "position_ids": ((rows, prompt + response), jnp.int32),
+        "responses": ((rows, response), jnp.int32),
+        **{name: ((rows, response), jnp.float32) for name in extra},
+    }
+    if "response_mask" in extra:
+        shapes["response_mask"] = ((rows, response), jnp.int32)
+        shapes["global_tokens"] = ((rows,), jnp.float32)
+        shapes["global_seqs"] = ((rows,), jnp.float32)
+    return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(layout, s)) for k, (s, d) in shapes.items()}
+
+
+def _train_programs(
+    group: str,
+    model: AbstractModel,
+    optimizer: Any,
+    grad_clip: float,
+    loss_fn: Callable[..., Any],
+    batch: dict[str, Any],
+    resident: int,
+) -> Iterator[ProgramTrace]:
+    """The loss-and-gradient program of one micro-batch (the optimizer state and the gradient accumulator resident)
+    and the optimizer step (donating parameters and state)."""
+    opt_state = abstract_optimizer_state(optimizer, model.params, model.layout)
+    grads = bytes_per_device(model.params)
+    traced = grad_program().trace(
+        model.params,
+        model.rest,
+        batch,
+        graphdef=model.graphdef,
+        loss_fn=loss_fn,
+        static=(),
+        shardings=frozen(model.shardings),
+        layout=model.layout,
+    )
+    yield ProgramTrace(group, "loss+grad", traced, resident + bytes_per_device(opt_state) + grads)
+    state_shardings = frozen((model.shardings, jax.tree.map(lambda x: x.sharding, opt_state)))
+    traced = apply_program().trace(
+        model.params, opt_state, model.params, optimizer=optimizer, grad_clip=grad_clip, shardings=state_shardings
+    )
+    yield ProgramTrace(group, "optimizer step", traced, resident)
+
+
+def _rows_program(
+    group: str, name: str, model: AbstractModel, params: Any, fn: Callable[..., Any], batch: dict, resident: int
+) -> ProgramTrace:
+    traced = rows_program(model.graphdef, model.rest, model.layout, fn).trace(params, batch)
+    return ProgramTrace(group, name, traced, resident)
+
+
+def actor_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout) -> int:
+    """What the policy keeps on each device between its programs: master weights, optimizer state, reference."""
+    actor = cfg.actor
+    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype)
+    opt_state = abstract_optimizer_state(make_optimizer(actor.optim, None), policy.params, layout)
+    has_ref = cfg.uses_ref
+    return bytes_per_device((policy.params, opt_state)) + (bytes_per_device(policy.cast(actor.dtype)) if has_ref else 0)
+
+
+def critic_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout) -> int:
+    """What the critic keeps on each device between its programs: weights and optimizer state."""
+    model = AbstractModel.build(shape, "token_cls", layout, cfg.critic.dtype, cfg.critic.param_dtype)
+    return bytes_per_device(
+        (model.params, abstract_optimizer_state(make_optimizer(cfg.critic.optim, None), model.params, layout))
+    )
+
+
+def actor_programs(
+    cfg: RLConfig, shape: ModelConfig, layout: Layout, gen_layout: Layout, others: int = 0
+) -> Iterator[ProgramTrace]:
+    """The policy group's programs: the actor's update, its log-prob pass, the reference's, and generation;
+    `others`: bytes per device that colocated roles keep meanwhile."""
+    actor, rollout = cfg.actor, cfg.rollout
+    prompt, response = cfg.data.max_prompt_length, rollout.response_length
+    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype)
+    optimizer = make_optimizer(actor.optim, None)
+    opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.params, layout))
+    has_ref = cfg.uses_ref
+    ref = policy.cast(actor.dtype) if has_ref else None
+    ref_bytes = (bytes_per_device(ref) if has_ref else 0) + others
+    extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
+    batch = sequence_batch(layout, actor.micro_batch_size, prompt, response, extra)
+    loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
+    yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
+    rows = sequence_batch(layout, actor.micro_batch_size, prompt, response, ())
+    temperature = rollout.temperature
+
+    def logprob(model: Any, b: dict) -> dict:
+        logp, entropy = response_logprobs(model, b, temperature, with_entropy=True)
+        return {"log_probs": logp, "entropys": entropy}
+
+    yield _rows_program("actor", "log probs", policy, policy.params, logprob, rows, opt_bytes + ref_bytes)
+    if has_ref:
+
+        def ref_logprob(model: Any, b: dict) -> dict:
+            return {"log_probs": response_logprobs(model, b, temperature, with_entropy=False)[0]}
+
+        resident = bytes_per_device(policy.params) + opt_bytes
+        yield _rows_program("actor", "ref log probs", policy, ref, ref_logprob, rows, resident)
+    # generation: the cast copy in the generation layout; the master stays where it is kept in another dtype
+    gen_params = policy.cast(actor.dtype, gen_layout)
+    master = bytes_per_device(policy.params) if jnp.dtype(actor.param_dtype) != jnp.dtype(actor.dtype) else 0
+    optimizer_resident = 0 if rollout.offload_optimizer else opt_bytes
+    yield from engine_programs(cfg, shape, gen_layout, gen_params, master + optimizer_resident + ref_bytes)
+
+
+def engine_programs(
+    cfg: RLConfig, shape: ModelConfig, layout: Layout, params: Any, resident: int
+) -> Iterator[ProgramTrace]:
+    """The engine's fused prefill-and-insert at its longest bucket with every slot's row (the most the generator
+    prefills in one call) and its decode step over every cache block, with the decode state as an argument."""
+    rollout = cfg.rollout
+    model = abstract_model(shape, "causal_lm", cfg.actor.dtype)
+    engine = JaxEngine(
+        model,
+        layout,
+        max_concurrent_decodes=rollout.slots,
+        max_prefill_length=cfg.data.max_prompt_length,
+        max_new_tokens=rollout.response_length,
+    )
+    state = engine.abstract_decode_state()
+    sampling = sampling_params(rollout, {})
+    kind = SamplerKind.of(sampling)
+    rows = 1 << (rollout.slots.bit_length() - 1)  # the generator's largest power-of-two prefill call
+    length = prefill_buckets(cfg.data.max_prompt_length)[-1]
+
+    def ints(*shape: int, dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    sampling_args = (ints(rows), ints(rows), ints(rows, dtype=jnp.float32), ints(rows), ints(rows, dtype=jnp.float32))
+    traced = engine._prefill_insert.trace(
+        params, state, ints(rows, length), ints(rows), *sampling_args, ints(rows), ints(rows), ints(rows), kind=kind
+    )
+    yield ProgramTrace("rollout", f"prefill {rows} x {length}", traced, resident)
+    traced = engine._generate.trace(params, state, kind=kind, live=engine.blocks)
+    yield ProgramTrace("rollout", f"decode {rollout.slots} slots", traced, resident)
+
+
+def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: int = 0) -> Iterator[ProgramTrace]:
+    """The critic's update and its value pass; `others`: bytes per device that colocated roles keep meanwhile."""
+    critic, prompt, response = cfg.critic, cfg.data.max_prompt_length, cfg.rollout.response_length
+    model = AbstractModel.build(shape, "token_cls", layout, critic.dtype, critic.param_dtype)
+    optimizer = make_optimizer(critic.optim, None)
+    batch = sequence_batch(layout, critic.micro_batch_size, prompt, response, ("values", "returns", "response_mask"))
+    loss_fn = functools.partial(critic_loss, critic, response)
+    yield from _train_programs("critic", model, optimizer, critic.optim.grad_clip, loss_fn, batch, others)
+    rows = sequence_batch(layout, critic.micro_batch_size, prompt, response, ())
+    opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, model.params, layout))
+
+    def values(m: Any, b: dict) -> dict:
+        return {"values": response_values(m, b)}
+
+    yield _rows_program("critic", "values", model, model.params, values, rows, opt_bytes + others)

@@ -1,0 +1,146 @@
+"""`hfjax compile CONFIG --target T`: compiles a run's programs for a target (`hfjax.compiled.targets`) at the config's
+shapes, and reports per program the compiler's bytes per device, what stays resident beside it, the peak against the
+device's usable memory, and the cost model's prediction of the group's peak beside it.
+
+A run fits when every program's peak is at most `FIT_FRACTION` of the usable memory (on a GPU, JAX's preallocated
+fraction). When one does not, the report names the program and the config knob that shrinks it.
+Imports `hfjax.compiled`, `hfjax.config`, `hfjax.mapping`, `hfjax.models` and `hfjax.trainer.automap_run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hfjax.compiled.programs import (
+    ProgramMemory,
+    actor_programs,
+    actor_resident,
+    critic_programs,
+    critic_resident,
+    measure,
+)
+from hfjax.compiled.targets import Target, target_devices
+from hfjax.config import RLConfig
+from hfjax.mapping.cluster import GIB, ClusterSpec
+from hfjax.mapping.cost import InfeasibleError
+from hfjax.models.config import ModelConfig
+from hfjax.models.hf import read_config
+from hfjax.models.presets import NAMED_CONFIGS
+from hfjax.parallel.layout import Layout, LayoutError
+from hfjax.trainer.automap_run import predict_run
+from hfjax.trainer.preflight import MEMORY_ONLY_PROFILE, with_default_gen_layout
+from hfjax.typed_config import ConfigError
+
+FIT_FRACTION = 0.9
+KNOBS = {  # what shrinks each program
+    "loss+grad": "{role}.micro_batch_size (or actor.train_layout: more fsdp/tensor)",
+    "optimizer step": "{role} layout (more fsdp), or rollout.offload_optimizer",
+    "log probs": "actor.micro_batch_size",
+    "ref log probs": "actor.micro_batch_size",
+    "values": "critic.micro_batch_size",
+    "prefill": "rollout.slots (the largest prefill call) or data.max_prompt_length",
+    "decode": "rollout.slots (the KV cache) or rollout.gen_layout (more tensor)",
+}
+HUB_SHAPES = {  # Hub ids of the shipped configs -> the shapes of hfjax.models.presets (no download to compile)
+    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
+    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
+    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+}
+
+
+def model_shape(path: str, field: str) -> ModelConfig:
+    """The model config at `path`: a local Hugging Face directory (its config.json), a Hub id of a known shape, or a
+    named shape of `hfjax.models.presets`. ConfigError naming `field` otherwise."""
+    if path in NAMED_CONFIGS or path in HUB_SHAPES:
+        return NAMED_CONFIGS[HUB_SHAPES.get(path, path)]
+    if (Path(path).expanduser() / "config.json").is_file():
+        return read_config(Path(path).expanduser())[0]
+    raise ConfigError(
+        f"{field}: {path!r} is not a local model directory, a known Hub id ({sorted(HUB_SHAPES)}) or a named shape "
+        f"({sorted(NAMED_CONFIGS)})"
+    )
+
+
+def _layout(config: Any, devices: list, generation: bool, field: str) -> Layout:
+    if config is None:
+        rules, axis = ("dp_tp_gen", "data") if generation else ("fsdp", "fsdp")
+        config = {"mesh": {axis: len(devices)}, "rules": rules}
+    layout = Layout.from_config(config, field).on_devices(devices)
+    if layout.size != len(devices):
+        raise ConfigError(f"{field}: {layout.describe()} has {layout.size} devices; the target has {len(devices)}")
+    return layout
+
+
+def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] = print) -> list[ProgramMemory]:
+    """Every program of the run's actor group (and critic, when the algorithm has one), compiled for `target`: all
+    roles on the target's devices (one worker group, the colocated placement)."""
+    devices = target_devices(target)
+    actor_shape = model_shape(cfg.actor.model_path, "actor.model_path")
+    train = _layout(cfg.actor.train_layout, devices, False, "actor.train_layout")
+    gen = _layout(cfg.rollout.gen_layout, devices, True, "rollout.gen_layout")
+    one_critic, copies = 0, 2 if cfg.algorithm.name == "safe_rlhf" else 1  # safe_rlhf: a reward and a cost critic
+    critic_shape = critic_layout = None
+    if cfg.uses_critic:
+        critic_shape = dataclasses.replace(model_shape(cfg.critic.model_path, "critic.model_path"), num_labels=1)
+        critic_layout = _layout(cfg.critic.layout, devices, False, "critic.layout")
+        one_critic = critic_resident(cfg, critic_shape, critic_layout)
+    out = []
+    traces = list(actor_programs(cfg, actor_shape, train, gen, others=copies * one_critic))
+    if critic_shape is not None:
+        others = actor_resident(cfg, actor_shape, train) + (copies - 1) * one_critic
+        traces += critic_programs(cfg, critic_shape, critic_layout, others=others)
+    out = []
+    for trace in traces:
+        out.append(measure(trace))
+        progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
+    return out
+
+
+def predicted_peak(cfg: RLConfig, target: Target) -> float | None:
+    """The cost model's peak bytes per device of the run's (first) group on `target`, or None where it has none."""
+    models: dict[str, Any] = {}
+    try:
+        shape = model_shape(cfg.actor.model_path, "actor.model_path")
+        models = {"actor": shape, "ref": shape}
+        if cfg.uses_critic:
+            critic = model_shape(cfg.critic.model_path, "critic.model_path")
+            models.update(critic=critic, cost_critic=critic)
+        for role, section in (("reward", cfg.reward.reward_model), ("cost", cfg.reward.cost_model)):
+            if section.enabled:
+                models[role] = model_shape(section.model_path, f"reward.{role}_model.model_path")
+        cluster = ClusterSpec(1, target.num_devices, int(target.usable_bytes), MEMORY_ONLY_PROFILE)
+        return max(predict_run(with_default_gen_layout(cfg), cluster, models).group_peak_bytes)
+    except (ConfigError, InfeasibleError, LayoutError, ValueError):
+        return None
+
+
+def fits(programs: list[ProgramMemory], target: Target) -> list[str]:
+    """One line per program whose peak exceeds `FIT_FRACTION` of the target's usable memory, naming the knob."""
+    limit = FIT_FRACTION * target.usable_bytes
+    problems = []
+    for p in programs:
+        if p.peak > limit:
+            knob = next((v for k, v in KNOBS.items() if p.program.startswith(k)), "the layout").format(role=p.group)
+            problems.append(
+                f"does not fit: {p.group} {p.program} needs {p.peak / GIB:.2f} GiB of {limit / GIB:.2f} GiB "
+                f"({FIT_FRACTION:.0%} of {target.usable_bytes / GIB:.2f} GiB usable per device): lower {knob}"
+            )
+    return problems
+
+
+def format_report(programs: list[ProgramMemory], target: Target, predicted: float | None) -> str:
+    """The table: per program, GiB per device of arguments, outputs, temporaries, residents and the peak."""
+    header = f"{'group':<8} {'program':<22} {'args':>7} {'outputs':>8} {'temps':>7} {'resident':>9} {'peak':>7}  GFLOP"
+    lines = [f"target {target.name}: {target.num_devices} x {target.usable_bytes / GIB:.2f} GiB usable", header]
+    for p in programs:
+        values = (p.arguments, p.outputs - p.aliased, p.temporaries, p.resident, p.peak)
+        cells = " ".join(f"{v / GIB:>{w}.2f}" for v, w in zip(values, (7, 8, 7, 9, 7), strict=True))
+        lines.append(f"{p.group:<8} {p.program:<22} {cells}  {p.flops / 1e9:.0f}")
+    peak = max(p.peak for p in programs)
+    model = "none" if predicted is None else f"{predicted / GIB:.2f} GiB"
+    lines.append(f"step peak (compiler) {peak / GIB:.2f} GiB per device; cost model {model}")
+    return "\n".join(lines)

@@ -1,0 +1,113 @@
+"""Scaling read from compiled programs (not timed): the actor's loss-and-gradient, its log-prob pass and the engine's
+decode step of a small model (4 layers, 8 heads, a 32k vocabulary) on 8 fake devices. Under `fsdp=8` and
+`fsdp=4,tensor=2` each device does about 1/8 of one device's FLOPs, and under `fsdp` the collectives are the weights'
+(gathers of parameters, reductions of gradients), never an activation's or the logits'."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import pytest
+
+import hfjax.models.transformer as transformer
+from hfjax.compiled.programs import actor_programs, bytes_per_device
+from hfjax.config import load_rl_config
+from hfjax.models.config import ModelConfig
+from hfjax.parallel import Layout
+
+SHAPE = ModelConfig(
+    family="llama",
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+)
+PROGRAMS = ("loss+grad", "log probs", "decode")
+LAYOUTS = {
+    "1 device": (
+        {"mesh": {"fsdp": 1}, "rules": "fsdp", "devices": [0]},
+        {"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]},
+    ),
+    "fsdp=8": ({"mesh": {"fsdp": 8}, "rules": "fsdp"}, {"mesh": {"data": 8}, "rules": "dp_tp_gen"}),
+    "fsdp=4,tensor=2": (
+        {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"},
+        {"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"},
+    ),
+}
+COLLECTIVE = re.compile(r"= (\([^=]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
+
+
+@functools.cache
+def compiled_programs(name: str) -> dict[str, jax.stages.Compiled]:
+    """The three programs compiled under one of `LAYOUTS`, the LM head in two chunks of 32 positions under every
+    layout: XLA's cost analysis counts a loop's body once whatever its trip count, so the same trip count makes the
+    counts comparable (and with one chunk, one device's program would fold the backward's recomputed logits into the
+    forward's, which a partitioned program does not)."""
+    train, gen = LAYOUTS[name]
+    cfg = load_rl_config(
+        {
+            "actor": {"model_path": "unused", "micro_batch_size": 8, "ppo_mini_batch_size": 8},
+            "data": {"max_prompt_length": 64},
+            "rollout": {"response_length": 64, "slots": 16, "n": 2},
+        }
+    )
+    chunk_length = transformer.chunk_length
+    transformer.chunk_length = lambda tokens, rows: 32
+    try:
+        traces = actor_programs(cfg, SHAPE, Layout.from_config(train), Layout.from_config(gen))
+        return {t.program.split(" ")[0] if t.program.startswith("decode") else t.program: t.traced.lower().compile()
+                for t in traces if t.program.startswith(PROGRAMS)}  # fmt: skip
+    finally:
+        transformer.chunk_length = chunk_length
+
+
+def flops(compiled: jax.stages.Compiled) -> float:
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+@pytest.mark.parametrize("layout", ["fsdp=8", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_flops_per_device_split_eight_ways(layout, program):
+    one, eight = flops(compiled_programs("1 device")[program]), flops(compiled_programs(layout)[program])
+    assert eight <= 1.15 * one / 8, f"{program} under {layout}: {eight:.3e} FLOPs per device, one device {one:.3e}"
+
+
+def _collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """(kind, shapes of its result arrays) of every collective in an HLO module's text."""
+    return [
+        (kind, [tuple(int(n) for n in dims.split(",") if n) for _, dims in ARRAY.findall(result)])
+        for result, kind in COLLECTIVE.findall(hlo)
+    ]
+
+
+def test_fsdp_moves_weights_not_activations():
+    """Under fsdp=8 the loss-and-gradient program all-reduces only gradients (arrays of a weight's size, some
+    reshaped as [heads * head_dim, embed]; XLA:CPU does not turn them into reduce-scatters) and scalars, and gathers
+    about the weights twice (forward and backward): no all-reduce of a [rows, length, ...] activation or of logits."""
+    program = compiled_programs("fsdp=8")["loss+grad"]
+    weight_sizes = {math.prod(leaf.shape) for leaf in jax.tree.leaves(_abstract_params())}
+    collectives = _collectives(program.as_text())
+    reduced = [s for kind, shapes in collectives if kind == "all-reduce" for s in shapes]
+    activations = [s for s in reduced if math.prod(s) > 1 and math.prod(s) not in weight_sizes]
+    assert not activations, f"all-reduces of non-weight arrays: {activations}"
+    gathered = sum(math.prod(s) * 4 for kind, shapes in collectives if kind == "all-gather" for s in shapes)
+    weights = bytes_per_device(_abstract_params()) * 8  # float32 master: what one device gathers of every weight
+    assert gathered <= 2.2 * weights, (gathered, weights)
+    assert sum(math.prod(s) * 4 for s in reduced) <= 1.2 * weights
+
+
+def _abstract_params():
+    from flax import nnx
+
+    from hfjax.models.hf import abstract_model
+
+    return nnx.split(abstract_model(SHAPE, "causal_lm"), nnx.Param, ...)[1]
