@@ -45,6 +45,7 @@ from hfjax.mapping.trainer_runs import (
 )
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
+from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.parallel import HybridEngine, Layout, LayoutError
 from hfjax.parallel.layout import is_param_leaf
 
@@ -284,9 +285,9 @@ def test_memory_by_hand_and_rejection_reason():
     m_train = math.ceil(m_train / math.ceil(m_train / 3))
     m_inf = math.ceil(w.global_batch_prompts * 2 / 4)
     m_inf = math.ceil(m_inf / math.ceil(m_inf / 3))
-    layer, logits = 64 * (10 + 24 / 2), 256 * 4 / 2
-    train_act = m_train * S * (64 * 2 * 2 + layer + 2 * logits)
-    infer_act = m_inf * S * (layer + logits)
+    layer, logits = 64 * (10 + 24 / 2), 256 * 4 / 2  # the LM head's float32 logits: one chunk of response tokens
+    train_act = m_train * S * (64 * 2 * 2 + layer) + 2 * logits * min(m_train * w.response_len, LOGITS_CHUNK_TOKENS)
+    infer_act = m_inf * S * layer + logits * min(m_inf * w.response_len, LOGITS_CHUNK_TOKENS)
     cost = model.role_cost("actor", shape, sizes)
     assert cost.static_bytes == shard * (4 + 8)  # float32 master weights + Adam's two float32 moments
     assert cost.transient_bytes == pytest.approx(max(infer_act, shard * 4 + train_act), rel=1e-12)

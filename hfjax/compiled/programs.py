@@ -31,6 +31,7 @@ from flax import nnx
 from hfjax.config import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
+from hfjax.models.transformer import set_remat
 from hfjax.parallel.layout import Layout
 from hfjax.rollout import JaxEngine
 from hfjax.rollout.interface import prefill_buckets
@@ -47,6 +48,7 @@ from hfjax.workers.actor import actor_loss, response_logprobs
 from hfjax.workers.critic import critic_loss, response_values
 from hfjax.workers.generation import sampling_params
 from hfjax.workers.model_role import rows_program
+from hfjax.workers.reward_model import sequence_scores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +124,9 @@ class AbstractModel:
 
     @classmethod
     def build(
-        cls, config: ModelConfig, head: str, layout: Layout, dtype: str, param_dtype: str | None
+        cls, config: ModelConfig, head: str, layout: Layout, dtype: str, param_dtype: str | None, remat: str = "none"
     ) -> AbstractModel:
-        model = abstract_model(config, head, dtype, param_dtype)
+        model = set_remat(abstract_model(config, head, dtype, param_dtype), remat)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         per_param = layout.shardings(params)
         shardings = jax.tree.map(lambda s, p: jax.tree.map(lambda _: s, p), per_param, params)
@@ -227,7 +229,7 @@ def actor_programs(
     `others`: bytes per device that colocated roles keep meanwhile."""
     actor, rollout = cfg.actor, cfg.rollout
     prompt, response = cfg.data.max_prompt_length, rollout.response_length
-    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype)
+    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype, actor.remat)
     optimizer = make_optimizer(actor.optim, None)
     opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.params, layout))
     has_ref = cfg.uses_ref
@@ -294,7 +296,7 @@ def engine_programs(
 def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: int = 0) -> Iterator[ProgramTrace]:
     """The critic's update and its value pass; `others`: bytes per device that colocated roles keep meanwhile."""
     critic, prompt, response = cfg.critic, cfg.data.max_prompt_length, cfg.rollout.response_length
-    model = AbstractModel.build(shape, "token_cls", layout, critic.dtype, critic.param_dtype)
+    model = AbstractModel.build(shape, "token_cls", layout, critic.dtype, critic.param_dtype, critic.remat)
     optimizer = make_optimizer(critic.optim, None)
     batch = sequence_batch(layout, critic.micro_batch_size, prompt, response, ("values", "returns", "response_mask"))
     loss_fn = functools.partial(critic_loss, critic, response)
@@ -306,3 +308,17 @@ def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: i
         return {"values": response_values(m, b)}
 
     yield _rows_program("critic", "values", model, model.params, values, rows, opt_bytes + others)
+
+
+def scorer_resident(shape: ModelConfig, dtype: str, layout: Layout) -> int:
+    """What a reward or cost model keeps on each device: its weights."""
+    return bytes_per_device(AbstractModel.build(shape, "seq_cls", layout, dtype, None).params)
+
+
+def scorer_programs(
+    cfg: RLConfig, name: str, shape: ModelConfig, section: Any, layout: Layout, others: int = 0
+) -> Iterator[ProgramTrace]:
+    """A reward or cost model's scoring pass over a micro-batch of whole sequences."""
+    model = AbstractModel.build(shape, "seq_cls", layout, section.dtype, None)
+    rows = sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, cfg.rollout.response_length, ())
+    yield _rows_program(name.removesuffix("_model"), "scores", model, model.params, sequence_scores, rows, others)

@@ -10,6 +10,7 @@ Imports `hfjax.compiled`, `hfjax.config`, `hfjax.mapping`, `hfjax.models` and `h
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from hfjax.compiled.programs import (
     critic_programs,
     critic_resident,
     measure,
+    scorer_programs,
+    scorer_resident,
 )
 from hfjax.compiled.targets import Target, target_devices
 from hfjax.config import RLConfig
@@ -53,12 +56,16 @@ HUB_SHAPES = {  # Hub ids of the shipped configs -> the shapes of hfjax.models.p
 
 
 def model_shape(path: str, field: str) -> ModelConfig:
-    """The model config at `path`: a local Hugging Face directory (its config.json), a Hub id of a known shape, or a
-    named shape of `hfjax.models.presets`. ConfigError naming `field` otherwise."""
+    """The model config at `path`: a local Hugging Face directory (its config.json), a Hub id of a known shape, a
+    named shape of `hfjax.models.presets`, or a directory not on this machine whose name starts with a named shape
+    (`/models/llama-3.2-1b-reward`: the shipped configs' scorers). ConfigError naming `field` otherwise."""
     if path in NAMED_CONFIGS or path in HUB_SHAPES:
         return NAMED_CONFIGS[HUB_SHAPES.get(path, path)]
     if (Path(path).expanduser() / "config.json").is_file():
         return read_config(Path(path).expanduser())[0]
+    named = [name for name in NAMED_CONFIGS if Path(path).name.startswith(name)]
+    if named and not Path(path).expanduser().exists():
+        return NAMED_CONFIGS[max(named, key=len)]
     raise ConfigError(
         f"{field}: {path!r} is not a local model directory, a known Hub id ({sorted(HUB_SHAPES)}) or a named shape "
         f"({sorted(NAMED_CONFIGS)})"
@@ -71,32 +78,82 @@ def _layout(config: Any, devices: list, generation: bool, field: str) -> Layout:
         config = {"mesh": {axis: len(devices)}, "rules": rules}
     layout = Layout.from_config(config, field).on_devices(devices)
     if layout.size != len(devices):
-        raise ConfigError(f"{field}: {layout.describe()} has {layout.size} devices; the target has {len(devices)}")
+        raise ConfigError(f"{field}: {layout.describe()} has {layout.size} devices; its group has {len(devices)}")
     return layout
 
 
-def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] = print) -> list[ProgramMemory]:
-    """Every program of the run's actor group (and critic, when the algorithm has one), compiled for `target`: all
-    roles on the target's devices (one worker group, the colocated placement)."""
-    devices = target_devices(target)
-    actor_shape = model_shape(cfg.actor.model_path, "actor.model_path")
-    train = _layout(cfg.actor.train_layout, devices, False, "actor.train_layout")
-    gen = _layout(cfg.rollout.gen_layout, devices, True, "rollout.gen_layout")
-    one_critic, copies = 0, 2 if cfg.algorithm.name == "safe_rlhf" else 1  # safe_rlhf: a reward and a cost critic
-    critic_shape = critic_layout = None
+@dataclasses.dataclass
+class _Role:
+    """A role's group (index into the placement's worker groups), what it keeps resident, and its programs."""
+
+    group: int
+    resident: int
+    programs: Callable[[int], Any]  # bytes that the other roles of its group keep -> traces
+    shared: int = 0  # bytes of its own copies beside the one whose programs run (safe_rlhf's second critic)
+
+
+def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
+    """The run's model roles on `devices` split between the placement's worker groups as the trainer splits them
+    (each group an equal share of one host's devices)."""
+    groups = cfg.worker_groups()
+    per_group = len(devices) // len(groups)
+
+    def group_of(role: str) -> tuple[int, list]:
+        index = next(i for i, names in enumerate(groups) if role in names)
+        return index, devices[index * per_group : (index + 1) * per_group]
+
+    roles = []
+    index, mine = group_of("actor")
+    shape = model_shape(cfg.actor.model_path, "actor.model_path")
+    train = _layout(cfg.actor.train_layout, mine, False, "actor.train_layout")
+    gen = _layout(cfg.rollout.gen_layout, mine, True, "rollout.gen_layout")
+    roles.append(
+        _Role(
+            index,
+            actor_resident(cfg, shape, train),
+            functools.partial(actor_programs, cfg, shape, train, gen),
+        )
+    )
     if cfg.uses_critic:
-        critic_shape = dataclasses.replace(model_shape(cfg.critic.model_path, "critic.model_path"), num_labels=1)
-        critic_layout = _layout(cfg.critic.layout, devices, False, "critic.layout")
-        one_critic = critic_resident(cfg, critic_shape, critic_layout)
+        index, mine = group_of("critic")
+        critic = dataclasses.replace(model_shape(cfg.critic.model_path, "critic.model_path"), num_labels=1)
+        layout = _layout(cfg.critic.layout, mine, False, "critic.layout")
+        copies = 2 if cfg.algorithm.name == "safe_rlhf" else 1  # safe_rlhf: a reward critic and a cost critic
+        one = critic_resident(cfg, critic, layout)
+        roles.append(
+            _Role(
+                index,
+                copies * one,
+                functools.partial(critic_programs, cfg, critic, layout),
+                shared=(copies - 1) * one,
+            )
+        )
+    for name, section in (("reward_model", cfg.reward.reward_model), ("cost_model", cfg.reward.cost_model)):
+        if section.enabled:
+            index, mine = group_of(name)
+            scorer = model_shape(section.model_path, f"reward.{name}.model_path")
+            layout = _layout(section.layout, mine, False, f"reward.{name}.layout")
+            roles.append(
+                _Role(
+                    index,
+                    scorer_resident(scorer, section.dtype, layout),
+                    functools.partial(scorer_programs, cfg, name, scorer, section, layout),
+                )
+            )
+    return roles
+
+
+def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] = print) -> list[ProgramMemory]:
+    """Every program of the run (actor update and passes, generation, critic, reward and cost models), compiled for
+    `target`'s devices split between the placement's worker groups; each program's residents count what the other
+    roles of its group keep on the same devices."""
+    roles = run_roles(cfg, target_devices(target))
     out = []
-    traces = list(actor_programs(cfg, actor_shape, train, gen, others=copies * one_critic))
-    if critic_shape is not None:
-        others = actor_resident(cfg, actor_shape, train) + (copies - 1) * one_critic
-        traces += critic_programs(cfg, critic_shape, critic_layout, others=others)
-    out = []
-    for trace in traces:
-        out.append(measure(trace))
-        progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
+    for role in roles:
+        others = role.shared + sum(r.resident for r in roles if r.group == role.group and r is not role)
+        for trace in role.programs(others):
+            out.append(measure(trace))
+            progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
     return out
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from hfjax.mapping.cluster import GIB, ClusterSpec
 from hfjax.mapping.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
+from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.parallel.layout import Layout
 from hfjax.parallel.layout_compare import table2_moved_bytes
 
@@ -84,6 +85,8 @@ class CostOptions:
     param_bytes: int = 2
     master_bytes: int = 4
     optimizer_bytes: int = 8
+    # each layer keeps only its input for the backward (the paper's setting, for searches; a run's config says what
+    # its code does: `run_cost_options` sets it from `actor.remat`)
     remat: bool = True
     usable_memory_fraction: float = 0.9
 
@@ -192,7 +195,9 @@ class CostModel:
         _, m = self._passes(seqs, sizes)
         tokens = m * self.workload.seq_len
         layer = tokens * cfg.hidden_size * (10 + 24 / sizes.tensor)
-        logits = tokens * cfg.padded_vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
+        # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits)
+        chunk = min(m * self.workload.response_len, LOGITS_CHUNK_TOKENS)
+        logits = chunk * cfg.padded_vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
         if not training:
             return layer + logits
         stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers
@@ -253,6 +258,15 @@ class CostModel:
         kv_token = shape.kv_elements_per_token() * opt.param_bytes / t
         kv_seq = kv_token * w.seq_len
         batch = math.ceil(self.sequences("generation") / gen.data)
+        if w.kv_slots is not None:  # the engine allocates every slot's cache whatever the batch
+            slots = math.ceil(w.kv_slots / gen.data)
+            if kv_budget is not None and slots * kv_seq > kv_budget:
+                return (
+                    f"actor generation {gen.describe()}: the KV cache of rollout.slots={w.kv_slots} "
+                    f"({slots * kv_seq / GIB:.2f} GiB per device) exceeds the {max(kv_budget, 0) / GIB:.2f} GiB "
+                    "left by resident state"
+                )
+            kv_budget = slots * kv_seq
         if kv_budget is None:
             kv_budget = batch * kv_seq
         if kv_budget < kv_seq:
@@ -281,7 +295,7 @@ class CostModel:
             "decode": waves * w.response_len * step,
             "reshard": reshard,
             "waves": waves,
-            "kv_bytes": b * kv_seq,
+            "kv_bytes": kv_budget if w.kv_slots is not None else b * kv_seq,
             "seconds": waves * (prefill + w.response_len * step) + reshard,
         }
 

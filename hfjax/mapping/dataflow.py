@@ -99,10 +99,13 @@ class Workload:
     ppo_epochs: int = 1
     mini_batches: int = 8
     micro_batch_seqs: int = 8
+    kv_slots: int | None = None  # the engine's KV-cache slots (`rollout.slots`); None: as many as sequences
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "kv_slots" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Workload.{field.name} must be a positive integer, got {value!r}")
 

@@ -58,6 +58,38 @@ def mask_vocab_padding(logits: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, MASKED_SCORE)
 
 
+REMAT_POLICIES = {  # what a layer's backward keeps from its forward; the rest it recomputes
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the layer's input: about one more forward per step
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the matmul outputs; elementwise recomputed
+}
+REMAT = ("none", *REMAT_POLICIES)
+
+
+def _layer_step(
+    layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, remat: str
+) -> jax.Array:
+    """One decoder layer, under `jax.checkpoint` with the `remat` policy unless it is `none` (the layer's state is
+    split off so that the checkpointed function is pure)."""
+    if remat == "none":
+        return layer(x, cos, sin, mask)
+    graphdef, state = nnx.split(layer)
+
+    def pure(state: nnx.State, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state)(x, cos, sin, mask)
+
+    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x, cos, sin, mask)
+
+
+def set_remat(model: nnx.Module, remat: str) -> nnx.Module:
+    """Sets how the decoder layers of `model` (any head) rematerialise in the backward: `none` (keep every
+    activation), `full` (keep each layer's input, recompute the rest) or `dots` (keep the matmul outputs). Returns
+    `model`. Changes no value, only the memory and FLOPs of a gradient program."""
+    if remat not in REMAT:
+        raise ValueError(f"remat: expected one of {REMAT}, got {remat!r}")
+    model.model.remat = remat
+    return model
+
+
 class Decoder(nnx.Module):
     """Token embedding, decoder layers and the final norm; returns hidden states [batch, length, embed]."""
 
@@ -65,6 +97,7 @@ class Decoder(nnx.Module):
         self.embed_tokens = vocab_param(cfg, rngs, std, param_dtype)
         self.layers = nnx.List([DecoderLayer(cfg, w, dtype, param_dtype, rngs, std) for w in cfg.sliding_windows])
         self.norm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
+        self.remat = "none"  # `set_remat`: a static attribute, so it keys the compiled programs
         self.rope = cfg.rope
         self.head_dim = cfg.head_dim
         self.dtype = dtype
@@ -81,7 +114,7 @@ class Decoder(nnx.Module):
         cos, sin = self.rotary(positions)
         x = constrain(self.embed(input_ids), RESIDUAL)
         for layer in self.layers:
-            x = layer(x, cos, sin, masks[layer.window])
+            x = _layer_step(layer, x, cos, sin, masks[layer.window], self.remat)
         return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:

@@ -40,13 +40,19 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
         ppo_epochs=cfg.actor.ppo_epochs,
         mini_batches=max(1, sequences // cfg.actor.ppo_mini_batch_size),
         micro_batch_seqs=max(1, -(-cfg.actor.micro_batch_size // batch_ranks)),
+        kv_slots=cfg.rollout.slots,
     )
 
 
 def run_cost_options(cfg: RLConfig) -> CostOptions:
-    """The cost model's precision for `cfg`: the actor's compute dtype and master-weight dtype."""
+    """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes and its
+    `remat` setting."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
-    return CostOptions(param_bytes=itemsize[cfg.actor.dtype], master_bytes=itemsize[cfg.actor.param_dtype])
+    return CostOptions(
+        param_bytes=itemsize[cfg.actor.dtype],
+        master_bytes=itemsize[cfg.actor.param_dtype],
+        remat=cfg.actor.remat != "none",
+    )
 
 
 def run_models(cfg: RLConfig) -> dict[str, str]:

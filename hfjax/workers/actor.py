@@ -147,7 +147,7 @@ class ActorRolloutRefWorker(TrainedRole):
         cfg, rollout = self.cfg, self.rollout_cfg
         layout = layout_or_default(cfg.train_layout, where="actor.train_layout")
         self.policy = LoadedModel(
-            cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="causal_lm"
+            cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="causal_lm", remat=cfg.remat
         )
         self.pad_id = self.policy.config.pad_token_id or 0
         self.state = None

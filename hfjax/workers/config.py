@@ -179,6 +179,10 @@ class ActorConfig:
     # Group rows by length and drop the columns that are padding in a whole micro-batch (prompts and responses, to
     # padded lengths 16, 24, 32, 48, 64, ...: a few more compiled shapes) in log-prob passes and updates.
     trim_padding: bool = True
+    # Activation rematerialisation per decoder layer in the update's backward: "none" keeps every activation,
+    # "full" keeps each layer's input and recomputes the rest (least memory, about a third more FLOPs), "dots"
+    # keeps the matmul outputs and recomputes the elementwise work.
+    remat: Literal["none", "full", "dots"] = "none"
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
@@ -214,6 +218,7 @@ class CriticConfig:
     micro_batch_size: int = 8
     cliprange_value: float = 0.5
     trim_padding: bool = True  # as `ActorConfig.trim_padding`
+    remat: Literal["none", "full", "dots"] = "none"  # as `ActorConfig.remat`
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )

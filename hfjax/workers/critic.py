@@ -66,7 +66,7 @@ class CriticWorker(TrainedRole):
         cfg = self.cfg
         layout = layout_or_default(cfg.layout, where="critic.layout")
         self.critic = LoadedModel(
-            cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="token_cls"
+            cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="token_cls", remat=cfg.remat
         )
         optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
         self.state = TrainState(self.critic.model, layout, optimizer, cfg.optim.grad_clip)

@@ -23,6 +23,7 @@ from hfjax.controller import Dispatch, Worker, register
 from hfjax.controller.global_arrays import process_reduce, to_local
 from hfjax.models import load_hf
 from hfjax.models.program import program_layout
+from hfjax.models.transformer import set_remat
 from hfjax.parallel import Layout
 from hfjax.protocol import PADDING_ROWS, DataProto
 from hfjax.training.checkpoint import CheckpointManager, UnreadableStepError
@@ -47,9 +48,18 @@ def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
 class LoadedModel:
     """A checkpoint loaded under a layout: graph definition, parameters, and jitted per-row functions over them."""
 
-    def __init__(self, path: str, layout: Layout, *, dtype: str, param_dtype: str | None = None, head: str | None):
+    def __init__(
+        self,
+        path: str,
+        layout: Layout,
+        *,
+        dtype: str,
+        param_dtype: str | None = None,
+        head: str | None,
+        remat: str = "none",
+    ):
         self.layout = layout
-        model = load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head)
+        model = set_remat(load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head), remat)
         self.config = model.config
         self.model = model
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)

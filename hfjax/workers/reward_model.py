@@ -17,7 +17,8 @@ from hfjax.workers.config import RewardModelConfig
 from hfjax.workers.model_role import LoadedModel, reports_seconds
 
 
-def _scores(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def sequence_scores(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """`{"scores": [rows]}`: a sequence classifier's score of each whole sequence."""
     return {"scores": model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, 0]}
 
 
@@ -32,7 +33,7 @@ class RewardModelWorker(Worker):
     def init_model(self) -> dict[str, Any]:
         layout = layout_or_default(self.cfg.layout, where="reward.layout")
         self.model = LoadedModel(self.cfg.model_path, layout, dtype=self.cfg.dtype, head="seq_cls")
-        self._score = self.model.rows_fn(_scores)
+        self._score = self.model.rows_fn(sequence_scores)
         return {"layout": layout.describe(), "params": self.model.config.num_params}
 
     @register(Dispatch.DP_COMPUTE_PROTO)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Compile-only checks for real targets (CI runs this after the test suites): sets up .venv-compile, hfjax with the
+# `compile` extra (libtpu and the CUDA compiler plugin, about 1.1 GB; no accelerator needed), then runs the tests
+# marked compile_target and compiles one shipped config at small shapes for its TPU target (scripts/compile_configs.py
+# --tiny; without --tiny it compiles every shipped config at full size, about 10 minutes each on 2 cores).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+VENV="$ROOT/.venv-compile"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+STAMP="$VENV/.requirements.sha256"
+WANT="$(cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "installing the compile extra into .venv-compile (first run: a few minutes)" >&2
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/requirements.txt" -e "$ROOT[compile]" \
+    "pytest==9.2.0" >&2
+  echo "$WANT" > "$STAMP"
+fi
+cd "$ROOT"
+export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
+"$VENV/bin/python" -m pytest -q -m compile_target "$@"
+"$VENV/bin/python" scripts/compile_configs.py --tiny --out "${TMPDIR:-/tmp}/hfjax-compile-configs"
