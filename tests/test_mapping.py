@@ -257,9 +257,17 @@ def test_generation_seconds_and_transition_bytes_by_hand():
     moved = M // 2 - M // 4  # Table 2: M/t_g - M/(f t)
     got = model.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=3.5 * kv_seq)
     expected = {"prefill": waves * prefill, "decode": waves * R * step, "reshard": moved / intra, "waves": waves}
-    expected.update(kv_bytes=b * kv_seq, seconds=waves * (prefill + R * step) + moved / intra)
+    expected.update(kv_bytes=b * kv_seq, prefill_bytes=0.0, seconds=waves * (prefill + R * step) + moved / intra)
     assert got == pytest.approx(expected, rel=1e-12)
     assert "exceeds" in model.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=0.9 * kv_seq)
+    # with the engine's slots (6, over 4 replicas): every slot's cache, 2 per device, whatever the batch; the largest
+    # prefill call (4 rows, 1 per device) adds a copy of the cache, its prompts' keys and values, a layer's activations
+    slots = CostModel(cluster, dataflow("remax"), dataclasses.replace(w, kv_slots=6))
+    got = slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=3.5 * kv_seq)
+    layer = 14 * d + (10 * d + 8 * 128) / 2
+    assert got["kv_bytes"] == 2 * kv_seq and got["waves"] == math.ceil(batch / 2)
+    assert got["prefill_bytes"] == pytest.approx(2 * kv_seq + P * (kv_token + layer), rel=1e-12)
+    assert "rollout.slots=6" in slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=1.5 * kv_seq)
     # a device 1000x slower at matmuls: decode is compute-bound
     slow = dataclasses.replace(cluster, profile=dataclasses.replace(p, matmul_flops=p.matmul_flops / 1000))
     got = CostModel(slow, dataflow("remax"), w).generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), 3.5 * kv_seq)
@@ -285,7 +293,7 @@ def test_memory_by_hand_and_rejection_reason():
     m_train = math.ceil(m_train / math.ceil(m_train / 3))
     m_inf = math.ceil(w.global_batch_prompts * 2 / 4)
     m_inf = math.ceil(m_inf / math.ceil(m_inf / 3))
-    layer, logits = 64 * (10 + 24 / 2), 256 * 4 / 2  # the LM head's float32 logits: one chunk of response tokens
+    layer, logits = 14 * 64 + (10 * 64 + 8 * 128) / 2, 256 * 4 / 2  # logits: one chunk of response tokens
     train_act = m_train * S * (64 * 2 * 2 + layer) + 2 * logits * min(m_train * w.response_len, LOGITS_CHUNK_TOKENS)
     infer_act = m_inf * S * layer + logits * min(m_inf * w.response_len, LOGITS_CHUNK_TOKENS)
     cost = model.role_cost("actor", shape, sizes)

@@ -33,7 +33,7 @@ from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
 from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.parallel.layout import Layout, LayoutError
-from hfjax.trainer.automap_run import predict_run
+from hfjax.trainer.automap_run import predict_run, run_models
 from hfjax.trainer.preflight import MEMORY_ONLY_PROFILE, with_default_gen_layout
 from hfjax.typed_config import ConfigError
 
@@ -158,17 +158,9 @@ def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] =
 
 
 def predicted_peak(cfg: RLConfig, target: Target) -> float | None:
-    """The cost model's peak bytes per device of the run's (first) group on `target`, or None where it has none."""
-    models: dict[str, Any] = {}
+    """The cost model's largest group peak, bytes per device, for the run on `target`, or None where it has none."""
     try:
-        shape = model_shape(cfg.actor.model_path, "actor.model_path")
-        models = {"actor": shape, "ref": shape}
-        if cfg.uses_critic:
-            critic = model_shape(cfg.critic.model_path, "critic.model_path")
-            models.update(critic=critic, cost_critic=critic)
-        for role, section in (("reward", cfg.reward.reward_model), ("cost", cfg.reward.cost_model)):
-            if section.enabled:
-                models[role] = model_shape(section.model_path, f"reward.{role}_model.model_path")
+        models = {role: model_shape(path, f"{role} model") for role, path in run_models(cfg).items()}
         cluster = ClusterSpec(1, target.num_devices, int(target.usable_bytes), MEMORY_ONLY_PROFILE)
         return max(predict_run(with_default_gen_layout(cfg), cluster, models).group_peak_bytes)
     except (ConfigError, InfeasibleError, LayoutError, ValueError):
