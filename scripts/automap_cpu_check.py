@@ -91,7 +91,7 @@ def base_config(inputs: dict[str, str], args: argparse.Namespace) -> dict[str, A
             "backend": "ray",
             "total_steps": args.steps,
             "resume": "never",
-            "tensorboard": False,
+            "logger": ["console", "jsonl"],
             "progress": False,
             "devices_per_host": DEVICES,
         },

@@ -77,7 +77,7 @@ def config(
             "total_steps": args.steps,
             "backend": "ray" if args.hosts or name == "disaggregated" else args.backend,
             "resume": "never",
-            "tensorboard": False,
+            "logger": ["console", "jsonl"],
             "hosts": hosts,
             "devices_per_host": args.devices // hosts,
         },

@@ -76,7 +76,7 @@ def main() -> None:
                     "placement": "disaggregated",
                     "devices_per_host": 2 * args.devices,
                     "resume": "never",
-                    "tensorboard": False,
+                    "logger": ["console", "jsonl"],
                 },
             }
         )
