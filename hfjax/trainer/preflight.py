@@ -189,9 +189,14 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     usable = per_device * options.usable_memory_fraction
     per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))[1]
     resident = 0.0
+    infeasible = None  # the cost model's reason, reported after the KV cache's own, more specific, check
     try:
         roles = predict_memory(cfg, per_device).roles
-    except (InfeasibleError, LayoutError) as exc:
+    except InfeasibleError as exc:
+        if "rollout.slots" not in str(exc):  # not the KV cache's: the run's resident state or activations
+            raise ConfigError(f"memory: {exc} ({source})") from exc
+        roles, infeasible = {}, exc
+    except LayoutError as exc:
         raise ConfigError(f"memory: {exc} ({source})") from exc
     except ValueError:
         roles = {}  # a placement or mesh the cost model does not model (disaggregated, other mesh axes)
@@ -210,6 +215,8 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
             f"resident state exceeds the {usable / GIB:.2f} GiB usable of {per_device / GIB:.2f} GiB per device "
             f"({source}); lower rollout.slots, rollout.response_length or data.max_prompt_length"
         )
+    if infeasible is not None:
+        raise ConfigError(f"memory: {infeasible} ({source})") from infeasible
 
 
 def local_device_memory(devices: int) -> tuple[float, str] | None:
