@@ -18,5 +18,5 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
 fi
 cd "$ROOT"
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
-"$VENV/bin/python" -m pytest -q -m compile_target "$@"
+"$VENV/bin/python" -m pytest -q -m compile_target tests/test_targets.py tests/test_remat.py "$@"  # no PyTorch here
 "$VENV/bin/python" scripts/compile_configs.py --tiny --out "${TMPDIR:-/tmp}/hfjax-compile-configs"
