@@ -55,7 +55,7 @@ PALLAS = ("pallas_tpu", "pallas_interpret")
 def choose_implementation(
     backend: str, platform_version: str = "", device_count: int = 1, in_layout: bool = False
 ) -> str:
-    """What `auto` runs on `backend` (as `jax.default_backend()` names it): cudnn on a CUDA GPU, pallas_tpu on a TPU
+    """What `auto` runs on `backend` (the program's platform): cudnn on a CUDA GPU, pallas_tpu on a TPU
     when the program has one device or runs `in_layout` (its layout known, so the kernels run per shard in a
     shard_map), else xla. XLA cannot partition a Pallas (Mosaic) kernel over devices by itself, so a program over
     several TPU devices with no known layout stays on xla."""
