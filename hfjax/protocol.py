@@ -18,6 +18,7 @@ import numpy as np
 METRICS_KEY = "metrics"
 ROW_OFFSET = "dp_row_offset"  # meta_info of a DP chunk: the index of its first row in the whole batch
 PADDING_ROWS = "dp_padding_rows"  # meta_info of a DP chunk: how many of its last rows are padding
+ROW_IN_LOSS = "row_in_loss"  # batch key of an update: False on rows kept out of its loss and its row count
 
 
 def _values_equal(a: Any, b: Any) -> bool:

@@ -2,15 +2,28 @@
 an all-masked row, a full row, interior holes, groups of one, gamma/lam < 1. float32 runs are compared at float32
 rounding; float64 runs (inside `jax.enable_x64`) at float64 rounding."""
 
-import contextlib
 import math
-import zlib
-from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from algos_reference import (
+    BS,
+    DTYPES,
+    T,
+    close,
+    group_index,
+    groups_of,
+    precision,
+    ragged_mask,
+    ref_agg,
+    ref_grpo,
+    ref_masked_mean,
+    ref_ppo_tokens,
+    ref_whiten,
+    seeded_rng,
+)
 
 from hfjax import algos
 from hfjax.algos import (
@@ -33,55 +46,7 @@ from hfjax.algos import (
     value_loss,
 )
 
-BS, T = 9, 7
-DTYPES = [np.float32, np.float64]
-# float32: a few ulps of values of order 1-10 after a handful of reductions; float64: the same in float64 ulps.
-TOL = {np.float32: dict(rtol=3e-5, atol=3e-5), np.float64: dict(rtol=1e-11, atol=1e-11)}
-
-
-def precision(dtype):
-    """float64 needs x64 only for the duration of the test; float32 runs as configured."""
-    return jax.enable_x64(True) if dtype == np.float64 else contextlib.nullcontext()
-
-
-def ragged_mask(rng, bs=BS, length=T):
-    """Row 0 all masked, row 1 full, row 2 right-padded, the rest random 0/1 with interior holes."""
-    mask = (rng.random((bs, length)) < 0.7).astype(np.float64)
-    mask[0] = 0
-    mask[1] = 1
-    mask[2] = np.arange(length) < length // 2
-    return mask
-
-
-def group_index():
-    """Mixed hashable ids: a group of three, a group of one (a tuple id), a group of two ints, a group of three."""
-    keys = ["a", "a", ("solo", 1), 7, "a", 7, "b", "b", "b"]
-    index = np.empty(len(keys), dtype=object)
-    index[:] = keys
-    return index
-
-
-def close(actual, expected, dtype):
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, **TOL[dtype])
-
-
 # ---------------------------------------------------------------- numpy references
-
-
-def ref_masked_mean(x, m):
-    total, count = 0.0, 0.0
-    for value, valid in zip(x.ravel(), m.ravel(), strict=True):
-        if valid:
-            total += value * valid
-            count += valid
-    return total / (count + 1e-8)
-
-
-def ref_whiten(x, m):
-    mean = ref_masked_mean(x, m)
-    count = m.sum()
-    var = ref_masked_mean((x - mean) ** 2, m) * count / (count - 1)
-    return (x - mean) / math.sqrt(var + 1e-8)
 
 
 def ref_gae(r, v, m, gamma, lam):
@@ -97,14 +62,14 @@ def ref_gae(r, v, m, gamma, lam):
 
 
 def ref_reinforce_pp(r, m, gamma):
+    """verl 0.9.1: a masked position returns 0 and passes the running return through untouched."""
     returns = np.zeros_like(r)
     for i in range(r.shape[0]):
         running = 0.0
         for t in reversed(range(r.shape[1])):
-            running = r[i, t] + gamma * running
-            returns[i, t] = running
-            if not m[i, t]:
-                running = 0.0
+            if m[i, t]:
+                running = r[i, t] + gamma * running
+                returns[i, t] = running
     return ref_whiten(returns, m) * m, returns
 
 
@@ -114,26 +79,6 @@ def ref_remax(r, m, baselines):
         for t in range(r.shape[1]):
             returns[i, t] = sum(r[i, s] * m[i, s] for s in range(t, r.shape[1]))
     return returns - baselines[:, None] * m, returns
-
-
-def groups_of(index):
-    rows = defaultdict(list)
-    for i, key in enumerate(index):
-        rows[key].append(i)
-    return list(rows.values())
-
-
-def ref_grpo(r, m, index, norm_by_std):
-    scores = r.sum(-1)
-    adv = np.zeros(len(scores))
-    for rows in groups_of(index):
-        group = scores[rows]
-        n = len(group)
-        mean = sum(group) / n if n > 1 else 0.0
-        std = math.sqrt(sum((g - sum(group) / n) ** 2 for g in group) / (n - 1)) if n > 1 else 1.0
-        for i in rows:
-            adv[i] = (scores[i] - mean) / (std + 1e-6) if norm_by_std else scores[i] - mean
-    return adv[:, None] * m
 
 
 def ref_rloo(r, m, index):
@@ -168,38 +113,12 @@ def ref_opo(r, m, index):
     return adv[:, None] * m
 
 
-def ref_agg(loss, m, mode, tokens=None, seqs=None, norm_length=None):
-    tokens = m.sum() if tokens is None else tokens
-    seqs = sum(1 for row in m if row.sum() > 0) if seqs is None else seqs
-    if mode == "token-mean":
-        return sum(loss[i, t] for i in range(len(m)) for t in range(m.shape[1]) if m[i, t]) / tokens
-    per_seq = []
-    for i in range(len(m)):
-        token_sum = sum(loss[i, t] for t in range(m.shape[1]) if m[i, t])
-        per_seq.append(token_sum / (m[i].sum() + 1e-8) if mode == "seq-mean-token-mean" else token_sum)
-    result = sum(per_seq) / seqs
-    return result / (norm_length or m.shape[1]) if mode == "seq-mean-token-sum-norm" else result
-
-
-def ref_ppo_tokens(old, new, adv, low, high, c):
-    """Per-token dual-clip loss, and per-token flags (clipped term wins, dual clip bounds)."""
-    loss, clipped, lower = np.zeros_like(adv), np.zeros_like(adv), np.zeros_like(adv)
-    for idx in np.ndindex(adv.shape):
-        ratio = math.exp(min(max(new[idx] - old[idx], -20.0), 20.0))
-        a = adv[idx]
-        l1, l2 = -a * ratio, -a * min(max(ratio, 1 - low), 1 + high)
-        loss[idx], clipped[idx] = max(l1, l2), l2 > l1
-        if a < 0 and max(l1, l2) > -a * c:
-            loss[idx], lower[idx] = -a * c, 1.0
-    return loss, clipped, lower
-
-
 # ---------------------------------------------------------------- inputs
 
 
 @pytest.fixture
 def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))  # a different, reproducible draw per test
+    return seeded_rng(request)
 
 
 def token_inputs(rng):
@@ -237,7 +156,13 @@ def test_masked_statistics_ignore_nan_outside_mask_and_flag_undefined_variance(r
     assert float(masked_mean(x, np.zeros_like(m))) == 0.0
     one = np.zeros_like(m)
     one[3, 2] = 1
-    assert np.isnan(masked_var(x, one)) and np.isnan(masked_var(x, np.zeros_like(m)))
+    for mask in (one, np.zeros_like(m)):  # verl raises here; so does hfjax given a concrete mask
+        with pytest.raises(ValueError, match=r"masked_var: the unbiased variance needs at least 2 valid elements"):
+            masked_var(x, mask)
+        with pytest.raises(ValueError, match=r"masked_whiten: .* at least 2 valid elements"):
+            masked_whiten(x, mask)
+        assert np.isnan(jax.jit(masked_var)(x, mask))  # inside jit a value cannot raise: NaN
+    assert float(masked_var(x, one, unbiased=False)) == 0.0
 
 
 # ---------------------------------------------------------------- advantage estimators
@@ -277,6 +202,28 @@ def test_reinforce_plus_plus_and_remax_match_reference(rng, dtype, gamma):
         close(actual, expected, dtype)
     for actual, expected in zip(remax, ref_remax(r, m, b), strict=True):
         close(actual, expected, dtype)
+
+
+def test_reinforce_plus_plus_carries_later_turn_rewards_over_observations():
+    """A two-turn trajectory, tokens [turn 1, turn 1, observation, observation, turn 2, turn 2]: verl 0.9.1 carries
+    the running return through the observation (which returns 0, adds no reward and no discount step), so turn 1
+    sees turn 2's reward. Returns hand-computed with gamma = 0.9; row 1's reward inside the observation is dropped."""
+    mask = np.array([[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0]], np.float64)
+    rewards = np.array([[0, 0, 0, 0, 0, 1.0], [0, 0.5, 0, 2.0, 0, 1.0], [0, 0, 0, 1.0, 0, 0]])
+    expected = np.array(
+        [
+            [0.729, 0.81, 0, 0, 0.9, 1.0],  # 0.9 ** 3, 0.9 ** 2: two discount steps back to turn 1, not four
+            [1.179, 1.31, 0, 0, 0.9, 1.0],  # 1.31 = 0.5 + 0.9 ** 2; 1.179 = 0.9 * 1.31
+            [0.729, 0.81, 0.9, 1.0, 0, 0],  # a right-padded single turn, as before
+        ]
+    )
+    for dtype in DTYPES:
+        with precision(dtype):
+            adv, ret = compute_advantage(
+                "reinforce_plus_plus", token_level_rewards=rewards.astype(dtype), response_mask=mask, gamma=0.9
+            )
+        close(ret, expected, dtype)
+        close(adv, ref_whiten(expected, mask) * mask, dtype)
 
 
 GROUPED = {
@@ -416,8 +363,17 @@ def test_agg_loss_matches_reference(rng, dtype, mode):
         )
     close(agg_loss(loss, m, mode, norm_length=32), ref_agg(loss, m, mode, norm_length=32), np.float32)
     assert float(agg_loss(loss, np.zeros_like(m), mode)) == 0.0
-    with pytest.raises(ValueError, match="unknown loss aggregation mode 'token-sum'"):
-        agg_loss(loss, m, "token-sum")
+    in_loss = np.arange(BS) < BS - 2  # the last two rows are not the mini-batch's (padding, or left out)
+    masked = m * in_loss[:, None]
+    tokens, rows = mask_counts(masked, in_loss)
+    assert float(tokens) == masked.sum() and float(rows) == BS - 2 and float(mask_counts(masked)[1]) == BS
+    close(
+        agg_loss(loss, masked, mode, global_tokens=tokens, global_seqs=rows),
+        ref_agg(loss[:-2], m[:-2], mode),
+        np.float32,
+    )
+    with pytest.raises(ValueError, match=r"unknown loss aggregation mode 'token-max'.*token-sum"):
+        agg_loss(loss, m, "token-max")
 
 
 def test_micro_batches_with_global_counts_sum_to_the_mini_batch(rng):
@@ -454,7 +410,11 @@ def test_micro_batches_with_global_counts_sum_to_the_mini_batch(rng):
         np.testing.assert_allclose(sum(p[mode][0] for p in parts), full_loss, rtol=2e-6)
         for key in params:
             np.testing.assert_allclose(sum(p[mode][1][key] for p in parts), full_grad[key], rtol=2e-5, atol=1e-6)
-        assert abs(np.mean([p[mode][0] for p in local]) - full_loss) > 1e-4, mode
+        own_mean = np.mean([p[mode][0] for p in local])
+        if mode == "token-mean":  # micro-batches hold different numbers of tokens: a mean of means is wrong
+            assert abs(own_mean - full_loss) > 1e-4
+        elif mode.startswith("seq-mean"):  # every row counts (verl's rows), so equal micro-batches average right
+            np.testing.assert_allclose(own_mean, full_loss, rtol=2e-6)
 
 
 @pytest.mark.parametrize("name", ["ppo", "gspo", "pg", "value"])
@@ -529,9 +489,9 @@ def test_gspo_matches_reference_in_value_and_gradient(rng, dtype):
     seq_ratio = np.exp(np.array([sum((new - old)[i] * m[i]) / max(counts[i], 1) for i in range(BS)]))
     ratio = np.repeat(seq_ratio[:, None], T, axis=1)
     l1, l2 = -adv * ratio, -adv * np.clip(ratio, 0.8, 1.2)
-    seqs = sum(1 for c in counts if c > 0)
-    # d loss / d logp[i, t]: the unclipped term's -A * s (through pi / sg[pi]) weighted by the seq-mean-token-mean.
-    weight = m / (counts[:, None] + 1e-8) / seqs
+    # d loss / d logp[i, t]: the unclipped term's -A * s (through pi / sg[pi]) weighted by the seq-mean-token-mean
+    # (over all BS rows, the empty row 0 included, as verl divides by the mini-batch's rows).
+    weight = m / (counts[:, None] + 1e-8) / BS
     grad_ref = np.where(l2 > l1, 0.0, -adv * ratio) * weight
     assert ((l2 > l1) * m).any() and ((l2 <= l1) * m).any()
     with precision(dtype):
@@ -552,7 +512,7 @@ def test_plain_policy_gradient_and_policy_loss_registry(rng):
     close(ppo_kl, ref_masked_mean(old - new, m), np.float32)
     assert float(clipfrac) == 0.0 and float(lower) == 0.0
     assert {"ppo", "gspo", "pg"} <= set(algos.policy_losses())
-    with pytest.raises(ValueError, match=r"unknown policy loss 'vanila'.*gspo, pg, ppo"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'vanila'.*gspo, .*pg, ppo, .*vanilla"):
         policy_loss("vanila", old, new, adv, m)
     with pytest.raises(ValueError, match=r"policy loss 'pg' does not take \['clip_ratio_low'\]"):
         policy_loss("pg", old, new, adv, m, clip_ratio_low=0.2)

@@ -181,15 +181,20 @@ def test_config_refuses_what_cannot_run_and_round_trips_the_async_section(inputs
 
 def test_rollout_and_training_log_probs_agree_in_float32_and_correction_runs(inputs, tmp_path):
     """Colocated and synchronous, the engine's log probs of its samples equal the trainer's recomputed ones to
-    float32 rounding (the `rollout_corr/*` metrics); with both corrections on, nothing is truncated or masked then."""
-    correction = {"is_level": "token", "rs_level": "sequence", "rs_threshold": 1.01}
+    float32 rounding: the `rollout_corr/*` metrics of the whole step batch, computed on the controller before the
+    advantages (a correction is on, so the old log probs are a pass of their own), bound every token's difference.
+    With token-level TIS and sequence rejection on, nothing is truncated or rejected then."""
+    correction = {"rollout_is": "token", "rollout_rs": "seq_sum_k1", "rollout_rs_threshold": 1.01}
     config = rl_config(inputs, tmp_path / "run", "grpo", trainer={"total_steps": 2})
     config["actor"]["rollout_correction"] = correction
     history = run_rl(load_rl_config(config))
     for metrics in history:
-        assert metrics["rollout_corr/log_prob_abs_diff_max"] < 1e-5  # every token (measured: 4.8e-7)
+        assert "timing_s/old_log_prob" in metrics
+        assert metrics["rollout_corr/log_prob_abs_diff_max"] < 1e-5  # the largest over the step's tokens
         assert abs(metrics["rollout_corr/kl"]) < 1e-5
-        assert metrics["rollout_corr/is_truncated_frac"] == metrics["rollout_corr/rs_masked_frac"] == 0
+        assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0
+        assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == 0
+        assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0
         assert metrics["rollout_corr/ratio_mean"] == pytest.approx(1, abs=1e-5)
 
 

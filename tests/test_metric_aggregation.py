@@ -1,6 +1,7 @@
 """Step metrics against numpy hand computations: the actor's and critic's update metrics are the same whatever the
-micro-batch size (one micro-batch of the whole mini-batch, or four) and their clip fractions, ppo_kl and value loss
-are token means over the mini-batch; the reward KL penalty is verl's mean over sequences of their token means."""
+micro-batch size (one micro-batch of the whole mini-batch, or four) and their clip fractions, ppo_kl, value loss and
+rollout mismatch (`rollout_corr/*`: means over every token, extremes over every token) are the mini-batch's; the
+reward KL penalty is verl's mean over sequences of their token means."""
 
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def test_actor_metrics_do_not_depend_on_the_micro_batch_size(inputs, tmp_path, m
             batch["old_log_probs"] = (logp + offsets).astype(np.float32)
             batch["advantages"] = advantages.astype(np.float32)
             batch["ref_log_prob"] = (logp + rng.normal(0, 0.3, mask.shape)).astype(np.float32)
+            batch["rollout_log_probs"] = (batch["old_log_probs"] - rng.normal(0, 0.3, mask.shape)).astype(np.float32)
+            gap = batch["old_log_probs"].astype(np.float64) - batch["rollout_log_probs"]  # log pi_old - log mu
             ratio = np.exp(-offsets)
             clipped = ((advantages > 0) & (ratio > 1 + CLIP_RATIO)) | ((advantages < 0) & (ratio < 1 - CLIP_RATIO))
             lower = (advantages < 0) & (ratio > CLIP_RATIO_C)
@@ -100,6 +103,13 @@ def test_actor_metrics_do_not_depend_on_the_micro_batch_size(inputs, tmp_path, m
                 "actor/pg_clipfrac": clipped[mask].mean(),
                 "actor/pg_clipfrac_lower": lower[mask].mean(),
                 "actor/ppo_kl": offsets[mask].mean(),
+                "rollout_corr/log_prob_abs_diff": np.abs(gap[mask]).mean(),
+                "rollout_corr/log_prob_abs_diff_max": np.abs(gap[mask]).max(),
+                "rollout_corr/kl": -gap[mask].mean(),
+                "rollout_corr/k3_kl": (np.expm1(gap[mask]) - gap[mask]).mean(),
+                "rollout_corr/ratio_mean": np.exp(gap[mask]).mean(),
+                "rollout_corr/ratio_max": np.exp(gap[mask]).max(),
+                "rollout_corr/ratio_min": np.exp(gap[mask]).min(),
             }
         metrics[micro] = _update(group, "update_actor", batch)
     assert 0 < reference["actor/pg_clipfrac"] < 1 and 0 < reference["actor/pg_clipfrac_lower"] < 1

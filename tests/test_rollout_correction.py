@@ -1,6 +1,9 @@
-"""hfjax.algos.rollout_correction against a hand-written float64 numpy reference (plain loops over rows and tokens), on
-fresh random float32 log-probs with ragged masks (an all-masked row, a full row, NaN/inf hidden under the mask), and
-the policy losses' `token_weights` against hand-written weighted losses (values and gradients)."""
+"""hfjax.algos.rollout_correction and .rollout_rejection against float64 numpy references written from verl 0.9.1's
+definitions (`rollout_correction_reference`: plain loops), on fresh random float32 log-probs with ragged masks (an
+all-masked row, a full row, NaN/inf hidden under the mask); hand-computed cases for the conventions where hfjax used
+to differ (k1 bounds on mu / pi_old, per-token clamps inside sequence sums, shares of sequences, the unclamped k3
+metric); the mismatch metrics of micro-batches combined as the trainer combines them; and the policy losses'
+`token_weights` against hand-written weighted losses (values and gradients)."""
 
 import math
 
@@ -8,231 +11,267 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from hfjax import algos
-from hfjax.algos import CORRECTION_LEVELS, policy_loss, register_policy_loss, rollout_correction
-from hfjax.algos.rollout_correction import LOG_RATIO_CLAMP
-
-BS, T = 8, 10
-TOL = dict(rtol=1e-5, atol=1e-6)
-THRESHOLDS = [  # (is_threshold, rs_threshold, rs_threshold_lower)
-    (2.0, 2.0, None),
-    (1.3, 1.25, 0.9),
-]
-METRICS = (
-    "log_prob_abs_diff",
-    "log_prob_abs_diff_max",
-    "kl",
-    "k3_kl",
-    "ratio_mean",
-    "ratio_max",
-    "ratio_min",
-    "seq_ratio_mean",
-    "is_truncated_frac",
-    "rs_masked_frac",
+from rollout_correction_reference import (
+    BS,
+    T,
+    make_inputs,
+    ref_importance,
+    ref_mismatch,
+    ref_rejection,
 )
 
+from hfjax import algos
+from hfjax.algos import REJECTION_OPTIONS, mismatch_metrics, policy_loss, register_policy_loss, rollout_correction
+from hfjax.training.train_state import combine_metric
+from hfjax.workers.model_role import step_metrics
 
-def make_inputs(seed=11, bs=BS, length=T):
-    """float32 (old, rollout, mask): log-probs < 0, old = rollout + noise; row 0 all masked, row 1 full, the rest
-    random with holes; masked positions hold junk (NaN, -inf, large values) that must never reach a result."""
-    rng = np.random.default_rng(seed)
-    rollout = -rng.exponential(1.0, (bs, length)) - 0.01
-    old = np.minimum(rollout + rng.normal(0.0, 0.45, (bs, length)), -1e-3)
-    mask = (rng.random((bs, length)) < 0.75).astype(np.float32)
-    mask[0], mask[1] = 0, 1
-    holes = np.argwhere(mask == 0)
-    old[tuple(holes[0])], rollout[tuple(holes[1])], old[tuple(holes[2])] = np.nan, -np.inf, 1e4
-    return old.astype(np.float32), rollout.astype(np.float32), mask
-
-
-def clamp(x, bound=LOG_RATIO_CLAMP):
-    return min(max(x, -bound), bound)
-
-
-def ref_correction(old, rollout, mask, is_level, is_threshold, rs_level, rs_threshold, rs_lower):
-    """Loops, in float64: (weights, loss_mask, metrics without the prefix, token ratios, sequence ratios)."""
-    old, rollout = old.astype(np.float64), rollout.astype(np.float64)
-    lower = 1.0 / rs_threshold if rs_lower is None else rs_lower
-    bs, length = mask.shape
-    token_ratio = np.ones((bs, length))
-    seq_ratio = np.ones(bs)
-    for b in range(bs):
-        total = 0.0
-        for t in range(length):
-            if mask[b, t]:
-                total += old[b, t] - rollout[b, t]
-                token_ratio[b, t] = math.exp(clamp(old[b, t] - rollout[b, t]))
-        seq_ratio[b] = math.exp(clamp(total))
-
-    weights, loss_mask = np.zeros((bs, length)), np.zeros((bs, length))
-    abs_diffs, kls, k3s, ratios, truncated, rejected, seq_ratios = [], [], [], [], [], [], []
-    for b in range(bs):
-        if mask[b].any():
-            seq_ratios.append(seq_ratio[b])
-        for t in range(length):
-            if not mask[b, t]:
-                continue
-            at = {"token": token_ratio[b, t], "sequence": seq_ratio[b]}
-            if is_level == "none":
-                weights[b, t] = 1.0
-                truncated.append(0.0)
-            else:
-                weights[b, t] = min(at[is_level], is_threshold)
-                truncated.append(float(at[is_level] > is_threshold))
-            keep = rs_level == "none" or lower <= at[rs_level] <= rs_threshold
-            loss_mask[b, t] = float(keep)
-            rejected.append(float(not keep))
-            d = old[b, t] - rollout[b, t]
-            abs_diffs.append(abs(d))
-            kls.append(rollout[b, t] - old[b, t])
-            k3s.append(math.exp(clamp(d)) - clamp(d) - 1)
-            ratios.append(token_ratio[b, t])
-
-    def mean(xs):
-        return sum(xs) / len(xs) if xs else 0.0
-
-    metrics = {
-        "log_prob_abs_diff": mean(abs_diffs),
-        "log_prob_abs_diff_max": max(abs_diffs, default=0.0),
-        "kl": mean(kls),
-        "k3_kl": mean(k3s),
-        "ratio_mean": mean(ratios),
-        "ratio_max": max(ratios, default=0.0),
-        "ratio_min": min(ratios, default=0.0),
-        "seq_ratio_mean": mean(seq_ratios),
-        "is_truncated_frac": mean(truncated),
-        "rs_masked_frac": mean(rejected),
-    }
-    return weights, loss_mask, metrics, token_ratio, seq_ratio
+TOL = dict(rtol=1e-5, atol=1e-6)
+# thresholds that split the test data of `make_inputs()` (k1 bands asymmetric on purpose)
+RS_THRESHOLDS = {
+    "token_k1": "0.6_1.3",
+    "token_k2": 0.05,
+    "token_k3": 0.05,
+    "seq_sum_k1": "0.6_1.3",
+    "seq_sum_k2": 0.6,
+    "seq_sum_k3": 0.6,
+    "seq_mean_k1": "0.9_1.1",
+    "seq_mean_k2": 0.07,
+    "seq_mean_k3": 0.07,
+    "seq_max_k2": 0.3,
+    "seq_max_k3": 0.3,
+}
 
 
-def check(result, expected):
-    weights, loss_mask, metrics = result
-    ref_weights, ref_mask, ref_metrics = expected[:3]
-    np.testing.assert_allclose(np.asarray(weights), ref_weights, **TOL)
-    np.testing.assert_array_equal(np.asarray(loss_mask), ref_mask)
-    assert set(metrics) == {f"rollout_corr/{name}" for name in METRICS}
-    for name in METRICS:
-        value = metrics[f"rollout_corr/{name}"]
-        assert value.shape == () and np.isfinite(value), name
-        np.testing.assert_allclose(float(value), ref_metrics[name], **TOL, err_msg=name)
+def assert_metrics(got, want):
+    assert set(got) == {f"rollout_corr/{name}" for name in want}
+    for name, value in want.items():
+        value_got = got[f"rollout_corr/{name}"]
+        assert value_got.shape == () and np.isfinite(value_got), name
+        np.testing.assert_allclose(float(value_got), value, **TOL, err_msg=name)
 
 
-@pytest.mark.parametrize("thresholds", THRESHOLDS, ids=["defaults", "custom"])
-@pytest.mark.parametrize("rs_level", CORRECTION_LEVELS)
-@pytest.mark.parametrize("is_level", CORRECTION_LEVELS)
-def test_matches_reference(is_level, rs_level, thresholds):
-    is_threshold, rs_threshold, rs_lower = thresholds
+# ---------------------------------------------------------------- importance weights
+
+
+@pytest.mark.parametrize("batch_normalize", [False, True], ids=["raw", "batch_normalized"])
+@pytest.mark.parametrize("threshold", [1.5, "0.7_1.6"], ids=["tis", "icepop"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_importance_weights_match_verl(level, threshold, batch_normalize):
     old, rollout, mask = make_inputs()
-    expected = ref_correction(old, rollout, mask, is_level, is_threshold, rs_level, rs_threshold, rs_lower)
-    # the data exercises every branch, and no ratio sits within float32 rounding of a threshold
-    token_ratio, seq_ratio = expected[3][mask != 0], expected[4][mask.any(axis=1)]
-    bounds = (is_threshold, rs_threshold, 1 / rs_threshold if rs_lower is None else rs_lower)
-    for ratios in (token_ratio, seq_ratio):
-        assert all(abs(r / bound - 1) > 1e-4 for r in ratios for bound in bounds)
-        assert (ratios > max(bounds)).any() and (ratios < min(bounds)).any() and (ratios > 1).any()
-    if is_level != "none":
-        assert 0 < expected[2]["is_truncated_frac"] < 1
-    if rs_level != "none":
-        assert 0 < expected[2]["rs_masked_frac"] < 1
+    kwargs = dict(rollout_is=level, rollout_is_threshold=threshold, rollout_is_batch_normalize=batch_normalize)
+    weights, kept, metrics = rollout_correction(old, rollout, mask, **kwargs)
+    ref_weights, ref_metrics = ref_importance(old, rollout, mask, level, threshold, batch_normalize)
+    assert (
+        0 < ref_metrics["rollout_is_ratio_fraction_high"] < 1 and 0 < ref_metrics["rollout_is_ratio_fraction_low"] < 1
+    )
+    np.testing.assert_allclose(np.asarray(weights), ref_weights, **TOL)
+    assert weights.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(kept), mask)
+    assert_metrics(metrics, {**ref_metrics, **ref_mismatch(old, rollout, mask)})
 
-    kwargs = dict(is_level=is_level, is_threshold=is_threshold, rs_level=rs_level, rs_threshold=rs_threshold)
-    result = rollout_correction(old, rollout, mask, **kwargs, rs_threshold_lower=rs_lower)
-    check(result, expected)
-    assert all(a.dtype == jnp.float32 for a in result[:2])
+
+def test_sequence_truncation_share_counts_sequences_not_tokens():
+    """Sequence-level TIS: one long sequence over the threshold and two short ones under it share 1/3 of the
+    sequences (verl's `rollout_is_ratio_fraction_high`), although they hold 8/10 of the tokens."""
+    rollout = np.full((3, 8), -1.0, np.float32)
+    old = rollout + np.float32(0.25)  # a sequence's log ratio is 0.25 per token
+    mask = np.zeros((3, 8), np.float32)
+    mask[0], mask[1, :1], mask[2, :1] = 1, 1, 1  # 8 tokens (ratio e^2 > 2), 1 token (e^0.25 < 2), 1 token
+    _, _, metrics = rollout_correction(old, rollout, mask, rollout_is="sequence", rollout_is_threshold=2.0)
+    assert float(metrics["rollout_corr/rollout_is_ratio_fraction_high"]) == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------- rejection
+
+
+@pytest.mark.parametrize("option", REJECTION_OPTIONS)
+def test_each_rejection_option_matches_verl(option):
+    old, rollout, mask = make_inputs()
+    threshold = RS_THRESHOLDS[option]
+    weights, kept, metrics = rollout_correction(old, rollout, mask, rollout_rs=option, rollout_rs_threshold=threshold)
+    ref_kept, ref_metrics, closest = ref_rejection(old, rollout, mask, option, threshold)
+    assert closest > 1e-4  # no statistic within float32 rounding of a bound
+    assert 0 < ref_kept.sum() < mask.sum()  # the option splits the data
+    assert weights is None
+    np.testing.assert_array_equal(np.asarray(kept), ref_kept)
+    assert kept.dtype == mask.dtype
+    assert_metrics(metrics, {**ref_metrics, **ref_mismatch(old, rollout, mask)})
+
+
+@pytest.mark.parametrize(
+    ("options", "thresholds"),
+    [("token_k1,seq_sum_k2,seq_max_k3", "0.5_1.5,0.8,0.4"), ("seq_mean_k2, token_k3,seq_mean_k2", "0.07")],
+    ids=["one_threshold_each", "one_shared_threshold"],
+)
+def test_chained_options_keep_what_every_option_keeps(options, thresholds):
+    old, rollout, mask = make_inputs()
+    _, kept, metrics = rollout_correction(
+        old, rollout, mask, rollout_is="token", rollout_rs=options, rollout_rs_threshold=thresholds
+    )
+    ref_kept, ref_metrics, closest = ref_rejection(old, rollout, mask, options, thresholds)
+    assert closest > 1e-4 and 0 < ref_kept.sum() < mask.sum()
+    singles = [ref_rejection(old, rollout, mask, o, t)[0] for o, t in _per_option(options, thresholds)]
+    np.testing.assert_array_equal(ref_kept, np.prod(singles, axis=0))  # the reference chains by AND
+    for i, single in enumerate(singles):  # each option rejects tokens that the others keep
+        others = np.prod([s for j, s in enumerate(singles) if j != i], axis=0)
+        assert ((single == 0) & (others == 1) & (mask != 0)).any()
+    np.testing.assert_array_equal(np.asarray(kept), ref_kept)
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(float(metrics[f"rollout_corr/{name}"]), value, **TOL, err_msg=name)
+
+
+def _per_option(options, thresholds):
+    """[(option, its threshold)] of a chain, duplicates dropped, a single threshold shared."""
+    names = list(dict.fromkeys(o.strip() for o in options.split(",")))
+    specs = thresholds.split(",")
+    return list(zip(names, specs * len(names) if len(specs) == 1 else specs, strict=True))
+
+
+def test_k1_bounds_apply_to_rollout_over_old():
+    """verl's token_k1 with "0.5_1.5" keeps 0.5 <= mu / pi_old <= 1.5: a token with pi_old / mu = 1.8 (mu / pi_old
+    0.56) stays, one with pi_old / mu = 0.6 (mu / pi_old 1.67) goes; bounds on pi_old / mu would do the opposite."""
+    rollout = np.full((1, 2), -1.0, np.float32)
+    old = rollout + np.log([1.8, 0.6]).astype(np.float32)
+    _, kept, _ = rollout_correction(
+        old, rollout, np.ones((1, 2)), rollout_rs="token_k1", rollout_rs_threshold="0.5_1.5"
+    )
+    np.testing.assert_array_equal(np.asarray(kept), [[1, 0]])
+
+
+def test_sequence_sums_clamp_each_token():
+    """seq_sum_k1 sums per-token log ratios clamped to +-20: +30 and -25 count as +20 and -20, a sum of 0 (kept);
+    clamping the sum instead (+5, mu / pi_old = e^-5) would reject the sequence."""
+    rollout = np.full((1, 2), -40.0, np.float32)
+    old = rollout + np.array([[30.0, -25.0]], np.float32)
+    _, kept, metrics = rollout_correction(
+        old, rollout, np.ones((1, 2)), rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0
+    )
+    np.testing.assert_array_equal(np.asarray(kept), [[1, 1]])
+    assert float(metrics["rollout_corr/rollout_rs_masked_fraction"]) == 0
+
+
+# ---------------------------------------------------------------- mismatch metrics
+
+
+def test_k3_metric_uses_the_unclamped_log_ratio():
+    """verl's k3_kl is the token mean of e^d - 1 - d with d unclamped (d = 21 beyond the +-20 clamp of the weights)."""
+    rollout = np.full((1, 2), -30.0, np.float32)
+    old = rollout + np.array([[21.0, 0.5]], np.float32)
+    metrics = mismatch_metrics(old, rollout, np.ones((1, 2)))
+    want = (math.expm1(21) - 21 + math.expm1(0.5) - 0.5) / 2
+    np.testing.assert_allclose(float(metrics["rollout_corr/k3_kl"]), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("micro", [1, 2, BS])
+def test_micro_batch_metrics_combine_to_the_whole_batch(micro):
+    """The actor's mismatch metrics of micro-batches (rows grouped by length, as `trim_padding` groups them, so the
+    micro-batches hold unequal token counts) combined as the trainer combines them (`TrainState.update`, then
+    `step_metrics`) equal the whole batch's; the extremes are the numpy max / min over every valid token."""
+    old, rollout, mask = make_inputs(seed=13)
+    order = np.argsort(mask.sum(axis=1), kind="stable")
+    parts = [
+        mismatch_metrics(old[i], rollout[i], mask[i], token_count=mask.sum()) for i in np.split(order, BS // micro)
+    ]
+    update = {key: combine_metric(key, [float(p[key]) for p in parts]) for key in parts[0]}
+    combined = step_metrics([(update, len(parts))], "actor", 0)
+    whole = ref_mismatch(old, rollout, mask)
+    for name, value in whole.items():
+        np.testing.assert_allclose(combined[f"rollout_corr/{name}"], value, **TOL, err_msg=name)
+    valid = mask != 0
+    d = old.astype(np.float64) - rollout
+    assert combined["rollout_corr/log_prob_abs_diff_max"] == pytest.approx(np.abs(d[valid]).max(), rel=1e-6)
+    assert combined["rollout_corr/ratio_max"] == pytest.approx(np.exp(d[valid]).max(), rel=1e-6)
+    assert combined["rollout_corr/ratio_min"] == pytest.approx(np.exp(d[valid]).min(), rel=1e-6)
+
+
+# ---------------------------------------------------------------- conventions and errors
 
 
 def test_jit_int_and_bool_masks_give_the_same_results():
     old, rollout, mask = make_inputs(seed=7)
-    kwargs = dict(is_level="sequence", is_threshold=1.5, rs_level="token", rs_threshold=1.8)
-    expected = ref_correction(old, rollout, mask, "sequence", 1.5, "token", 1.8, None)
+    kwargs = dict(rollout_is="sequence", rollout_is_threshold=1.5, rollout_rs="token_k1", rollout_rs_threshold=1.8)
+    expected = rollout_correction(old, rollout, mask, **kwargs)
     jitted = jax.jit(rollout_correction, static_argnames=tuple(kwargs))
-    check(jitted(old, rollout, mask, **kwargs), expected)
-    check(rollout_correction(old, rollout, mask.astype(np.int32), **kwargs), expected)
-    check(rollout_correction(old, rollout, mask.astype(bool), **kwargs), expected)
+    for result in (
+        jitted(old, rollout, mask, **kwargs),
+        rollout_correction(old, rollout, mask.astype(np.int32), **kwargs),
+        rollout_correction(old, rollout, mask.astype(bool), **kwargs),
+    ):
+        np.testing.assert_allclose(np.asarray(result[0]), np.asarray(expected[0]), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(result[1]).astype(np.float32), np.asarray(expected[1]))
+        for key, value in expected[2].items():
+            np.testing.assert_allclose(float(result[2][key]), float(value), rtol=1e-6, err_msg=key)
 
 
-def test_log_ratios_are_clamped():
-    rollout = np.full((3, 4), -2.0, np.float32)
-    old = rollout.copy()
-    old[0, 1] = rollout[0, 1] + 30.0  # token log ratio 30 -> 20; sequence sum 30 -> 20
-    old[1, :] = rollout[1, :] - 7.0  # every token -7; sequence sum -28 -> -20
-    old[2, :] = rollout[2, :] + np.float32(4.0)  # every token 4: exact; sequence sum 16: exact
-    mask = np.ones((3, 4), np.float32)
-    weights, _, metrics = rollout_correction(old, rollout, mask, is_level="token", is_threshold=1e12)
-    np.testing.assert_allclose(np.asarray(weights)[0], [1, math.exp(20), 1, 1], rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(weights)[1:], np.exp([[-7.0] * 4, [4.0] * 4]), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["rollout_corr/log_prob_abs_diff_max"]), 30.0, rtol=1e-6)
-    weights, _, metrics = rollout_correction(old, rollout, mask, is_level="sequence", is_threshold=1e12)
-    np.testing.assert_allclose(np.asarray(weights)[:, 0], np.exp([20.0, -20.0, 16.0]), rtol=1e-5)
-    np.testing.assert_allclose(float(metrics["rollout_corr/seq_ratio_mean"]), np.exp([20, -20, 16]).mean(), rtol=1e-5)
-    assert all(np.isfinite(float(v)) for v in metrics.values())
-
-
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_identical_policies_change_nothing(level):
+def test_identical_policies_change_nothing():
     _, rollout, mask = make_inputs(seed=3)
     rollout = np.where(mask != 0, rollout, -1.0).astype(np.float32)  # drop the junk: old == rollout exactly
-    weights, loss_mask, metrics = rollout_correction(
-        rollout, rollout, mask, is_level=level, is_threshold=1.0, rs_level=level, rs_threshold=1.0
+    weights, kept, metrics = rollout_correction(
+        rollout, rollout, mask, rollout_is="token", rollout_rs="seq_sum_k1,token_k3", rollout_rs_threshold="1.0,0.0001"
     )
     np.testing.assert_array_equal(np.asarray(weights), mask)
-    np.testing.assert_array_equal(np.asarray(loss_mask), mask)
-    for name in ("log_prob_abs_diff", "log_prob_abs_diff_max", "kl", "k3_kl", "is_truncated_frac", "rs_masked_frac"):
-        assert float(metrics[f"rollout_corr/{name}"]) == 0.0, name
-    for name in ("ratio_max", "ratio_min"):
-        assert float(metrics[f"rollout_corr/{name}"]) == 1.0, name
-    for name in ("ratio_mean", "seq_ratio_mean"):
-        np.testing.assert_allclose(float(metrics[f"rollout_corr/{name}"]), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(kept), mask)
+    zero = ("log_prob_abs_diff", "log_prob_abs_diff_max", "kl", "k3_kl", "rollout_rs_masked_fraction")
+    assert all(float(metrics[f"rollout_corr/{name}"]) == 0.0 for name in zero)
+    assert float(metrics["rollout_corr/ratio_max"]) == float(metrics["rollout_corr/ratio_min"]) == 1.0
 
 
 def test_all_masked_batch_gives_zeros_not_nan():
+    """verl raises (or gives NaN) for a batch without a valid token; hfjax gives 0 for every metric."""
     old, rollout, _ = make_inputs(seed=5)
     mask = np.zeros((BS, T), np.float32)
-    weights, loss_mask, metrics = rollout_correction(old, rollout, mask, is_level="token", rs_level="sequence")
-    assert not np.asarray(weights).any() and not np.asarray(loss_mask).any()
+    weights, kept, metrics = rollout_correction(
+        old,
+        rollout,
+        mask,
+        rollout_is="token",
+        rollout_is_batch_normalize=True,
+        rollout_rs="seq_max_k2",
+        rollout_rs_threshold=0.1,
+    )
+    assert not np.asarray(weights).any() and not np.asarray(kept).any()
+    norm = metrics.pop("rollout_corr/rollout_is_batch_norm_factor")
+    assert float(norm) == 1.0  # nothing to normalise by
     assert {name: float(value) for name, value in metrics.items()} == dict.fromkeys(metrics, 0.0)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_weights_and_mask_carry_no_gradient(level):
+def test_weights_carry_no_gradient(level):
     old, rollout, mask = make_inputs(seed=11)
 
     def total(old, rollout):
-        weights, loss_mask, _ = rollout_correction(old, rollout, mask, is_level=level, rs_level=level)
-        return jnp.sum(weights) + jnp.sum(loss_mask)
+        weights, _, _ = rollout_correction(old, rollout, mask, rollout_is=level, rollout_is_batch_normalize=True)
+        return jnp.sum(weights)
 
     grads = jax.grad(total, argnums=(0, 1))(old, rollout)
     assert all(not np.asarray(g).any() for g in grads)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "argument"),
+    ("kwargs", "message"),
     [
-        (dict(is_level="tokens"), "is_level"),
-        (dict(rs_level="seq"), "rs_level"),
-        (dict(is_level=None), "is_level"),
-        (dict(is_threshold=0.0), "is_threshold"),
-        (dict(is_threshold=-1.0), "is_threshold"),
-        (dict(is_threshold=float("nan")), "is_threshold"),
-        (dict(rs_threshold=0.0), "rs_threshold"),
-        (dict(rs_threshold_lower=0.0), "rs_threshold_lower"),
-        (dict(rs_threshold_lower=-0.5), "rs_threshold_lower"),
-        (dict(rs_threshold=1.5, rs_threshold_lower=2.0), "rs_threshold_lower"),
+        (dict(rollout_is="tokens"), "rollout_is: expected one of"),
+        (
+            dict(rollout_is="token", rollout_is_threshold=0.0),
+            "rollout_is_threshold: the upper bound must be a positive",
+        ),
+        (dict(rollout_is="token", rollout_is_threshold=float("nan")), "rollout_is_threshold: the upper bound must be"),
+        (dict(rollout_is="token", rollout_is_threshold="2_1"), "rollout_is_threshold: expected lower <= upper"),
+        (dict(rollout_is="token", rollout_is_threshold="a_2"), "rollout_is_threshold: the lower bound 'a' is not"),
+        (dict(rollout_is="token", rollout_is_threshold=True), "rollout_is_threshold: expected a number"),
+        (dict(rollout_rs="token_k4", rollout_rs_threshold=2.0), "rollout_rs: unknown option 'token_k4'"),
+        (dict(rollout_rs=" , ", rollout_rs_threshold=2.0), "rollout_rs: expected at least one"),
+        (dict(rollout_rs="token_k1"), "rollout_rs_threshold: required"),
+        (dict(rollout_rs="token_k1,token_k2", rollout_rs_threshold="2,1,1"), "one per option"),
+        (dict(rollout_rs="token_k2", rollout_rs_threshold="0.5_2.0"), r"\(option token_k2\): takes a single upper"),
+        (dict(rollout_rs="token_k1", rollout_rs_threshold=0.5), r"\(option token_k1\): a single bound u .* u >= 1"),
+        (dict(rollout_rs="seq_sum_k1", rollout_rs_threshold="0_2"), "the lower bound must be a positive number"),
     ],
 )
-def test_bad_arguments_raise(kwargs, argument):
+def test_bad_arguments_raise_naming_the_field(kwargs, message):
     old, rollout, mask = make_inputs(bs=2, length=3)
-    with pytest.raises(ValueError, match=argument):
+    with pytest.raises(ValueError, match=message):
         rollout_correction(old, rollout, mask, **kwargs)
-
-
-def test_unusual_but_valid_thresholds_are_accepted():
-    old, rollout, mask = make_inputs(seed=2)
-    # is_threshold < 1 and a band [lower, upper] that excludes 1 are allowed
-    kwargs = dict(is_level="token", is_threshold=0.8, rs_level="token", rs_threshold=3.0, rs_threshold_lower=1.2)
-    check(rollout_correction(old, rollout, mask, **kwargs), ref_correction(old, rollout, mask, *kwargs.values()))
 
 
 # ---------------------------------------------------------------- token_weights in the policy losses
@@ -249,10 +288,11 @@ def loss_inputs(seed=21):
 
 
 def hand_aggregate(token_losses, mask, mode):
-    """token-mean or seq-mean-token-mean of `token_losses` (already weighted), written out."""
+    """token-mean or seq-mean-token-mean of `token_losses` (already weighted), written out: verl divides the sum of
+    the rows' token means by all rows (a row without a valid token adds 0)."""
     if mode == "token-mean":
         return jnp.sum(token_losses * mask) / jnp.sum(mask)
-    rows = [jnp.sum(token_losses[b] * mask[b]) / (mask[b].sum() + 1e-8) for b in range(mask.shape[0]) if mask[b].any()]
+    rows = [jnp.sum(token_losses[b] * mask[b]) / (mask[b].sum() + 1e-8) for b in range(mask.shape[0])]
     return sum(rows) / len(rows)
 
 
@@ -334,20 +374,24 @@ def test_user_loss_without_token_weights_keeps_working():
 
 
 def test_correction_feeds_a_policy_loss():
-    """rollout_correction's weights and mask plugged into PPO equal the hand-written TIS + MIS loss and gradient."""
+    """rollout_correction's weights and kept mask plugged into PPO, normalised by the kept tokens, equal the
+    hand-written TIS + rejection loss and gradient (a mean over the kept tokens only)."""
     old, rollout, mask = make_inputs(seed=51)
     _, logp, adv, _, _ = loss_inputs(seed=51)
     old = np.where(mask != 0, old, -1.0).astype(np.float32)
-    kwargs = dict(is_level="token", is_threshold=1.5, rs_level="sequence", rs_threshold=2.0)
-    weights, loss_mask, _ = rollout_correction(old, rollout, mask, **kwargs)
-    ref_weights, ref_mask = ref_correction(old, rollout, mask, "token", 1.5, "sequence", 2.0, None)[:2]
-    assert 0 < ref_mask.sum() < mask.sum()
+    kwargs = dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0)
+    weights, kept, _ = rollout_correction(old, rollout, mask, **kwargs)
+    ref_weights = ref_importance(old, rollout, mask, "token", 1.5, False)[0]
+    ref_kept = ref_rejection(old, rollout, mask, "seq_sum_k1", 2.0)[0]
+    assert 0 < ref_kept.sum() < mask.sum()
 
     def loss(logp):
-        return policy_loss("ppo", old, logp, adv, loss_mask, token_weights=weights, clip_ratio_high=0.28)[0]
+        kept_tokens = jnp.sum(kept)
+        options = dict(token_weights=weights, clip_ratio_high=0.28, global_tokens=kept_tokens)
+        return policy_loss("ppo", old, logp, adv, kept, **options)[0]
 
     value, grad = jax.value_and_grad(loss)(logp)
-    ref = jax.value_and_grad(lambda lp: hand_ppo(old, lp, adv, ref_mask, ref_weights.astype(np.float32), "token-mean"))
+    ref = jax.value_and_grad(lambda lp: hand_ppo(old, lp, adv, ref_kept, ref_weights.astype(np.float32), "token-mean"))
     ref_value, ref_grad = ref(logp)
     np.testing.assert_allclose(float(value), float(ref_value), **TOL)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), **TOL)

@@ -206,12 +206,17 @@ def test_bad_estimators_and_losses_fail_at_config_load(tmp_path, monkeypatch):
         "algorithm.adv_estimator=mine.py:values_estimator": r"^algorithm\.adv_estimator: .*the values of a critic",
         "algorithm.adv_estimator=mine.py:nope": r"^algorithm\.adv_estimator: .* 'mine.py:nope': .*has no 'nope'",
         "algorithm.adv_estimator=gpro": r"^algorithm\.adv_estimator: expected a registered .*did you mean 'grpo'",
+        "algorithm.adv_estimator=optimal_token_baseline": r"^algorithm\.adv_estimator: .* needs sum_pi_squared",
+        "actor.loss_agg_mode=token-summ": r"^actor\.loss_agg_mode: .*token-sum",
         "actor.policy_loss=mine.py:loss": r"^actor\.policy_loss: .*lacks keyword-only \['global_tokens'",
         "actor.policy_loss=mine.py:estimator": r"^actor\.policy_loss: policy loss 'mine.py:estimator' cannot be called",
     }
     for override, pattern in errors.items():
         with pytest.raises(ConfigError, match=pattern):
             load_rl_config({"model_path": "unused", "rollout": {"n": 2}}, [override])
+    verl_names = ["algorithm.adv_estimator=gdpo", "actor.policy_loss=cispo", "actor.loss_agg_mode=token-sum"]
+    cfg = load_rl_config({"model_path": "unused", "rollout": {"n": 2}}, verl_names)
+    assert (cfg.algorithm.estimator, cfg.actor.policy_loss, cfg.actor.loss_agg_mode) == ("gdpo", "cispo", "token-sum")
 
 
 def test_a_role_the_program_did_not_declare_is_a_clear_error(tmp_path):

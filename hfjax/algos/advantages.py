@@ -1,5 +1,6 @@
 """Advantage estimators (GAE, GRPO / Dr.GRPO, RLOO, REINFORCE++, REINFORCE++ with baseline, ReMax, OPO) and their
-registry, following verl's formulas so that results compare one to one.
+registry, following verl's formulas so that results compare one to one; `group_estimators` and `token_baselines`
+add verl's other estimators to the same registry.
 
 `compute_advantage(name, ...)` dispatches by name, or loads `path/to/file.py:function` (a user estimator, checked by
 `check_estimator` like a registered one). Estimators that only look at tokens (`gae`, `reinforce_plus_plus`,
@@ -37,6 +38,11 @@ ESTIMATOR_INPUTS = (
     "gamma",
     "lam",
     "norm_adv_by_std",
+    "old_log_probs",
+    "sum_pi_squared",
+    "rollout_is_weights",
+    "reward_components",
+    "reward_component_weights",
 )
 
 
@@ -92,11 +98,19 @@ def compute_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
+    old_log_probs: jax.Array | None = None,
+    sum_pi_squared: jax.Array | None = None,
+    rollout_is_weights: jax.Array | None = None,
+    reward_components: jax.Array | None = None,
+    reward_component_weights: Sequence[float] | np.ndarray | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Advantages and returns, both (bs, T), by the estimator `estimator` (a registered name or `path.py:function`).
 
     token_level_rewards, response_mask, values: (bs, T); index: (bs,) group ids (any hashable, host-side);
     reward_baselines: (bs,) (ReMax's greedy-response reward); `norm_adv_by_std=False` turns GRPO into Dr.GRPO.
+    For the optimal token baselines: old_log_probs (bs, T), sum_pi_squared (bs, T) (sum over the vocabulary of the
+    squared token probabilities, `sum_pi_squared_from_logits`), rollout_is_weights (bs, T) (optional). For GDPO:
+    reward_components (bs, K), one score per row and reward component, and reward_component_weights (K,).
     """
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
     rewards = jnp.asarray(token_level_rewards)
@@ -107,6 +121,17 @@ def compute_advantage(
     _check_shape("response_mask", response_mask, rewards.shape)
     _check_shape("values", values, rewards.shape)
     _check_shape("reward_baselines", reward_baselines, rewards.shape[:1])
+    for name, array in (
+        ("old_log_probs", old_log_probs),
+        ("sum_pi_squared", sum_pi_squared),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
+        _check_shape(name, array, rewards.shape)
+    if reward_components is not None:
+        _check_shape("reward_components", reward_components, (rewards.shape[0], np.shape(reward_components)[-1]))
+    if reward_component_weights is not None:
+        components = None if reward_components is None else np.shape(reward_components)[-1]
+        _check_shape("reward_component_weights", reward_component_weights, (components,))
     if index is not None and len(index) != rewards.shape[0]:
         raise ValueError(f"index has {len(index)} entries, expected one per row ({rewards.shape[0]})")
     supplied = dict(
@@ -118,6 +143,11 @@ def compute_advantage(
         gamma=gamma,
         lam=lam,
         norm_adv_by_std=norm_adv_by_std,
+        old_log_probs=old_log_probs,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+        reward_components=reward_components,
+        reward_component_weights=reward_component_weights,
     )
     params = inspect.signature(fn).parameters
     for name, param in params.items():
@@ -131,7 +161,8 @@ def _check_shape(name: str, array: jax.Array | None, expected: tuple[int, ...]) 
         raise ValueError(f"{name} has shape {tuple(np.shape(array))}, expected {tuple(expected)}")
 
 
-def _float_mask(rewards: jax.Array, response_mask: jax.Array) -> jax.Array:
+def float_mask(rewards: jax.Array, response_mask: jax.Array) -> jax.Array:
+    """`response_mask` in the dtype of `rewards`."""
     return jnp.asarray(response_mask).astype(rewards.dtype)
 
 
@@ -160,7 +191,7 @@ def _gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: jax.Arra
 def gae_advantage(token_level_rewards, values, response_mask, gamma, lam):
     """Generalised advantage estimation; returns = raw advantages + values, advantages whitened over the mask."""
     rewards = token_level_rewards
-    mask = _float_mask(rewards, response_mask)
+    mask = float_mask(rewards, response_mask)
     values = jnp.asarray(values, rewards.dtype)
     advantages = _gae(rewards, values, mask, jnp.asarray(gamma, rewards.dtype), jnp.asarray(lam, rewards.dtype))
     return masked_whiten(advantages, mask), advantages + values
@@ -170,17 +201,20 @@ def gae_advantage(token_level_rewards, values, response_mask, gamma, lam):
 def _discounted_returns(rewards: jax.Array, mask: jax.Array, gamma: jax.Array) -> jax.Array:
     def step(running, xs):
         reward, valid = xs
-        running = reward + gamma * running
-        return running * valid, running  # the running return restarts after a masked position
+        candidate = reward + gamma * running
+        # A masked position (an observation between turns) returns 0 and passes the running return through
+        # unchanged: a later turn's reward reaches earlier turns, discounted once per valid token (verl 0.9.1).
+        return candidate * valid + running * (1 - valid), candidate * valid
 
     return _reverse_time_scan(step, jnp.zeros(rewards.shape[:1], rewards.dtype), rewards, mask)
 
 
 @register_advantage_estimator("reinforce_plus_plus")
 def reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma):
-    """REINFORCE++: discounted returns to go, whitened over the mask (advantages masked, returns not)."""
+    """REINFORCE++: discounted returns to go over the valid tokens (masked positions return 0, add no reward and
+    no discount step), whitened over the mask (advantages masked)."""
     rewards = token_level_rewards
-    mask = _float_mask(rewards, response_mask)
+    mask = float_mask(rewards, response_mask)
     returns = _discounted_returns(rewards, mask, jnp.asarray(gamma, rewards.dtype))
     return masked_whiten(returns, mask) * mask, returns
 
@@ -189,7 +223,7 @@ def reinforce_plus_plus_advantage(token_level_rewards, response_mask, gamma):
 def remax_advantage(token_level_rewards, response_mask, reward_baselines):
     """ReMax: masked returns to go minus the greedy response's reward (`reward_baselines`, (bs,)) on valid tokens."""
     rewards = token_level_rewards
-    mask = _float_mask(rewards, response_mask)
+    mask = float_mask(rewards, response_mask)
     returns = jnp.flip(jnp.cumsum(jnp.flip(rewards * mask, -1), -1), -1)
     return returns - jnp.asarray(reward_baselines, rewards.dtype)[:, None] * mask, returns
 
@@ -205,7 +239,7 @@ def group_ids(index: Sequence[Hashable] | np.ndarray) -> tuple[np.ndarray, int]:
     return ids, len(dense)
 
 
-class _GroupStats(NamedTuple):
+class GroupStats(NamedTuple):
     """Per-row statistics of a row's group (all (bs,)), with verl's conventions for a group of one."""
 
     scores: jax.Array  # the row's summed token rewards
@@ -216,7 +250,7 @@ class _GroupStats(NamedTuple):
 
 
 @partial(jax.jit, static_argnames="num_groups")
-def _group_stats_jit(rewards: jax.Array, mask: jax.Array, ids: jax.Array, num_groups: int) -> _GroupStats:
+def _group_stats_jit(rewards: jax.Array, mask: jax.Array, ids: jax.Array, num_groups: int) -> GroupStats:
     def group_total(per_row):
         return jax.ops.segment_sum(per_row, ids, num_segments=num_groups)[ids]
 
@@ -229,7 +263,7 @@ def _group_stats_jit(rewards: jax.Array, mask: jax.Array, ids: jax.Array, num_gr
     std = jnp.sqrt(group_total(jnp.square(scores - full_mean)) / dof)
     total_length = group_total(lengths)
     weighted = group_total(lengths * scores) / jnp.where(total_length > 0, total_length, 1)
-    return _GroupStats(
+    return GroupStats(
         scores=scores,
         size=size,
         mean=jnp.where(several, full_mean, 0),
@@ -238,26 +272,33 @@ def _group_stats_jit(rewards: jax.Array, mask: jax.Array, ids: jax.Array, num_gr
     )
 
 
-def _group_stats(rewards: jax.Array, response_mask: jax.Array, index: Sequence[Hashable] | np.ndarray) -> _GroupStats:
+def group_stats(rewards: jax.Array, response_mask: jax.Array, index: Sequence[Hashable] | np.ndarray) -> GroupStats:
     """Groups rows by `index` on the host, then computes every row's group statistics in one jitted call."""
     ids, num_groups = group_ids(index)
-    return _group_stats_jit(rewards, _float_mask(rewards, response_mask), jnp.asarray(ids), num_groups)
+    return _group_stats_jit(rewards, float_mask(rewards, response_mask), jnp.asarray(ids), num_groups)
 
 
-def _outcome(scores: jax.Array, response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    advantages = scores[:, None] * _float_mask(scores, response_mask)
+def outcome_advantages(scores: jax.Array, response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(advantages, returns): each row's scalar `scores` (bs,) on its valid tokens, for both."""
+    advantages = scores[:, None] * float_mask(scores, response_mask)
     return advantages, advantages
 
 
+def grpo_scores(g: GroupStats, norm_adv_by_std: bool) -> jax.Array:
+    """Each row's GRPO advantage (bs,): (score - group mean) / (group std + 1e-6), or without the std (Dr.GRPO)."""
+    centered = g.scores - g.mean
+    return centered / (g.std + GROUP_STD_EPS) if norm_adv_by_std else centered
+
+
 @register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo_vectorized")  # verl's vectorised twin of the same formula
 def grpo_advantage(token_level_rewards, response_mask, index, norm_adv_by_std):
     """GRPO: (score - group mean) / (unbiased group std + 1e-6); Dr.GRPO (`norm_adv_by_std=False`) skips the std.
 
     The score of a row is its summed token rewards; a group of one has mean 0 and std 1.
     """
-    g = _group_stats(token_level_rewards, response_mask, index)
-    centered = g.scores - g.mean
-    return _outcome(centered / (g.std + GROUP_STD_EPS) if norm_adv_by_std else centered, response_mask)
+    g = group_stats(token_level_rewards, response_mask, index)
+    return outcome_advantages(grpo_scores(g, norm_adv_by_std), response_mask)
 
 
 @register_advantage_estimator("rloo")
@@ -266,16 +307,16 @@ def rloo_advantage(token_level_rewards, response_mask, index):
 
     A group of one keeps its score.
     """
-    g = _group_stats(token_level_rewards, response_mask, index)
+    g = group_stats(token_level_rewards, response_mask, index)
     loo = (g.scores - g.mean) * g.size / jnp.where(g.size > 1, g.size - 1, 1)
-    return _outcome(jnp.where(g.size > 1, loo, g.scores), response_mask)
+    return outcome_advantages(jnp.where(g.size > 1, loo, g.scores), response_mask)
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline_advantage(token_level_rewards, response_mask, index):
     """REINFORCE++ with baseline: score minus group mean on every valid token, then whitened over the whole batch."""
-    g = _group_stats(token_level_rewards, response_mask, index)
-    mask = _float_mask(g.scores, response_mask)
+    g = group_stats(token_level_rewards, response_mask, index)
+    mask = float_mask(g.scores, response_mask)
     advantages = masked_whiten((g.scores - g.mean)[:, None] * mask, mask) * mask
     return advantages, advantages
 
@@ -286,5 +327,5 @@ def opo_advantage(token_level_rewards, response_mask, index):
 
     A group whose responses are all empty has baseline 0 (verl divides 0 by 0 there).
     """
-    g = _group_stats(token_level_rewards, response_mask, index)
-    return _outcome(g.scores - g.length_weighted_mean, response_mask)
+    g = group_stats(token_level_rewards, response_mask, index)
+    return outcome_advantages(g.scores - g.length_weighted_mean, response_mask)

@@ -1,5 +1,6 @@
 """Token-loss aggregation, policy losses (dual-clip PPO, GSPO, plain policy gradient) with their registry, the clipped
-value loss, and token log-probs / entropy from logits.
+value loss, and token log-probs / entropy from logits. verl's other policy losses, registered in the same table, are
+in `ratio_losses`, `covariance_losses` and `bypass_loss`.
 
 Pure `jax.numpy`, differentiable, for jitted training steps. Aggregation takes optional GLOBAL normalisers (token
 count, sequence count of the whole mini-batch): a worker that splits a mini-batch into micro-batches passes the
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from hfjax.algos.masked import masked_mean, masked_sum
 from hfjax.algos.registry import Registry
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 SEQ_MEAN_EPS = 1e-8  # added to a sequence's token count in seq-mean-token-mean
 LOG_RATIO_CLAMP = 20.0  # PPO clamps log(pi / pi_old) to [-20, 20] before exp
 GSPO_LOG_RATIO_MAX = 10.0  # GSPO clamps its token-level log ratio from above
@@ -55,7 +56,7 @@ def check_policy_loss(label: str, fn: PolicyLoss) -> None:
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", check_policy_loss)
 
 
-def _safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+def safe_divide(numerator: jax.Array, denominator: jax.Array | float) -> jax.Array:
     """numerator / denominator, and 0 where the denominator is 0 (gradients stay finite)."""
     denominator = jnp.asarray(denominator, numerator.dtype)
     return jnp.where(denominator != 0, numerator / jnp.where(denominator != 0, denominator, 1), 0)
@@ -66,14 +67,19 @@ def token_share(values: jax.Array, mask: jax.Array, global_tokens: jax.Array | f
     batch's share of the mini-batch's token mean: masked sum / global_tokens (0 when it is 0)."""
     if global_tokens is None:
         return masked_mean(values, mask)
-    return _safe_divide(masked_sum(values, mask), global_tokens)
+    return safe_divide(masked_sum(values, mask), global_tokens)
 
 
-def mask_counts(loss_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(valid tokens, sequences with at least one valid token): the normalisers `agg_loss` uses for this batch."""
+def mask_counts(loss_mask: jax.Array, rows_in_loss: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(valid tokens, rows): the normalisers `agg_loss` uses for this batch. Every row counts, with or without a
+    valid token, as verl counts the rows of a mini-batch (`global_batch_size`); `rows_in_loss` (rows,), when given,
+    leaves out the rows marked False (rows that are not the mini-batch's: padding added to split it evenly, rows a
+    program kept out of the update)."""
     mask = jnp.asarray(loss_mask)
     mask = mask if jnp.issubdtype(mask.dtype, jnp.floating) else mask.astype(jnp.float32)
-    return jnp.sum(mask), jnp.sum(jnp.sum(mask, axis=-1) > 0).astype(mask.dtype)
+    if rows_in_loss is None:
+        return jnp.sum(mask), jnp.asarray(mask.shape[0], mask.dtype)
+    return jnp.sum(mask), jnp.sum(jnp.asarray(rows_in_loss).astype(bool)).astype(mask.dtype)
 
 
 def agg_loss(
@@ -87,32 +93,51 @@ def agg_loss(
 ) -> jax.Array:
     """Aggregates a (bs, T) token-loss matrix to a scalar.
 
-    token-mean: sum of valid token losses / tokens. seq-mean-token-sum: sum over sequences of their token sums /
-    sequences. seq-mean-token-mean: sum over sequences of their token means / sequences. seq-mean-token-sum-norm
-    (Dr.GRPO): seq-mean-token-sum / `norm_length` (default T; verl's loss_scale_factor; pass a constant when
-    micro-batches are padded to different lengths). "tokens" and "sequences" (only those with a valid token count)
-    are `global_tokens` / `global_seqs` when given (the whole mini-batch's `mask_counts`), else this batch's. A zero
-    count gives loss 0.
+    token-mean: sum of valid token losses / tokens. token-sum: sum of valid token losses (no normaliser).
+    seq-mean-token-sum: sum over sequences of their token sums / sequences. seq-mean-token-mean: sum over sequences
+    of their token means / sequences. seq-mean-token-sum-norm (Dr.GRPO): seq-mean-token-sum / `norm_length`
+    (default T; verl's loss_scale_factor; pass a constant when micro-batches are padded to different lengths).
+    "tokens" and "sequences" are `global_tokens` / `global_seqs` when given (the whole mini-batch's
+    `mask_counts`), else this batch's: its valid tokens and its rows, all of them (verl's mini-batch rows; a row
+    without a valid token adds 0 to the sum but counts). A zero count gives loss 0 (verl: NaN).
     """
     loss_mat = jnp.asarray(loss_mat)
     mask = jnp.asarray(loss_mask).astype(loss_mat.dtype)
     tokens, seqs = mask_counts(mask)
     if mode == "token-mean":
-        return _safe_divide(masked_sum(loss_mat, mask), tokens if global_tokens is None else global_tokens)
+        return safe_divide(masked_sum(loss_mat, mask), tokens if global_tokens is None else global_tokens)
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     seqs = seqs if global_seqs is None else global_seqs
     seq_sums = masked_sum(loss_mat, mask, axis=-1)
     if mode == "seq-mean-token-sum":
-        return _safe_divide(jnp.sum(seq_sums), seqs)
+        return safe_divide(jnp.sum(seq_sums), seqs)
     if mode == "seq-mean-token-mean":
-        return _safe_divide(jnp.sum(seq_sums / (jnp.sum(mask, axis=-1) + SEQ_MEAN_EPS)), seqs)
+        return safe_divide(jnp.sum(seq_sums / (jnp.sum(mask, axis=-1) + SEQ_MEAN_EPS)), seqs)
     if mode == "seq-mean-token-sum-norm":
-        return _safe_divide(jnp.sum(seq_sums), seqs) / (mask.shape[-1] if norm_length is None else norm_length)
+        return safe_divide(jnp.sum(seq_sums), seqs) / (mask.shape[-1] if norm_length is None else norm_length)
     raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {list(AGG_MODES)}")
 
 
-def _weighted(token_losses: jax.Array, token_weights: jax.Array | None) -> jax.Array:
-    """token_losses * token_weights; None leaves the losses untouched (bit for bit)."""
-    return token_losses if token_weights is None else token_losses * token_weights
+def aggregate_token_losses(
+    token_losses: jax.Array,
+    response_mask: jax.Array,
+    token_weights: jax.Array | None,
+    loss_agg_mode: str,
+    global_tokens: jax.Array | float | None,
+    global_seqs: jax.Array | float | None,
+    norm_length: int | None,
+) -> jax.Array:
+    """`agg_loss` of token_losses * token_weights (None: the losses untouched, bit for bit), for policy losses."""
+    weighted = token_losses if token_weights is None else token_losses * token_weights
+    return agg_loss(
+        weighted,
+        response_mask,
+        loss_agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_length=norm_length,
+    )
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
@@ -194,6 +219,7 @@ def actor_options(name: str, **options: object) -> dict[str, object]:
 
 
 @register_policy_loss("ppo")
+@register_policy_loss("vanilla")  # verl's name
 def ppo_policy_loss(
     old_log_prob: jax.Array,
     log_prob: jax.Array,
@@ -225,13 +251,8 @@ def ppo_policy_loss(
     dual_bound = -advantages * clip_ratio_c
     negative = advantages < 0
     token_losses = jnp.where(negative, jnp.minimum(dual_bound, clip_loss), clip_loss)
-    pg_loss = agg_loss(
-        _weighted(token_losses, token_weights),
-        response_mask,
-        loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_length=norm_length,
+    pg_loss = aggregate_token_losses(
+        token_losses, response_mask, token_weights, loss_agg_mode, global_tokens, global_seqs, norm_length
     )
     pg_clipfrac = token_share((clipped > unclipped).astype(ratio.dtype), response_mask, global_tokens)
     lower = ((clip_loss > dual_bound) & negative).astype(ratio.dtype)
@@ -256,9 +277,10 @@ def gspo_policy_loss(
 ) -> PolicyLossOutput:
     """GSPO (arXiv 2507.18071): PPO clipping on the sequence-level ratio s = exp(mean over valid tokens of log r).
 
-    The token ratio is sg[s] * pi / sg[pi] (value s, gradient of log pi), its log clamped at 10. verl always
-    aggregates GSPO with seq-mean-token-mean, this function's default; pg_clipfrac (token level) and ppo_kl are
-    `token_share`s; pg_clipfrac_lower is 0.
+    The token ratio is sg[s] * pi / sg[pi] (value s, gradient of log pi), its log clamped at 10. The token losses
+    are aggregated by `loss_agg_mode`, as in verl, whose actor passes its own `loss_agg_mode` (default token-mean);
+    the paper's sequence-level seq-mean-token-mean is only the function's default. pg_clipfrac (token level) and
+    ppo_kl are `token_share`s; pg_clipfrac_lower is 0.
     """
     mask = jnp.asarray(response_mask).astype(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
@@ -267,19 +289,15 @@ def gspo_policy_loss(
     ratio = jnp.exp(jnp.minimum(token_log_ratio, GSPO_LOG_RATIO_MAX))
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
-    pg_loss = agg_loss(
-        _weighted(jnp.maximum(unclipped, clipped), token_weights),
-        mask,
-        loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_length=norm_length,
+    pg_loss = aggregate_token_losses(
+        jnp.maximum(unclipped, clipped), mask, token_weights, loss_agg_mode, global_tokens, global_seqs, norm_length
     )
     pg_clipfrac = token_share((clipped > unclipped).astype(ratio.dtype), mask, global_tokens)
     return pg_loss, pg_clipfrac, token_share(-log_ratio, mask, global_tokens), jnp.zeros((), ratio.dtype)
 
 
 @register_policy_loss("pg")
+@register_policy_loss("gpg")  # verl's name (GPG's loss)
 def pg_policy_loss(
     old_log_prob: jax.Array,
     log_prob: jax.Array,
@@ -292,17 +310,13 @@ def pg_policy_loss(
     norm_length: int | None = None,
     token_weights: jax.Array | None = None,
 ) -> PolicyLossOutput:
-    """Plain policy gradient, token loss -A * logp (no ratio, no clipping; clip fractions are 0).
+    """Plain policy gradient, token loss -A * logp (no ratio, no clipping; clip fractions are 0): verl's `gpg` loss
+    and its REINFORCE loss (`bypass_mode` with `loss_type: reinforce`, there with the rollout IS weights).
 
     ppo_kl is still reported (`token_share` of old_logp - logp) to watch how far the policy moved.
     """
-    pg_loss = agg_loss(
-        _weighted(-advantages * log_prob, token_weights),
-        response_mask,
-        loss_agg_mode,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        norm_length=norm_length,
+    pg_loss = aggregate_token_losses(
+        -advantages * log_prob, response_mask, token_weights, loss_agg_mode, global_tokens, global_seqs, norm_length
     )
     zero = jnp.zeros((), pg_loss.dtype)
     return pg_loss, zero, token_share(old_log_prob - log_prob, response_mask, global_tokens), zero

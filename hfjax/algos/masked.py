@@ -2,8 +2,9 @@
 with verl's conventions.
 
 Pure `jax.numpy` functions: they run inside jitted training steps and on numpy arrays on the controller. A mask may be
-bool, integer or float; positions where it is 0 never reach a result, even when they hold NaN or inf. Imports only
-jax; must not import any other hfjax package.
+bool, integer or float; positions where it is 0 never reach a result, even when they hold NaN or inf. A mean over
+no valid element is 0 (verl's formula, `sum / (count + 1e-8)`, gives 0 too; verl's losses divide by the bare count
+and give NaN there). Imports only jax and numpy; must not import any other hfjax package.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MEAN_EPS = 1e-8  # added to the element count of a masked mean (verl's convention)
 WHITEN_EPS = 1e-8  # added to the variance before the reciprocal square root when whitening
@@ -45,13 +47,20 @@ def masked_seq_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.mean(masked_mean(values, mask, axis=-1))
 
 
-@partial(jax.jit, static_argnames="unbiased")
-def masked_var(values: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
-    """Variance of the valid elements (all axes), Bessel-corrected by `n / (n - 1)` when `unbiased`.
+def _check_variance_defined(mask: jax.Array, caller: str) -> None:
+    """Raises ValueError when a concrete `mask` sums to at most 1 (no unbiased variance); a traced one passes."""
+    if isinstance(mask, jax.core.Tracer):
+        return
+    count = float(np.sum(np.asarray(mask, np.float64)))
+    if count <= 1:
+        raise ValueError(
+            f"{caller}: the unbiased variance needs at least 2 valid elements, but the mask sums to {count:g} "
+            "(a batch with at most one valid response token)"
+        )
 
-    With fewer than two valid elements the unbiased variance is undefined and the result is NaN (numpy's
-    `var(ddof=1)` convention; verl raises instead, which a jitted function cannot do).
-    """
+
+@partial(jax.jit, static_argnames="unbiased")
+def _masked_var(values: jax.Array, mask: jax.Array, unbiased: bool) -> jax.Array:
     values, mask = _float_mask(values, mask)
     mean = masked_mean(values, mask)
     variance = masked_mean(jnp.square(values - mean), mask)
@@ -62,13 +71,31 @@ def masked_var(values: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax
     return jnp.where(count > 1, variance * count / safe_dof, jnp.nan)
 
 
+def masked_var(values: jax.Array, mask: jax.Array, unbiased: bool = True) -> jax.Array:
+    """Variance of the valid elements (all axes), Bessel-corrected by `n / (n - 1)` when `unbiased`.
+
+    The unbiased variance of fewer than two valid elements (mask sum <= 1) is undefined: with a concrete mask (the
+    controller's advantage estimators) it raises ValueError, as verl does; inside `jit`, where a value cannot
+    raise, the result is NaN.
+    """
+    if unbiased:
+        _check_variance_defined(mask, "masked_var")
+    return _masked_var(values, mask, unbiased)
+
+
 @partial(jax.jit, static_argnames="shift_mean")
+def _masked_whiten(values: jax.Array, mask: jax.Array, shift_mean: bool) -> jax.Array:
+    values, mask = _float_mask(values, mask)
+    mean = masked_mean(values, mask)
+    whitened = (values - mean) * jax.lax.rsqrt(_masked_var(values, mask, True) + WHITEN_EPS)
+    return whitened if shift_mean else whitened + mean
+
+
 def masked_whiten(values: jax.Array, mask: jax.Array, shift_mean: bool = True) -> jax.Array:
     """`(values - mean) * rsqrt(var + 1e-8)` with the masked mean and unbiased masked variance of all valid elements.
 
     Every position is transformed (masked ones too, as in verl); with `shift_mean=False` the mean is added back.
+    Fewer than two valid elements: ValueError for a concrete mask, NaN inside `jit` (see `masked_var`).
     """
-    values, mask = _float_mask(values, mask)
-    mean = masked_mean(values, mask)
-    whitened = (values - mean) * jax.lax.rsqrt(masked_var(values, mask) + WHITEN_EPS)
-    return whitened if shift_mean else whitened + mean
+    _check_variance_defined(mask, "masked_whiten")
+    return _masked_whiten(values, mask, shift_mean)

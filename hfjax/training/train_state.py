@@ -40,6 +40,17 @@ from hfjax.training.optim import current_learning_rate
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
+def combine_metric(key: str, values: Sequence[float]) -> float:
+    """One value of metric `key` from its values over micro-batches (or optimizer steps): the largest for a name
+    ending in `_max`, the smallest for `_min` (a part without data reports the identity, -inf or +inf), the mean
+    otherwise."""
+    if key.endswith("_max"):
+        return float(np.max(values))
+    if key.endswith("_min"):
+        return float(np.min(values))
+    return float(np.mean(values))
+
+
 def batch_sharding(layout: Layout, shape: Sequence[int]) -> NamedSharding:
     """Rows (dimension 0) split over the layout's `batch` mesh axes; replicated when they do not divide evenly."""
     if not shape:
@@ -256,7 +267,8 @@ class TrainState:
         for the caller's life; not a new lambda per call): they key the compiled program, and JAX's compile cache
         keeps them alive, so a bound method of an object holding arrays would keep those arrays alive too. Returns
         `loss` (sum over micro-batches), `grad_norm` (before clipping), `lr` (of this update), `skipped` (1 when the
-        norm was not finite) and each aux metric averaged over micro-batches.
+        norm was not finite) and each aux metric combined over micro-batches by `combine_metric` (the mean; the max
+        or min of `..._max` / `..._min` metrics).
         """
         if not micro_batches:
             raise ValueError("TrainState.update: expected at least one micro-batch, got none")
@@ -287,7 +299,7 @@ class TrainState:
         self.skipped_steps += skipped
         metrics = {"loss": float(np.sum(losses)), "grad_norm": float(norm), "lr": float(lr), "skipped": skipped}
         for key in auxes[0]:
-            metrics[key] = float(np.mean([a[key] for a in auxes]))
+            metrics[key] = combine_metric(key, [a[key] for a in auxes])
         return metrics
 
     def eval(

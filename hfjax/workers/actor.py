@@ -23,13 +23,13 @@ from hfjax.algos import (
     actor_options,
     agg_loss,
     kl_penalty,
+    mismatch_metrics,
     policy_loss,
-    rollout_correction,
 )
 from hfjax.controller import Dispatch, register
 from hfjax.parallel import HybridEngine, layout_or_default
 from hfjax.parallel.host_local import local_view, process_layout
-from hfjax.protocol import DataProto
+from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
@@ -58,10 +58,10 @@ def actor_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The PPO-family policy loss of one micro-batch (normalised by the mini-batch counts in the batch, and in
     seq-mean-token-sum-norm by the untrimmed `response_length`, whatever width the micro-batch is trimmed to), with
-    the off-policy correction and the KL loss as configured, and its metrics (those named `actor/` are this
-    micro-batch's shares of the mini-batch's values: they sum over micro-batches). A module function bound to its
-    settings (`functools.partial`), not a worker method: the compile cache keeps its static arguments alive, and a
-    bound method would keep the whole worker (parameters, optimizer state) alive after the run."""
+    the rollout-correction weights and the KL loss as configured, and its metrics (this micro-batch's shares of the
+    mini-batch's values, which sum over micro-batches, or its extremes `..._max` / `..._min`). A module function
+    bound to its settings (`functools.partial`), not a worker method: the compile cache keeps its static arguments
+    alive, and a bound method would keep the whole worker (parameters, optimizer state) alive after the run."""
     mask = batch["response_mask"]
     counts = {
         "global_tokens": batch["global_tokens"][0],
@@ -69,7 +69,8 @@ def actor_loss(
         "norm_length": response_length,
     }
     logp, entropies = response_logprobs(model, batch, temperature, with_entropy=True)
-    # Without old log probs the policy has not moved since generation (one optimizer step per iteration).
+    # Without old log probs they are the current policy's, i.e. this forward's until the update's single optimizer
+    # step (`RLConfig.reuses_update_log_probs`), detached.
     old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
     clip = {
         "clip_ratio_low": cfg.clip_ratio_low,
@@ -77,27 +78,19 @@ def actor_loss(
         "clip_ratio_c": cfg.clip_ratio_c,
     }
     options = actor_options(cfg.policy_loss, **clip)  # the clip settings that the loss takes
-    loss_mask, correction = mask, {}
-    if "rollout_log_probs" in batch:  # off-policy correction towards the policy that sampled the tokens
-        rc = cfg.rollout_correction
-        weights, kept, correction = rollout_correction(
-            old_log_probs,
-            batch["rollout_log_probs"],
-            mask,
-            is_level=rc.is_level,
-            is_threshold=rc.is_threshold,
-            rs_level=rc.rs_level,
-            rs_threshold=rc.rs_threshold,
-            rs_threshold_lower=rc.rs_threshold_lower,
+    # off-policy correction (the controller's, before the advantages): weights; rejected tokens are out of the mask
+    options["token_weights"] = batch.get("rollout_is_weights")
+    correction = {}
+    if "rollout_log_probs" in batch:  # the controller had no old log probs to measure the mismatch with
+        correction = mismatch_metrics(
+            old_log_probs, batch["rollout_log_probs"], mask, token_count=counts["global_tokens"]
         )
-        options["token_weights"] = weights if rc.is_level != "none" else None
-        loss_mask = kept if rc.rs_level != "none" else mask
     pg_loss, clipfrac, ppo_kl, clipfrac_lower = policy_loss(
         cfg.policy_loss,
         old_log_probs,
         logp,
         batch["advantages"],
-        loss_mask,
+        mask,
         loss_agg_mode=cfg.loss_agg_mode,
         **options,
         **counts,
@@ -261,7 +254,8 @@ class ActorRolloutRefWorker(TrainedRole):
         over optimizer steps, in `meta_info["metrics"]`."""
         cfg = self.cfg
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
-        keys += [k for k in ("old_log_probs", "ref_log_prob", "rollout_log_probs") if k in data.batch]
+        optional = ("old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights", ROW_IN_LOSS)
+        keys += [k for k in optional if k in data.batch]
         arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
         if "old_log_probs" not in arrays and (
             cfg.ppo_epochs > 1 or len(data) * jax.process_count() > cfg.ppo_mini_batch_size

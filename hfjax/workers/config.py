@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from hfjax.algos.kl import KL_ALIASES, KL_KINDS
 from hfjax.algos.losses import POLICY_LOSSES, check_actor_policy_loss
+from hfjax.algos.rollout_correction import parse_is_threshold
+from hfjax.algos.rollout_rejection import parse_rejection
 from hfjax.training.optim import OptimConfig
 from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_fields, check_name
 
@@ -51,7 +53,8 @@ class AgentConfig:
     per trajectory; empty = one response per prompt). A trajectory ends when the environment says done, after
     `max_turns` model turns, or at `max_tokens_per_trajectory` tokens after the prompt (model and environment tokens;
     0 = `rollout.response_length`); a turn ends at a stop token or `max_tokens_per_turn` (0 = no limit of its own).
-    `env_workers` threads run environment steps while the other trajectories decode."""
+    `env_workers` threads run environment steps while the other trajectories decode; a step without a result
+    `env_step_timeout_s` seconds after it was submitted ends its trajectory as `env_error`."""
 
     env: str = ""  # the environment, `path/to/file.py:ClassName`; empty: one response per prompt
     max_turns: int = 4  # model turns per trajectory at most
@@ -59,6 +62,7 @@ class AgentConfig:
     max_tokens_per_turn: int = 0  # tokens of one model turn at most; 0: no limit of its own
     env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # keyword arguments of each environment
     env_workers: int = 16  # threads running environment steps (tools) beside decoding
+    env_step_timeout_s: float = 600.0  # seconds an environment step may take; past it the trajectory ends (env_error)
     tokenizer_path: str = ""  # decodes turns and renders observations; default: the run's tokenizer_path
 
     def __post_init__(self) -> None:
@@ -68,6 +72,7 @@ class AgentConfig:
             max_tokens_per_trajectory=NON_NEGATIVE,
             max_tokens_per_turn=NON_NEGATIVE,
             env_workers=AT_LEAST_1,
+            env_step_timeout_s=(lambda v: 0 < v < float("inf"), "> 0 (finite)"),
         )
         if self.env:
             from hfjax.envs.base import load_environment
@@ -127,26 +132,33 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class RolloutCorrectionConfig:
-    """Off-policy correction of the policy loss by the ratio of the training policy (old log probs) to the rollout
-    policy that sampled the tokens (its own log probs): truncated importance sampling (`is_level` token or
-    sequence, weights min(ratio, `is_threshold`)) and masked importance sampling / rejection (`rs_level`: tokens or
-    whole sequences whose ratio leaves [`rs_threshold_lower` (default 1 / rs_threshold), `rs_threshold`] are dropped
-    from the loss; the loss keeps the batch's token and sequence counts as normalisers). The mismatch metrics
-    (`rollout_corr/*`) are logged whatever the levels."""
+    """Off-policy correction, verl's `algorithm.rollout_correction` (decoupled mode) with verl's keys and values:
+    before the advantages, the controller weighs tokens by the ratio of the training policy pi_old (old log probs)
+    to the rollout policy mu that sampled them (its own log probs) and/or rejects tokens or sequences whose
+    divergence leaves a bound (they leave the response mask: the advantages, the losses and their token and sequence
+    counts see only the kept ones). The mismatch metrics (`rollout_corr/*`) are logged whatever the settings.
+    Quote a "lower_upper" threshold in YAML, or write both bounds with a decimal point: YAML reads 0.5_2 as 0.52."""
 
-    is_level: Literal["none", "token", "sequence"] = "none"
-    is_threshold: float = 2.0
-    rs_level: Literal["none", "token", "sequence"] = "none"
-    rs_threshold: float = 2.0
-    rs_threshold_lower: float | None = None
+    # importance weights per token or per sequence; null: none; auto: token when async.max_staleness > 0, else null
+    rollout_is: Literal["auto", "token", "sequence"] | None = "auto"
+    # a number u: weights truncated at u (TIS); "lower_upper" (e.g. "0.5_5.0"): weights outside it become 0 (IcePop)
+    rollout_is_threshold: str | float = 2.0
+    rollout_is_batch_normalize: bool = False  # divide the weights by their mean over the batch
+    # rejection: comma-separated options, all must pass (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3)
+    rollout_rs: str | None = None
+    # one per option (comma-separated) or one for all; k1: "lower_upper" bounds of mu / pi_old, or u for [1/u, u];
+    # k2, k3: an upper bound
+    rollout_rs_threshold: str | float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("is_threshold", "rs_threshold"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
-        lower = self.rs_threshold_lower
-        if lower is not None and not 0 < lower <= self.rs_threshold:
-            raise ValueError(f"rs_threshold_lower: expected in (0, rs_threshold={self.rs_threshold}], got {lower}")
+        parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_rs is not None:
+            parse_rejection(self.rollout_rs, self.rollout_rs_threshold)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether weights or rejection change the loss (`rollout_is: auto` resolved by the run config first)."""
+        return self.rollout_is is not None or self.rollout_rs is not None
 
 
 @dataclasses.dataclass
@@ -165,9 +177,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: Literal[
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -219,9 +231,9 @@ class CriticConfig:
     cliprange_value: float = 0.5
     trim_padding: bool = True  # as `ActorConfig.trim_padding`
     remat: Literal["none", "full", "dots"] = "none"  # as `ActorConfig.remat`
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: Literal[
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
 
     def __post_init__(self) -> None:
         check_batch_sizes(self)

@@ -25,9 +25,9 @@ from hfjax.models import load_hf
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
 from hfjax.parallel import Layout
-from hfjax.protocol import PADDING_ROWS, DataProto
+from hfjax.protocol import PADDING_ROWS, ROW_IN_LOSS, DataProto
 from hfjax.training.checkpoint import CheckpointManager, UnreadableStepError
-from hfjax.training.train_state import TrainState, batch_sharding, place_batch, split_rows
+from hfjax.training.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
 from hfjax.workers.sequences import trimmed_chunks
 
 
@@ -123,12 +123,17 @@ def process_share(rows: int, name: str) -> int:
 
 
 def padding_masked(arrays: dict[str, np.ndarray], data: DataProto) -> dict[str, np.ndarray]:
-    """`arrays` with `response_mask` zero on the rows that DP dispatch added as padding (`PADDING_ROWS`), so that
-    they count in no loss and no normaliser."""
+    """`arrays` with `response_mask` zero and `ROW_IN_LOSS` False on the rows that DP dispatch added as padding
+    (`PADDING_ROWS`), so that they count in no loss and no normaliser; `ROW_IN_LOSS` (all True unless the batch
+    brings its own) is the update's row count (`mask_counts`)."""
     padding = int(data.meta_info.get(PADDING_ROWS, 0))
+    rows = len(arrays["response_mask"])
+    in_loss = np.asarray(data.batch[ROW_IN_LOSS], bool) if ROW_IN_LOSS in data.batch else np.ones(rows, bool)
+    arrays[ROW_IN_LOSS] = in_loss.copy()
     if padding:
         arrays["response_mask"] = arrays["response_mask"].copy()
         arrays["response_mask"][-padding:] = 0
+        arrays[ROW_IN_LOSS][-padding:] = False
     return arrays
 
 
@@ -138,18 +143,26 @@ def _pad_columns(array: np.ndarray, columns: int) -> np.ndarray:
 
 
 def step_metrics(history: list[tuple[dict[str, float], int]], role: str, skipped_steps: int) -> dict[str, float]:
-    """Means over optimizer steps of `TrainState.update` metrics. The loss functions' own metrics (named
-    `role/...`) are normalised by the whole mini-batch's counts, so their per-step value is the sum over the
-    micro-batches (`update` reports their mean: times the micro-batch count)."""
+    """`TrainState.update` metrics over optimizer steps, combined by `combine_metric` (means; extremes of `_max` /
+    `_min` metrics). The loss functions' own metrics (named `<namespace>/...`: `actor/`, `critic/`,
+    `rollout_corr/`) are normalised by the whole mini-batch's counts, so a step's value is the sum over its
+    micro-batches (`update` reports their mean: times the micro-batch count), or for an extreme the extreme of the
+    micro-batches' (as `update` reports it); the update's own metrics (`loss`, `grad_norm`, ...) get the `role/`
+    prefix."""
     per_step = []
     for metrics, micro_batches in history:
-        per_step.append({k: v * micro_batches if k.startswith(f"{role}/") else v for k, v in metrics.items()})
+        per_step.append({k: v * micro_batches if _is_share(k) else v for k, v in metrics.items()})
     out = {}
     for key in per_step[0]:
         name = key if "/" in key else f"{role}/{key}"
-        out[name] = float(np.mean([m[key] for m in per_step]))
+        out[name] = combine_metric(key, [m[key] for m in per_step])
     out[f"{role}/skipped_steps"] = float(skipped_steps)
     return out
+
+
+def _is_share(key: str) -> bool:
+    """Whether a metric of `TrainState.update` is a loss function's share of its mini-batch's value."""
+    return "/" in key and not key.endswith(("_max", "_min"))
 
 
 class TrainedRole(Worker):
@@ -181,7 +194,8 @@ class TrainedRole(Worker):
         mini, micro = process_share(mini, "ppo_mini_batch_size"), process_share(micro, "micro_batch_size")
         for _ in range(epochs):
             for batch in split_rows(arrays, mini):
-                tokens, seqs = process_reduce(mask_counts(batch["response_mask"]), "sum")
+                in_loss = batch.pop(ROW_IN_LOSS, None)
+                tokens, seqs = process_reduce(mask_counts(batch["response_mask"], in_loss), "sum")
                 rows = len(batch["response_mask"])
                 batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
                 batch["global_seqs"] = np.full(rows, float(seqs), np.float32)
