@@ -17,6 +17,8 @@ from hfjax.cli_support import configure_logging, debugging, run_command, version
 from hfjax.compile_cache import enable_compilation_cache
 from hfjax.packaged import config_path
 
+QUICKSTART_CONFIG = "quickstart.yaml"
+
 
 def _parse_mesh(text: str) -> dict[str, int]:
     mesh = {}
@@ -375,10 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
         supervised.set_defaults(run=cmd_supervised)
     quickstart = sub.add_parser("quickstart", help="SFT then RL on a synthetic addition task, built locally")
     quickstart.add_argument(
-        "config", nargs="?", default="quickstart.yaml", help="YAML config (default: the shipped one)"
+        "config",
+        nargs="?",
+        default=QUICKSTART_CONFIG,
+        help="YAML config (default: the shipped one); an argument with '=' is an override, not a config",
     )
     quickstart.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.algorithm.name=ppo")
-    quickstart.set_defaults(run=cmd_quickstart)
+    quickstart.set_defaults(run=cmd_quickstart, default_config=QUICKSTART_CONFIG)
     data = sub.add_parser("data", help="write a built-in task's prompts (and SFT rows) in the prompt schema")
     data.add_argument("task", choices=["gsm8k", "addition"])
     data.add_argument("--out", required=True, help="folder to write the parquet files to")
@@ -394,8 +399,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments. A command whose config is optional (`quickstart`) takes its default config when
+    the first positional is a `key=value` override (argparse gives that positional to the config first): e.g.
+    `hfjax quickstart rl.algorithm.name=ppo`."""
     args = build_parser().parse_args(argv)
+    default = getattr(args, "default_config", None)
+    if default is not None and "=" in args.config:
+        args.overrides, args.config = [args.config, *args.overrides], default
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if getattr(args, "devices", None):
         if "jax" in sys.modules:
             raise SystemExit("--devices must be set before JAX is imported")

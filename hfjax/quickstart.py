@@ -33,6 +33,7 @@ class TaskKind:
     tokenizer: Callable[[], Any]
     data_source: str
     agent_env: Callable[[], str] | None = None  # the environment's `path.py:Name`, for multi-turn RL
+    tool_parser: str = ""  # the tool-call format of the task's demonstrations and tokenizer (multi-turn RL)
 
     @property
     def accuracy_key(self) -> str:
@@ -55,6 +56,7 @@ TASKS = {
         tool_task.build_tool_tokenizer,
         tool_task.DATA_SOURCE,
         agent_env=_calculator_env,
+        tool_parser="hermes",  # `tool_task` writes Hermes <tool_call> blocks, whatever the base model's family
     ),
 }
 ACCURACY_KEY = TASKS["addition"].accuracy_key
@@ -117,10 +119,12 @@ def rl_config(cfg: QuickstartConfig, model: Path, files: Mapping[str, Path]) -> 
         "data": {"train_files": [str(files["train"])], "val_files": [str(files["test"])]},
         "trainer": {"run_dir": str(Path(cfg.run_dir) / "rl"), "val_before_train": True, "resume": "never"},
     }
-    env = TASKS[cfg.task_type].agent_env
-    if env is not None:
-        paths["rollout"] = {"agent": {"env": env()}}
-    return load_rl_config(_merge(cfg.rl, paths))
+    task = TASKS[cfg.task_type]
+    rl = cfg.rl
+    if task.agent_env is not None:
+        paths["rollout"] = {"agent": {"env": task.agent_env()}}
+        rl = _merge({"rollout": {"agent": {"env_kwargs": {"parser": task.tool_parser}}}}, rl)  # a config's own wins
+    return load_rl_config(_merge(rl, paths))
 
 
 def build_base_model(out_dir: Path, spec: BaseModelSection, tokenizer: Any) -> Path:

@@ -15,7 +15,7 @@ the four run in turn `--repeats` times; medians. The floor printed beside the sp
 the model runs in each mode (decode + prefilled or appended tokens, before padding). Each rollout's time is also split
 into decode steps, `engine.extend` calls, prefills (`generator.fill`), waits on environments and the rest (host
 work). Usage:
-    python scripts/bench_agent.py [--ckpt DIR] [--repeats 3] [--out runs/bench/agent.json]
+    python scripts/bench_agent.py [--ckpt DIR] [--repeats 3] [--out runs/bench/agent.json] [--tiny]
 """
 
 from __future__ import annotations
@@ -24,20 +24,18 @@ import argparse
 import collections
 import statistics
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import reference_checkpoint, report
+from bench_common import default_checkpoint, parse_args, report
 
 from hfjax.envs import Environment, StepResult
 
 TRAJECTORIES, TURNS, TURN_TOKENS, OBS_TOKENS = 64, 4, 64, 32
-MAX_TOKENS = TURNS * TURN_TOKENS + (TURNS - 1) * OBS_TOKENS  # 352
-MAX_PREFILL = 384  # >= 48 + 3 * 64 + 3 * 32 = 336, the longest re-prefilled history
+LONGEST_PROMPT = 48
 TOOL_SLEEP_S = 0.05
 
 
@@ -99,6 +97,13 @@ class PhaseTimer:
         self.calls.clear()
 
 
+def prefill_limit(turns: int, turn_tokens: int, obs_tokens: int) -> int:
+    """The engines' prefill limit: the longest re-prefilled history (the longest prompt and every turn and observation
+    before the last turn) rounded up to a multiple of 128 (384 for the standard workload's 336)."""
+    longest = LONGEST_PROMPT + (turns - 1) * (turn_tokens + obs_tokens)
+    return -(-longest // 128) * 128
+
+
 def median_stats(runs: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
@@ -108,8 +113,15 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, help="reference checkpoint (built under a temp dir when omitted)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rollouts per configuration (interleaved)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/agent.json"))
-    args = parser.parse_args()
-    ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
+    parser.add_argument("--trajectories", type=int, default=TRAJECTORIES)
+    parser.add_argument("--turns", type=int, default=TURNS, help="model turns per trajectory")
+    parser.add_argument("--turn-tokens", type=int, default=TURN_TOKENS, help="tokens per model turn")
+    parser.add_argument("--obs-tokens", type=int, default=OBS_TOKENS, help="tokens per observation")
+    args = parse_args(parser, tiny={"repeats": 1, "trajectories": 4, "turns": 2, "turn_tokens": 8, "obs_tokens": 4})
+    ckpt = default_checkpoint(args.ckpt, args.tiny)
+    trajectories, turns, turn_tokens, obs_tokens = args.trajectories, args.turns, args.turn_tokens, args.obs_tokens
+    max_tokens = turns * turn_tokens + (turns - 1) * obs_tokens
+    max_prefill = prefill_limit(turns, turn_tokens, obs_tokens)
 
     import jax
     import numpy as np
@@ -132,16 +144,16 @@ def main() -> None:
     model = load_hf(ckpt, dtype="float32")
     cfg = model.config
     tokenizer = tf.AutoTokenizer.from_pretrained(ckpt)
-    lengths = rng.integers(16, 49, TRAJECTORIES)
+    lengths = rng.integers(16, LONGEST_PROMPT + 1, trajectories)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in lengths]
     rows: list[dict[str, Any]] = [{} for _ in prompts]
     _, params, _ = nnx.split(model, nnx.Param, ...)
-    sampling = SamplingParams(max_new_tokens=MAX_TOKENS, temperature=1.0, stop_token_ids=(), seed=0)
+    sampling = SamplingParams(max_new_tokens=max_tokens, temperature=1.0, stop_token_ids=(), seed=0)
 
     engines, generators, timers = {}, {}, {}
     for mode in ("extend", "reprefill"):
         engine = JaxEngine(
-            model, max_concurrent_decodes=TRAJECTORIES, max_prefill_length=MAX_PREFILL, max_new_tokens=MAX_TOKENS
+            model, max_concurrent_decodes=trajectories, max_prefill_length=max_prefill, max_new_tokens=max_tokens
         )
         generator = OfflineGenerator(engine, params, progress=False)
         timer = PhaseTimer()
@@ -155,13 +167,13 @@ def main() -> None:
             generators[mode],
             ToolEnv,
             tokenizer,
-            max_turns=TURNS,
-            max_tokens=MAX_TOKENS,
-            max_tokens_per_turn=TURN_TOKENS,
+            max_turns=turns,
+            max_tokens=max_tokens,
+            max_tokens_per_turn=turn_tokens,
             env_kwargs={
                 "vocab_size": cfg.vocab_size,
-                "obs_tokens": OBS_TOKENS,
-                "turns": TURNS,
+                "obs_tokens": obs_tokens,
+                "turns": turns,
                 "tool_sleep_s": tool_sleep_s,
             },
             env_workers=workers,
@@ -177,7 +189,7 @@ def main() -> None:
         trajectories = runner.generate(prompts, rows, sampling)
         seconds = time.perf_counter() - start
         stats = runner.last_stats
-        bad = [t for t in trajectories if t.finish_reason != "done" or t.turns != TURNS or len(t.tokens) != MAX_TOKENS]
+        bad = [t for t in trajectories if t.finish_reason != "done" or t.turns != turns or len(t.tokens) != max_tokens]
         if bad:
             print(
                 f"warning: {name}: {len(bad)} trajectories off the workload, e.g. {bad[0].finish_reason!r} after "
@@ -230,7 +242,7 @@ def main() -> None:
     # Appends that arrive staggered (environment threads finishing apart, slow tools) batch fewer rows, so the shapes
     # of a rollout depend on timing: compile every power-of-two row count now, for `engine.extend` each (width, cache
     # blocks reached) the warm-up appended with, for `fill` each prefill bucket of a re-prefilled history.
-    counts = [1 << i for i in range(TRAJECTORIES.bit_length())]
+    counts = [1 << i for i in range(trajectories.bit_length())]
     engine, state = engines["extend"], engines["extend"].init_decode_state()
     shapes = {(width, -(-end // engine.block)): (width, end) for width, end in sorted(extends)}
     for width, end in shapes.values():
@@ -249,8 +261,8 @@ def main() -> None:
             )
     free_decode_state(state)
     generator, state = generators["reprefill"], engines["reprefill"].init_decode_state()
-    steps = TURN_TOKENS + OBS_TOKENS
-    buckets = sorted({engines["reprefill"].bucket(int(p) + k * steps) for p in lengths for k in range(1, TURNS)})
+    steps = turn_tokens + obs_tokens
+    buckets = sorted({engines["reprefill"].bucket(int(p) + k * steps) for p in lengths for k in range(1, turns)})
     for bucket in buckets:
         for count in counts:
             histories = [np.full(bucket, 3, np.int32) for _ in range(count)]
@@ -278,18 +290,18 @@ def main() -> None:
     compiles_end = {mode: dict(engines[mode].compiles) for mode in engines}
     medians = {name: median_stats(r) for name, r in runs.items()}
     ext, rep = medians["extend, no tool, 16 threads"], medians["reprefill, no tool, 16 threads"]
-    # Turn 1 runs alike in both modes (same prompt, same keys); later turns differ by design: a re-prefilled slot
-    # restarts its sample's step count, so its draws reuse the keys of turn 1.
+    # Turn 1 runs alike in both modes (same prompt, same keys); later turns differ by design: a re-prefilled turn
+    # samples with a key of its own (`hfjax.envs.agent_loop.turn_request`), steps from 0.
     same = sum(
-        np.array_equal(a.tokens[:TURN_TOKENS], b.tokens[:TURN_TOKENS])
+        np.array_equal(a.tokens[:turn_tokens], b.tokens[:turn_tokens])
         for a, b in zip(last["extend, no tool, 16 threads"], last["reprefill, no tool, 16 threads"], strict=True)
     )
 
     # Forward tokens each mode runs (before padding): prompts + decode + appended observations, vs prompts + decode +
     # every re-prefilled history (prompt + the turns and observations before it).
-    decode_tokens = TRAJECTORIES * TURNS * TURN_TOKENS
-    extend_forward = int(lengths.sum()) + decode_tokens + TRAJECTORIES * (TURNS - 1) * OBS_TOKENS
-    histories = sum(int(p) + k * (TURN_TOKENS + OBS_TOKENS) for p in lengths for k in range(1, TURNS))
+    decode_tokens = trajectories * turns * turn_tokens
+    extend_forward = int(lengths.sum()) + decode_tokens + trajectories * (turns - 1) * obs_tokens
+    histories = sum(int(p) + k * (turn_tokens + obs_tokens) for p in lengths for k in range(1, turns))
     reprefill_forward = int(lengths.sum()) + decode_tokens + histories
     token_ratio = reprefill_forward / extend_forward
 
@@ -312,7 +324,7 @@ def main() -> None:
         )
     speedup = rep["seconds"] / ext["seconds"]
     report(
-        f"agent rollouts: {TRAJECTORIES} trajectories x {TURNS} turns ({TURN_TOKENS} model + {OBS_TOKENS} env tokens),"
+        f"agent rollouts: {trajectories} trajectories x {turns} turns ({turn_tokens} model + {obs_tokens} env tokens),"
         f" {cfg.num_params / 1e6:.1f}M params, fp32, {jax.default_backend()}, medians of {args.repeats}",
         [
             "append, tool, env threads",
@@ -330,13 +342,13 @@ def main() -> None:
         args.out,
         {
             "workload": {
-                "trajectories": TRAJECTORIES,
-                "turns": TURNS,
-                "tokens_per_turn": TURN_TOKENS,
-                "tokens_per_observation": OBS_TOKENS,
-                "max_tokens": MAX_TOKENS,
+                "trajectories": trajectories,
+                "turns": turns,
+                "tokens_per_turn": turn_tokens,
+                "tokens_per_observation": obs_tokens,
+                "max_tokens": max_tokens,
                 "prompt_lengths": lengths.tolist(),
-                "max_prefill_length": MAX_PREFILL,
+                "max_prefill_length": max_prefill,
                 "tool_sleep_s": TOOL_SLEEP_S,
             },
             "speedup_extend_vs_reprefill": speedup,
@@ -372,7 +384,7 @@ def main() -> None:
         f"{ext['decode_s'] / ext['decode_calls'] * 1e3:.1f} ms (extend) / "
         f"{rep['decode_s'] / rep['decode_calls'] * 1e3:.1f} ms (reprefill); engine.extend "
         f"{ext['extend_s'] / max(ext['extend_calls'], 1) * 1e3:.0f} ms per call; first turns identical in both modes "
-        f"{same}/{TRAJECTORIES}; compiles after warm-up {compiles_warm}, at end {compiles_end}; first calls with "
+        f"{same}/{trajectories}; compiles after warm-up {compiles_warm}, at end {compiles_end}; first calls with "
         f"compiles { {k: round(v, 1) for k, v in first_call_s.items()} } s"
     )
 

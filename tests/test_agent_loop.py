@@ -1,11 +1,15 @@
 """Multi-turn rollouts (`AgentGenerator`): appending observations to running slots gives the tokens of re-prefilling
 the history; continuous batching with environments equals one trajectory at a time; model tokens' logprobs equal a
 teacher-forced forward of the whole trajectory while environment tokens are masked with logprob 0; tool errors and
-timeouts become observations and the trajectory goes on; turn and token limits end trajectories with their reason."""
+timeouts become observations and the trajectory goes on; turn and token limits, environment errors and environment
+steps past `env_step_timeout_s` end trajectories with their reason; a tool environment gets the parser of the
+policy's model family."""
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import ClassVar
 
 import jax
 import numpy as np
@@ -15,9 +19,11 @@ from flax import nnx
 
 from hfjax.data.synthetic import build_addition_tokenizer
 from hfjax.envs import Environment, StepResult, ToolEnvironment
-from hfjax.envs.agent_loop import AgentGenerator, agent_columns, agent_metrics
+from hfjax.envs.agent_loop import AgentGenerator, turn_request
+from hfjax.envs.trajectory import agent_columns, agent_metrics
 from hfjax.models import load_hf
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+from hfjax.rollout.sampling import SamplingError
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=5)
@@ -55,8 +61,9 @@ def _number(x: int) -> str:
 
 class FlakyToolEnv(ToolEnvironment):
     """Whatever the model writes, turn k calls tool k: one that raises, one that hangs past its timeout, one that
-    returns non-text, then the final answer."""
+    returns non-text, then the final answer (its calls in the Hermes format, whatever the model)."""
 
+    parser = "hermes"
     tools = (_broken, _slow, _number)
     tool_timeout_s = 0.3
     calls = (
@@ -118,6 +125,33 @@ def test_appending_observations_equals_re_prefilling_the_history(setup):
     reprefilled = _agent(setup, slots=4, append="reprefill").generate(prompts, rows, GREEDY)
     assert _as_lists(extended) == _as_lists(reprefilled)
     assert [t.turns for t in extended] == [r["turns"] for r in rows]  # 1 to 4 turns in one batch
+
+
+def test_turn_request_ids_are_negative_and_one_to_one():
+    ids = {turn_request(r, t, 4) for r in range(5) for t in (2, 3, 4)}
+    assert len(ids) == 15 and max(ids) < 0
+    assert turn_request(2**29 - 1, 4, 4) == -1 - (2**31 - 2)  # within int32
+    with pytest.raises(SamplingError, match="turn 1 of request 0 with max_turns=4: expected a turn from 2"):
+        turn_request(0, 1, 4)
+    with pytest.raises(SamplingError, match=r"request x max_turns below 2\*\*31"):
+        turn_request(2**29, 2, 4)
+
+
+def test_every_re_prefilled_turn_samples_with_a_key_of_its_own(setup):
+    """The keys (seed, request id, sample) of every prefill of a sampled re-prefill rollout, first turns and later
+    turns alike, are distinct: no turn replays another turn's random numbers."""
+    prompts, rows = _prompts(4)  # 1 + 2 + 3 + 4 turns, 2 samples each
+    agent = _agent(setup, append="reprefill")
+    keys, fill = [], agent.generator.fill
+
+    def recording_fill(state, histories, batch, targets, sampling, request_index):
+        keys.extend((sampling.seed, int(request_index[r]), i) for r, i in batch)
+        return fill(state, histories, batch, targets, sampling, request_index)
+
+    agent.generator.fill = recording_fill
+    trajectories = agent.generate(prompts, rows, SAMPLED)
+    assert len(keys) == sum(t.turns for t in trajectories) == 2 * (1 + 2 + 3 + 4)
+    assert len(set(keys)) == len(keys)
 
 
 def test_continuous_batching_with_environments_equals_one_at_a_time(setup):
@@ -195,3 +229,48 @@ def test_observations_may_be_longer_than_the_prompt_limit(setup):
     )
     assert [t.finish_reason for t in trajectories] == ["done"] * 3
     assert [int((t.response_mask == 0).sum()) for t in trajectories] == [40 * (r["turns"] - 1) for r in rows]
+
+
+class HangingEnv(CountingEnv):
+    """Row `hang` hangs in its second step until the test releases it; closing is recorded."""
+
+    release = threading.Event()
+    closed: ClassVar[list[int]] = []
+
+    def step(self, action):
+        if self.row.get("hang") and self.turn == 1:
+            self.release.wait(30)
+        return super().step(action)
+
+    def close(self):
+        self.closed.append(self.row["turns"])
+
+
+def test_a_hanging_environment_step_ends_its_trajectory_at_the_step_timeout(setup):
+    prompts, rows = _prompts(3)
+    rows = [{"turns": 3}, {"turns": 3, "hang": True}, {"turns": 2}]
+    HangingEnv.release.clear()
+    HangingEnv.closed.clear()
+    agent = _agent(setup, env=HangingEnv, env_step_timeout_s=0.5)
+    start = time.monotonic()
+    out = agent.generate(prompts, rows, GREEDY)
+    assert time.monotonic() - start < 20
+    assert [t.finish_reason for t in out] == ["done", "env_error", "done"]
+    assert out[1].error == "HangingEnv.step: no result within 0.5 s" and out[1].turns == 2
+    assert agent.last_stats["env_timeouts"] == 1
+    assert sorted(HangingEnv.closed) == [2, 3]  # the hanging environment is not closed under its running step
+    HangingEnv.release.set()
+    deadline = time.monotonic() + 5
+    while len(HangingEnv.closed) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(HangingEnv.closed) == [2, 3, 3]  # closed once the step returned
+
+
+class LlamaToolEnv(ToolEnvironment):
+    """A tool environment that names no parser."""
+
+
+def test_tool_environment_gets_the_parser_of_the_model_family(setup):
+    assert _agent(setup, env=LlamaToolEnv).env_kwargs == {"parser": "llama3_json"}  # the test model is a Llama
+    assert _agent(setup, env=LlamaToolEnv, env_kwargs={"parser": "hermes"}).env_kwargs == {"parser": "hermes"}
+    assert _agent(setup, env=FlakyToolEnv).env_kwargs == {}  # names its own

@@ -7,7 +7,7 @@ import torch
 import yaml
 from checkpoints import save_hf_model
 
-from hfjax.cli import main
+from hfjax.cli import main, parse_args
 from hfjax.typed_config import ConfigError
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)
@@ -155,6 +155,16 @@ def test_every_subcommand_reports_a_bad_input_as_one_line_with_exit_code_2(tmp_p
         str(tmp_path / "o"),
     ]
     assert "no such directory" in _one_line_error(capsys, generate, "generate")
+
+
+def test_quickstart_takes_overrides_without_a_config_name(capsys):
+    args = parse_args(["quickstart", "rl.algorithm.name=ppo", "task.seed=3"])
+    assert (args.config, args.overrides) == ("quickstart.yaml", ["rl.algorithm.name=ppo", "task.seed=3"])
+    args = parse_args(["quickstart", "agent_quickstart.yaml", "task.seed=3"])
+    assert (args.config, args.overrides) == ("agent_quickstart.yaml", ["task.seed=3"])
+    assert parse_args(["quickstart"]).config == "quickstart.yaml"
+    # the override reaches the shipped config (a bad key fails while loading it, before anything runs)
+    assert "run_dirr: unknown key" in _one_line_error(capsys, ["quickstart", "run_dirr=x"], "quickstart")
 
 
 def test_debug_shows_the_traceback_and_version_is_printed(tmp_path, capsys, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import time
 
 import pytest
@@ -27,8 +28,11 @@ from hfjax.envs import (
     parser_for_model_type,
     prompt_tokens,
     tool,
+    tools,
 )
 from hfjax.envs.examples.calculator import CalculatorEnv, calculator
+from hfjax.envs.parsers import HermesParser, Llama3JsonParser
+from hfjax.envs.tool_env import with_model_parser
 from hfjax.models.local_tokenizer import build_bpe_tokenizer
 
 CHATML = (
@@ -158,6 +162,53 @@ def test_registry_timeout_abandons_the_call(registry):
     assert time.monotonic() - start < 1.5
     assert result.error == "tool slow timed out after 0.2 s"
     assert registry.call("slow", {"seconds": 0.0}, timeout_s=5) == ToolResult("slow", "woke")  # still usable
+
+
+def test_tool_threads_are_bounded_and_abandoned_calls_counted(monkeypatch):
+    monkeypatch.setattr(tools, "_THREADS", tools._ToolThreads(2))
+    release = threading.Event()
+
+    def stuck() -> str:
+        """Waits for the test."""
+        release.wait(10)
+        return "released"
+
+    registry = ToolRegistry([stuck, search])
+    for _ in range(2):
+        assert registry.call("stuck", {}, timeout_s=0.05).error == "tool stuck timed out after 0.05 s"
+    assert tools.abandoned_tool_calls() == 2
+    start = time.monotonic()
+    full = registry.call("search", {"query": "a"}, timeout_s=0.1)  # both threads held: no third one
+    assert 0.1 <= time.monotonic() - start < 1.0
+    assert full.error == (
+        "tool search did not start within 0.1 s: all 2 tool threads are busy (2 of them with calls that timed out)"
+    )
+    release.set()  # the abandoned calls return and give their threads back
+    deadline = time.monotonic() + 5
+    while tools.abandoned_tool_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tools.abandoned_tool_calls() == 0
+    assert registry.call("search", {"query": "a"}, timeout_s=1) == ToolResult("search", "a:3:False")
+
+
+def test_tool_environment_parser_follows_the_model_family():
+    llama = with_model_parser(CalculatorEnv, {"tool_timeout_s": 2.0}, "llama")
+    assert llama == {"tool_timeout_s": 2.0, "parser": "llama3_json"}
+    assert isinstance(CalculatorEnv(**llama)._parser, Llama3JsonParser)
+    assert with_model_parser(CalculatorEnv, {}, "qwen2") == {"parser": "hermes"}
+    assert with_model_parser(CalculatorEnv, {"parser": "hermes"}, "llama") == {"parser": "hermes"}  # named: kept
+
+    class NamedParser(CalculatorEnv):
+        parser = "hermes"
+
+    assert with_model_parser(NamedParser, {}, "llama") == {}
+    assert with_model_parser(Environment, {"k": 1}, "llama") == {"k": 1}  # not a tool environment: as given
+    assert isinstance(CalculatorEnv()._parser, HermesParser)  # built without a model family
+    # a Llama 3 JSON call runs the tool under the parser chosen for a Llama policy
+    env = CalculatorEnv(**llama)
+    env.reset(ROW)
+    result = env.step('{"name": "calculator", "parameters": {"expression": "6 * 7"}}')
+    assert result.observation == [{"role": "ipython", "content": "42"}] and result.info["tool_errors"] == 0
 
 
 def test_hermes_parser():

@@ -1,5 +1,6 @@
 """HybridEngine on 8 fake CPU devices: bitwise round trips, containment, bytes moved against the formulas,
-buffer release, logits under the gen layout, and the naive mode."""
+buffer release, logits under the gen layout, the naive mode, and (hosts simulated by a device -> host map) a
+generation order that keeps every data-parallel replica on one host, contained where such an order is."""
 
 import gc
 import logging
@@ -19,8 +20,11 @@ from checkpoints import left_padded_batch, relative_error, save_hf_model
 from flax import nnx
 
 from hfjax.models import load_hf
-from hfjax.parallel import HybridEngine, Layout
+from hfjax.parallel import HybridEngine, Layout, hybrid_engine
+from hfjax.parallel.host_local import replica_positions
 from hfjax.parallel.hybrid_engine import _to_memory
+from hfjax.parallel.layout import LayoutError
+from hfjax.parallel.shard_math import containing_order
 from hfjax.training import TrainState, compile_counts
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)
@@ -282,6 +286,74 @@ def test_bad_engine_arguments():
         HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 8}}, tree, mode="fast")
     with pytest.raises(ValueError, match="gen_layout has 4 devices"):
         HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 4}, "devices": [0, 1, 2, 3]}, tree)
+
+
+TP8 = {"mesh": {"tensor": 8}, "rules": "tp"}
+GEN_2X4 = {"mesh": {"data": 2, "tensor": 4}, "rules": "tp"}
+SMALL_TREE = {
+    "up": nnx.Param(jax.ShapeDtypeStruct((16, 32), np.float32), logical_axes=("embed", "mlp")),
+    "down": nnx.Param(jax.ShapeDtypeStruct((32, 16), np.float32), logical_axes=("mlp", "embed")),
+}
+
+
+def _replica_hosts(layout, hosts, order=None):
+    """The hosts of each replica of `layout` in its device order (or `order`)."""
+    order = layout.device_ids if order is None else order
+    return [sorted({hosts[order[p]] for p in replica}) for replica in replica_positions(layout)]
+
+
+def _containing(train, gen):
+    """The containing device order of `SMALL_TREE` (what the engine takes on one host)."""
+    train, gen = Layout.from_config(train), Layout.from_config(gen)
+    specs = [tuple(train.spec(leaf.get_metadata()["logical_axes"])) for leaf in SMALL_TREE.values()]
+    gen_specs = [tuple(gen.spec(leaf.get_metadata()["logical_axes"])) for leaf in SMALL_TREE.values()]
+    return containing_order(train, gen, specs, gen_specs)
+
+
+def _contained(engine):
+    """Every device's training block of every parameter lies inside its generation block (from the shardings)."""
+    for shape, train, gen in zip(engine.shapes, engine.train_shardings, engine.gen_shardings, strict=True):
+        train_blocks, gen_blocks = train.devices_indices_map(shape), gen.devices_indices_map(shape)
+        for device, blocks in train_blocks.items():
+            for t, g in zip(blocks, gen_blocks[device], strict=True):
+                if not ((g.start or 0) <= (t.start or 0) and (t.stop or math.inf) <= (g.stop or math.inf)):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("mode", ["zero_redundancy", "naive"])
+def test_generation_replicas_stay_on_one_host(monkeypatch, caplog, mode):
+    """Training tensor=8 on 2 hosts x 4 devices, generation data=2 x tensor=4: the containing order puts every
+    replica on both hosts, so the engine takes a host-local one (uncontained: to_train moves bytes back); naive mode
+    reorders a gen mesh whose data axis is innermost."""
+    hosts = {i: i // 4 for i in range(8)}
+    monkeypatch.setattr(hybrid_engine, "device_hosts", lambda layout: hosts)
+    gen = GEN_2X4 if mode == "zero_redundancy" else {"mesh": {"tensor": 4, "data": 2}, "rules": "tp"}
+    with caplog.at_level(logging.WARNING):
+        engine = HybridEngine(TP8, gen, SMALL_TREE, mode=mode)
+    assert _replica_hosts(engine.gen_layout, hosts) == [[0], [1]]
+    # what the engine would take on one host, the containing order or the gen mesh's own: replicas on both hosts
+    before = _containing(TP8, gen) if mode == "zero_redundancy" else list(range(8))
+    assert _replica_hosts(Layout.from_config(gen), hosts, before) == [[0, 1], [0, 1]]
+    if mode == "zero_redundancy":
+        assert "keeps each data-parallel replica on one host" in caplog.text and not _contained(engine)
+
+
+def test_a_contained_host_local_order_is_preferred(monkeypatch):
+    """Hosts interleaved so that each holds one device of every pair of training shards: the containing order spans
+    both hosts, but swapping devices between equal generation shards makes it host-local and still contained."""
+    hosts = dict(enumerate((0, 1, 0, 1, 1, 0, 1, 0)))
+    monkeypatch.setattr(hybrid_engine, "device_hosts", lambda layout: hosts)
+    assert _replica_hosts(Layout.from_config(GEN_2X4), hosts, _containing(TP8, GEN_2X4)) == [[0, 1], [0, 1]]
+    engine = HybridEngine(TP8, GEN_2X4, SMALL_TREE)
+    assert _replica_hosts(engine.gen_layout, hosts) == [[0], [1]]
+    assert engine.account.contained and _contained(engine)
+
+
+def test_generation_that_no_host_order_fits_is_an_error(monkeypatch):
+    monkeypatch.setattr(hybrid_engine, "device_hosts", lambda layout: {i: i // 4 for i in range(8)})
+    with pytest.raises(LayoutError, match=r"has data=1, which 2 hosts cannot share"):
+        HybridEngine(TP8, {"mesh": {"tensor": 8}, "rules": "tp"}, SMALL_TREE)
 
 
 def test_two_processes_with_gloo(tmp_path):

@@ -183,11 +183,19 @@ def test_bad_host_and_device_combinations_are_clear_errors(inputs, tmp_path):
         load("ppo", trainer={"backend": "ray", "hosts": 3, "placement": "split"})
     with pytest.raises(ConfigError, match=r"trainer.hosts=2: several hosts need trainer.backend=ray"):
         load(trainer={"hosts": 2})
-    with pytest.raises(ConfigError, match=r"rollout.gen_layout: mesh\(tensor=8\) has data=1, which 2 hosts cannot"):
-        load(
-            trainer={"backend": "ray", "hosts": 2, "devices_per_host": 4},
-            rollout={"gen_layout": {"mesh": {"tensor": 8}}},
-        )
+    two_hosts = {"backend": "ray", "hosts": 2, "devices_per_host": 4}
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.gen_layout: mesh\(tensor=8\) has data=1, which 2 hosts cannot share.*make "
+        r"rollout.gen_layout.mesh.data a multiple of 2 .*trainer.hosts",
+    ):
+        load(trainer=two_hosts, rollout={"gen_layout": {"mesh": {"tensor": 8}}})
+    # a replica per host exists (the HybridEngine takes it, tests/test_hybrid_engine.py), whatever the training layout
+    load(
+        trainer=two_hosts,
+        actor={"train_layout": {"mesh": {"tensor": 8}, "rules": "tp"}},
+        rollout={"gen_layout": {"mesh": {"data": 2, "tensor": 4}, "rules": "tp"}},
+    )
     with pytest.raises(
         ConfigError, match=r"actor.train_layout: mesh\(fsdp=4\) has 4 devices, but the actor group has 2"
     ):

@@ -1,7 +1,9 @@
 """Partial rollouts: a generation interrupted part way returns each sample's tokens so far, and generation across a
 weight change gives, per sample, the first policy's tokens up to the change and then the second policy's
 continuation of that prefix, with each token's log prob under the policy that sampled it (checked against the
-uninterrupted generations and a teacher-forced forward of each policy) and its version."""
+uninterrupted generations and a teacher-forced forward of each policy) and its version; the random streams of the
+samples and continuations of consecutive steps never repeat (checked on the keys a stand-in generator is asked
+for)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from flax import nnx
 
 from hfjax.models import load_hf
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+from hfjax.rollout.generator import SampleOutput
+from hfjax.rollout.sampling import sample_key
+from hfjax.workers import partial_rollout
 from hfjax.workers.partial_rollout import generate_across_versions
 from hfjax.workers.sequences import assemble
 
@@ -118,3 +123,69 @@ def test_generation_across_a_weight_change_concatenates_both_policies(policies, 
     assert switched == len(prompts)  # every sample was under way when the weights changed
     batch = assemble(np.zeros((3, 1), np.int32), np.ones((3, 1), np.int32), out, 1, NEW, 0)
     np.testing.assert_array_equal(batch["rollout_versions"], np.stack([o.versions for o in out]))
+
+
+class _KeyRecorder:
+    """A stand-in generator that records the (seed, request id, sample) of every sample it is asked for and returns
+    one token per sample, `interrupted` while an interrupt is given and fewer than `rounds` calls ran, else every
+    token of the budget."""
+
+    def __init__(self, rounds: int):
+        self.rounds, self.calls, self.streams = rounds, 0, []
+
+    def generate(self, prompts, sampling, first_request, interrupt=None, check_every=8):
+        ids = np.arange(first_request, first_request + len(prompts)) if np.ndim(first_request) == 0 else first_request
+        self.calls += 1
+        cut = interrupt is not None and self.calls <= self.rounds
+        out = []
+        for r, request in enumerate(ids):
+            for i in range(sampling.n):
+                self.streams.append((sampling.seed, int(request), i))
+                count = 1 if cut else sampling.max_new_tokens
+                reason = "interrupted" if cut else "length"
+                out.append(SampleOutput(r, i, np.zeros(count, np.int32), np.zeros(count, np.float32), reason))
+        return out
+
+
+def _step_streams(seed: int, rounds: int) -> list[tuple[int, int, int]]:
+    """The streams of one step's partial rollout: 3 + 2 prompts on two workers (the second's first request 3), 2
+    samples each, moving to newer weights `rounds` times."""
+    streams = []
+    for first, count in ((0, 3), (3, 2)):
+        recorder = _KeyRecorder(rounds)
+        sampling = SamplingParams(max_new_tokens=6, n=2, seed=seed)
+        out = generate_across_versions(
+            recorder, _prompts()[:count], sampling, first, version=0, newer=lambda: True, load_newest=lambda: 1
+        )
+        assert [len(o.tokens) for o in out] == [6] * 2 * count  # every round's tokens, to the budget
+        streams += recorder.streams
+    return streams
+
+
+def _keys(streams: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The raw key of each stream, as the engine derives it (int32 seeds and request ids)."""
+    seed, request, sample = (np.asarray(column, np.int64).astype(np.int32) for column in zip(*streams, strict=True))
+    return [tuple(k) for k in np.asarray(sample_key(seed, request, sample)).tolist()]
+
+
+def test_partial_rollout_streams_never_repeat_within_or_across_steps():
+    this_step, next_step = _keys(_step_streams(5, rounds=3)), _keys(_step_streams(6, rounds=3))
+    assert len(this_step) == 5 * 2 * 4  # each sample: its first call and 3 continuations
+    assert len(set(this_step)) == len(this_step) and len(set(next_step)) == len(next_step)
+    assert not set(this_step) & set(next_step)
+
+
+def test_continuation_request_ids_and_their_limit(monkeypatch):
+    ids = {partial_rollout.continuation_request(r, s, 2, k) for r in range(4) for s in range(2) for k in (1, 2, 128)}
+    assert len(ids) == 4 * 2 * 3 and max(ids) < 0 and min(ids) >= -(2**31)
+    assert partial_rollout.continuation_request(2**23 - 1, 1, 2, 128) == -(2**31)  # the last id int32 holds
+    with pytest.raises(ValueError, match=r"sample 16777216 .* expected a sample below 16777216"):
+        partial_rollout.continuation_request(2**23, 0, 2, 1)
+    # the last round allowed runs without an interrupt: every sample ends however often the weights change
+    monkeypatch.setattr(partial_rollout, "CONTINUATION_ROUNDS", 2)
+    recorder = _KeyRecorder(rounds=10)
+    sampling = SamplingParams(max_new_tokens=6, n=1)
+    out = generate_across_versions(
+        recorder, _prompts(), sampling, 0, version=0, newer=lambda: True, load_newest=lambda: 1
+    )
+    assert recorder.calls == 3 and [o.finish_reason for o in out] == ["length"] * 3

@@ -9,9 +9,14 @@ samples the next turn's first token. Environment tokens are in the trajectory wi
 each step's reward sits on the last model token of the turn it answered. Model token k of a trajectory is drawn with
 its sample's key at step k, so a trajectory's tokens do not depend on what else ran beside it.
 While no slot can decode, the steps that end within `COALESCE_S` of the first are appended in one call.
+A step with no result `env_step_timeout_s` after it was submitted (waiting for a free worker included) ends its
+trajectory as `env_error`; Python cannot stop its thread, so the thread runs on until the step returns (then the
+environment is closed), and a process exits only once such threads have returned; `last_stats["env_timeouts"]`
+counts them.
 `append="reprefill"` instead refills the slot with the whole history as a new prompt at every turn: the baseline that
-`scripts/bench_agent.py` measures against.
-Imports `hfjax.rollout` and this package's environment API.
+`scripts/bench_agent.py` measures against. Each re-prefilled turn samples with a key of its own (`turn_request`: a
+negative request id, which no sample's first turn uses), its steps counted from 0.
+Imports `hfjax.rollout`, `hfjax.envs.trajectory` and this package's environment API.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -29,34 +35,15 @@ import numpy as np
 
 from hfjax.envs.base import Environment, StepResult, check_step_result
 from hfjax.envs.chat import observation_tokens, prompt_tokens
-from hfjax.rollout.generator import FINISH_REJECTED, OfflineGenerator, SampleOutput, free_decode_state
+from hfjax.envs.tool_env import with_model_parser
+from hfjax.envs.trajectory import FINISH_DONE, FINISH_ENV_ERROR, FINISH_LENGTH, FINISH_MAX_TURNS, Trajectory
+from hfjax.rollout.generator import FINISH_REJECTED, OfflineGenerator, free_decode_state
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
 
 log = logging.getLogger(__name__)
 
-FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR = "done", "max_turns", "length", "env_error"
 EXTEND_WIDTH = 8  # observations are padded to a multiple of this many tokens
 COALESCE_S = 0.005  # while no slot can decode, steps that end this soon after the first are appended with it
-FINISH_REASONS = (FINISH_DONE, FINISH_MAX_TURNS, FINISH_LENGTH, FINISH_ENV_ERROR, FINISH_REJECTED)
-
-
-@dataclasses.dataclass
-class Trajectory(SampleOutput):
-    """A multi-turn sample: `tokens` are everything after `prompt` (model turns and observations), `response_mask` 1
-    on the model's tokens, `rewards` each token's reward (a step's reward on the last token of the turn it answered);
-    `finish_reason` is `done` (the environment ended it), `max_turns`, `length` (token budget), `env_error` (the
-    environment raised: `error` says what) or `rejected`."""
-
-    prompt: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-    response_mask: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-    rewards: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float32))
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-
-    @property
-    def reward(self) -> float:
-        return float(self.rewards.sum())
 
 
 @dataclasses.dataclass
@@ -77,6 +64,7 @@ class _Live:
     tool_calls: int = 0
     tool_errors: int = 0
     step: futures.Future | None = None
+    step_deadline: float = math.inf  # time.monotonic() by which `step` must have returned
 
     @property
     def cached(self) -> int:
@@ -88,7 +76,8 @@ class AgentGenerator:
     """Runs `env_cls(**env_kwargs)` trajectories over `generator`'s engine and weights. `tokenizer` decodes turns and
     renders observations; a trajectory ends after `max_turns` model turns or `max_tokens` tokens after its prompt
     (model and environment tokens together); a turn ends at `max_tokens_per_turn` (default: no limit but the budget).
-    `env_workers` threads run environment steps."""
+    `env_workers` threads run environment steps, each step within `env_step_timeout_s` seconds. A `ToolEnvironment`
+    that names no parser gets the one of the model's family (`with_model_parser`)."""
 
     def __init__(
         self,
@@ -101,10 +90,17 @@ class AgentGenerator:
         max_tokens_per_turn: int | None = None,
         env_kwargs: dict[str, Any] | None = None,
         env_workers: int = 16,
+        env_step_timeout_s: float = 600.0,
         append: Literal["extend", "reprefill"] = "extend",
     ):
         self.generator, self.engine = generator, generator.engine
-        self.env_cls, self.env_kwargs, self.tokenizer = env_cls, dict(env_kwargs or {}), tokenizer
+        self.env_cls, self.tokenizer = env_cls, tokenizer
+        self.env_kwargs = with_model_parser(env_cls, dict(env_kwargs or {}), self.engine.config.family)
+        if not 0 < env_step_timeout_s < math.inf:
+            raise SamplingError(
+                f"agent.env_step_timeout_s: expected a positive number of seconds, got {env_step_timeout_s}"
+            )
+        self.env_step_timeout_s = env_step_timeout_s
         self.max_turns, self.max_tokens = max_turns, max_tokens
         self.max_tokens_per_turn = max_tokens_per_turn or max_tokens
         self.env_workers, self.append = env_workers, append
@@ -146,13 +142,16 @@ class AgentGenerator:
         queue = deque((r, i) for r in range(len(prompts)) for i in range(sampling.n))
         free, live = list(range(engine.max_concurrent_decodes)), {}
         done: dict[tuple[int, int], Trajectory] = {}
-        stats = {"decode_steps": 0, "appends": 0, "appended_tokens": 0, "env_wait_seconds": 0.0}
+        stats = {"decode_steps": 0, "appends": 0, "appended_tokens": 0, "env_wait_seconds": 0.0, "env_timeouts": 0}
         started = time.perf_counter()
 
         def finish(slot: int, reason: str, error: str | None = None) -> None:
             run = live.pop(slot)
             done[run.request, run.sample] = _trajectory(run, reason, error)
-            run.env.close()
+            if run.step is None:
+                run.env.close()
+            else:  # a step still running (timed out): its environment closes when it returns, not under it
+                run.step.add_done_callback(lambda _, env=run.env: env.close())
             free.append(slot)
 
         def record(slot: int, token: int, logprob: float) -> None:
@@ -163,6 +162,7 @@ class AgentGenerator:
             if token in stops or len(turn) >= self.max_tokens_per_turn or len(run.tokens) >= self.max_tokens:
                 run.turns += 1
                 run.step = pool.submit(self._env_step, run.env, turn[:-1] if token in stops else turn)
+                run.step_deadline = time.monotonic() + self.env_step_timeout_s
 
         state = engine.init_decode_state()
         try:
@@ -171,9 +171,12 @@ class AgentGenerator:
                     state = self._start(state, queue, free, live, done, prompts, rows, sampling, request_ids, record)
                 if live and all(run.step is not None for run in live.values()):  # no slot can decode: wait
                     waiting, steps = time.perf_counter(), [run.step for run in live.values()]
-                    futures.wait(steps, return_when=futures.FIRST_COMPLETED)
+                    first_deadline = min(run.step_deadline for run in live.values())
+                    left = max(0.0, first_deadline - time.monotonic())
+                    futures.wait(steps, timeout=left, return_when=futures.FIRST_COMPLETED)
                     futures.wait(steps, timeout=COALESCE_S)  # the decoder idles anyway: one append for more of them
                     stats["env_wait_seconds"] += time.perf_counter() - waiting
+                self._end_overdue(live, finish, stats)
                 ready = [slot for slot, run in live.items() if run.step is not None and run.step.done()]
                 if ready:
                     state = self._observe(state, ready, live, finish, record, sampling, request_ids, kind, stats)
@@ -200,6 +203,16 @@ class AgentGenerator:
             "kv_cache_bytes_per_device": engine.kv_cache_bytes_per_device(),
         }
         return ordered
+
+    def _end_overdue(self, live, finish, stats) -> None:
+        """Ends as `env_error` the trajectories whose environment step is past its deadline."""
+        now = time.monotonic()
+        for slot in [s for s, run in live.items() if run.step is not None and not run.step.done()]:
+            if now >= live[slot].step_deadline:
+                stats["env_timeouts"] += 1
+                name = type(live[slot].env).__name__
+                log.warning("environment %s: a step ran past env_step_timeout_s; its trajectory ends", name)
+                finish(slot, FINISH_ENV_ERROR, f"{name}.step: no result within {self.env_step_timeout_s:g} s")
 
     def _start(self, state, queue, free, live, done, prompts, rows, sampling, request_ids, record) -> Any:
         """Resets the environments of as many queued trajectories as there are free slots and prefills them (one
@@ -319,14 +332,14 @@ class AgentGenerator:
         return state
 
     def _reprefill(self, state, appends, live, record, sampling, request_ids) -> Any:
-        """The baseline: each slot refilled with its whole history as a new prompt."""
+        """The baseline: each slot refilled with its whole history as a new prompt, sampled with its turn's key."""
         histories, batch, requests = [], [], []
         for j, (slot, tokens) in enumerate(appends):
             run = live[slot]
             _append_observation(run, tokens)
             histories.append(np.concatenate([run.prompt, run.tokens]).astype(np.int32))
             batch.append((j, run.sample))
-            requests.append(request_ids[run.request])
+            requests.append(turn_request(int(request_ids[run.request]), run.turns + 1, self.max_turns))
         targets = [slot for slot, _ in appends]
         state, (tokens, logprobs) = self.generator.fill(
             state, histories, batch, targets, sampling, np.asarray(requests)
@@ -334,6 +347,19 @@ class AgentGenerator:
         for slot, token, logprob in zip(targets, tokens, logprobs, strict=True):
             record(slot, int(token), float(logprob))
         return state
+
+
+def turn_request(request: int, turn: int, max_turns: int) -> int:
+    """The request id that re-prefilled turn `turn` (2 to `max_turns`) of request `request`'s trajectories samples
+    with (its sample index and the step's seed as the first turn's): negative, unlike every request's own id, and
+    one-to-one in (request, turn), so no turn replays another's random numbers; within int32, the engine's width."""
+    index = request * max_turns + turn - 2
+    if not 2 <= turn <= max_turns or not 0 <= index < 2**31:
+        raise SamplingError(
+            f"agent rollout: turn {turn} of request {request} with max_turns={max_turns}: expected a turn from 2 to "
+            f"max_turns and request x max_turns below 2**31"
+        )
+    return -1 - index
 
 
 def _append(run: _Live, tokens: list[int], logprobs: list[float], model: bool) -> None:
@@ -368,32 +394,3 @@ def _trajectory(run: _Live, reason: str, error: str | None) -> Trajectory:
 
 def _failed(request: int, sample: int, reason: str, error: str) -> Trajectory:
     return Trajectory(request, sample, np.zeros(0, np.int32), np.zeros(0, np.float32), reason, error)
-
-
-AGENT_COLUMNS = ("agent_turns", "agent_tool_calls", "agent_tool_errors", "agent_finish")
-
-
-def agent_columns(trajectories: Sequence[Trajectory]) -> dict[str, np.ndarray]:
-    """Per trajectory: turns, tool calls, tool errors and the index of its finish reason in `FINISH_REASONS` (int32
-    columns of the rollout batch, so the controller computes the turn metrics over the whole batch)."""
-    values = [(t.turns, t.tool_calls, t.tool_errors, FINISH_REASONS.index(t.finish_reason)) for t in trajectories]
-    table = np.asarray(values, np.int32).reshape(-1, len(AGENT_COLUMNS))
-    return {name: table[:, i] for i, name in enumerate(AGENT_COLUMNS)}
-
-
-def agent_metrics(columns: dict[str, np.ndarray], env_tokens: int, tokens: int) -> dict[str, float]:
-    """The turn metrics of a batch from its `agent_columns`: turns, tool calls and tool errors per trajectory, the
-    share of trajectory tokens (`tokens`) that came from environments (`env_tokens`), and the share of each finish
-    reason (`agent/finish/<reason>`)."""
-    turns = columns["agent_turns"]
-    count = max(len(turns), 1)
-    out = {
-        "agent/turns_mean": float(turns.sum()) / count,
-        "agent/turns_max": float(turns.max(initial=0)),
-        "agent/tool_calls_mean": float(columns["agent_tool_calls"].sum()) / count,
-        "agent/tool_errors_mean": float(columns["agent_tool_errors"].sum()) / count,
-        "agent/env_token_share": env_tokens / max(tokens, 1),
-    }
-    for code, reason in enumerate(FINISH_REASONS):
-        out[f"agent/finish/{reason}"] = float((columns["agent_finish"] == code).sum()) / count
-    return out

@@ -135,6 +135,7 @@ class Llama3JsonParser(ToolCallParser):
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+DEFAULT_PARSER = "hermes"  # the format of model families without one of their own
 _MODEL_TYPE_PARSERS = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "llama": "llama3_json"}
 
 
@@ -150,4 +151,4 @@ def get_parser(name: str) -> ToolCallParser:
 def parser_for_model_type(model_type: str) -> str:
     """The parser name for a Hugging Face `config.model_type` ("qwen2", "qwen3" -> hermes, "llama" -> llama3_json);
     hermes for other types."""
-    return _MODEL_TYPE_PARSERS.get(model_type, "hermes")
+    return _MODEL_TYPE_PARSERS.get(model_type, DEFAULT_PARSER)

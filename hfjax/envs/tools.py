@@ -2,19 +2,23 @@
 accept), the `tool` decorator that derives the schema from a plain function's signature, and `ToolRegistry`, which
 checks a call's arguments against the schema and runs it with a timeout. A registry never raises on a bad call: an
 unknown tool, wrong arguments, a tool that raises, hangs or returns something other than text all become a
-`ToolResult` whose `content` is the error text shown to the model. Imports the standard library and
+`ToolResult` whose `content` is the error text shown to the model. Calls run on at most `MAX_TOOL_THREADS` threads
+per process, timed-out calls still running included (`abandoned_tool_calls`). Imports the standard library and
 `hfjax.envs.base`."""
 
 from __future__ import annotations
 
 import inspect
 import threading
+import time
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from hfjax.envs.base import EnvError
+
+MAX_TOOL_THREADS = 64  # tool calls running at once in a process, abandoned (timed-out) ones included
 
 _JSON_TYPES: dict[type, str] = {
     str: "string",
@@ -143,10 +147,54 @@ def _argument_error(tool_: Tool, arguments: Any) -> str | None:
     return None
 
 
+class _ToolThreads:
+    """The process's tool-call threads: at most `limit` at once; `abandoned` counts those still running after their
+    call timed out."""
+
+    def __init__(self, limit: int):
+        self.limit, self.abandoned = limit, 0
+        self._free, self._lock = threading.BoundedSemaphore(limit), threading.Lock()
+
+    def run(self, fn: Callable[[], None], name: str, timeout_s: float) -> bool | None:
+        """Runs `fn` on a daemon thread within `timeout_s` seconds (waiting for a free thread included): True if it
+        returned in time, False if it was abandoned (it runs on, holding its thread), None if no thread came free."""
+        deadline = time.monotonic() + timeout_s
+        if not self._free.acquire(timeout=timeout_s):
+            return None
+        call = {"finished": False, "abandoned": False}
+
+        def body() -> None:
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    call["finished"] = True
+                    self.abandoned -= call["abandoned"]
+                self._free.release()
+
+        thread = threading.Thread(target=body, name=name, daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            if not call["finished"]:
+                call["abandoned"] = True
+                self.abandoned += 1
+            return call["finished"]
+
+
+_THREADS = _ToolThreads(MAX_TOOL_THREADS)
+
+
+def abandoned_tool_calls() -> int:
+    """Tool calls of this process that outlived their timeout and are still running (each holds a thread)."""
+    return _THREADS.abandoned
+
+
 class ToolRegistry:
-    """Tools by name, called with checked arguments and a timeout. Each call runs in a daemon thread of its own; a
-    call that outlives its timeout is abandoned (Python cannot stop a thread): it keeps running in the background
-    until it returns, its result is dropped, and it does not delay the process's exit."""
+    """Tools by name, called with checked arguments and a timeout. Each call runs in a daemon thread of its own, one
+    of at most `MAX_TOOL_THREADS` in the process; a call that outlives its timeout is abandoned (Python cannot stop a
+    thread): it keeps running in the background, holding its thread, until it returns; its result is dropped, and it
+    does not delay the process's exit. While every thread is held, a call fails once its timeout passes."""
 
     def __init__(self, tools: Iterable[Tool | Callable[..., Any]]) -> None:
         self._tools: dict[str, Tool] = {}
@@ -181,10 +229,14 @@ class ToolRegistry:
             except Exception as exc:  # the tool may raise anything; the model sees it as an error
                 outcome.append(("raised", f"{type(exc).__name__}: {exc}"))
 
-        thread = threading.Thread(target=run, name=f"hfjax-tool-{name}", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if not outcome:
+        ran = _THREADS.run(run, f"hfjax-tool-{name}", timeout_s)
+        if ran is None:
+            return ToolResult.failure(
+                name,
+                f"tool {name} did not start within {timeout_s:g} s: all {_THREADS.limit} tool threads are busy "
+                f"({_THREADS.abandoned} of them with calls that timed out)",
+            )
+        if not ran:
             return ToolResult.failure(name, f"tool {name} timed out after {timeout_s:g} s")
         status, value = outcome[0]
         if status == "raised":

@@ -8,11 +8,15 @@ the training buffers are deleted, so the peak is M/t_g per device; and `to_train
 device's own generation shard (no cross-device traffic, enforced by a transfer guard). `naive` mode keeps the gen mesh
 in its given order and the training buffers alive during generation (HybridFlow-V/DS-Chat-style redundancy), so
 `to_train` is free but memory holds both copies.
+Over several hosts (processes), generation runs one loop per host, so both modes order the gen mesh so that each
+data-parallel replica lies on one host (`hfjax.parallel.host_local`): `zero_redundancy` takes the containing order
+with devices swapped among equal gen shards until it is host-local, else the host-local order that moves the fewest
+bytes.
 Mixed precision (`gen_dtype` below the parameters' dtype, e.g. float32 master weights and bfloat16 compute): `to_gen`
 casts each training shard where it lies, then moves the cast copy (half the bytes of float32), and the master copy
 stays in its training layout during generation (it cannot be cut back out of a rounded copy); `to_train` frees the
-generation copy and returns the master, with no traffic. Imports `hfjax.parallel.layout`, `shard_math`, `transfer`
-and `host_memory`.
+generation copy and returns the master, with no traffic. Imports `hfjax.parallel.layout`, `shard_math`, `transfer`,
+`host_local` and `host_memory`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from hfjax.parallel.host_local import device_hosts, host_local_layout, host_local_order
 from hfjax.parallel.host_memory import keep_freed_host_memory
 from hfjax.parallel.layout import Layout, is_param_leaf
 from hfjax.parallel.shard_math import (
@@ -98,8 +103,12 @@ class HybridEngine:
             tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
             for s, shape in zip(self.train_shardings, self.shapes, strict=True)
         ]
+        hosts = device_hosts(self.train_layout)
+        self.hosts = hosts if len(set(hosts.values())) > 1 else None  # device id -> host, on several hosts
         self.gen_layout, self.account = (
-            self._order_gen(gen, abstract_params, train_specs) if mode == "zero_redundancy" else (gen, None)
+            self._order_gen(gen, abstract_params, train_specs)
+            if mode == "zero_redundancy"
+            else (self._host_local(gen, [d.id for d in gen.mesh.devices.reshape(-1)]), None)
         )
         self.gen_shardings: list[NamedSharding] = jax.tree.leaves(self.gen_layout.shardings(abstract_params))
         if self.account is None:
@@ -128,14 +137,19 @@ class HybridEngine:
     def _order_gen(
         self, gen: Layout, abstract_params: Any, train_specs: list[tuple]
     ) -> tuple[Layout, TransitionAccount]:
-        """Gen layout with the containing device order, else the candidate order that moves the fewest bytes."""
+        """Gen layout with the containing device order (host-local on several hosts), else the candidate order that
+        moves the fewest bytes."""
         gen_specs = [
             tuple(gen.spec(leaf.get_metadata().get("logical_axes", (None,) * len(leaf.shape))))
             for leaf in jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
         ]
         gen_specs = [s + (None,) * (len(shape) - len(s)) for s, shape in zip(gen_specs, self.shapes, strict=True)]
         order = containing_order(self.train_layout, gen, train_specs, gen_specs)
+        if order is not None and self.hosts is not None:
+            order = host_local_order(order, gen, self.hosts, keys=_gen_block_keys(gen, gen_specs))
         orders = [order] if order is not None else candidate_orders(self.train_layout)
+        if self.hosts is not None:
+            orders = list(dict.fromkeys(tuple(self._host_local(gen, o).device_ids) for o in orders))
         best = None
         for candidate in orders:
             layout = dataclasses.replace(gen, device_ids=tuple(candidate))
@@ -144,13 +158,20 @@ class HybridEngine:
                 best = (layout, acc)
         if not best[1].contained:
             log.warning(
-                "HybridEngine: no device order of gen layout %s contains the training shards of %s; using "
+                "HybridEngine: no device order of gen layout %s%s contains the training shards of %s; using "
                 "the order that moves the fewest bytes (%d bytes per device must come back in to_train)",
                 gen.describe(),
+                "" if self.hosts is None else " that keeps each data-parallel replica on one host",
                 self.train_layout.describe(),
                 best[1].max("uncontained_bytes"),
             )
         return best
+
+    def _host_local(self, gen: Layout, order: list[int]) -> Layout:
+        """`gen` in `order`, made host-local on several hosts (one generation loop per host)."""
+        if self.hosts is None:
+            return gen
+        return host_local_layout(dataclasses.replace(gen, device_ids=tuple(order)), self.hosts)
 
     def _account(self, gen_shardings: list[NamedSharding], cast: bool = True) -> TransitionAccount:
         gen_itemsizes = self.gen_itemsizes if cast else self.itemsizes
@@ -346,3 +367,15 @@ def _to_memory(tree: Any, kind: str) -> Any:
             leaves[i].delete()
         out[i] = copy
     return jax.tree.unflatten(treedef, out)
+
+
+def _gen_block_keys(gen: Layout, gen_specs: list[tuple]) -> list[tuple[int, ...]]:
+    """Per flat gen mesh position, its coordinates on the mesh axes that shard some parameter: positions with equal
+    keys hold the same gen shard of every parameter, so devices may swap between them and stay contained."""
+    sharding = {
+        a for spec in gen_specs for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)
+    }
+    shape = [size for _, size in gen.axes]
+    coords = np.unravel_index(np.arange(gen.size), shape)
+    kept = [c for c, (name, _) in zip(coords, gen.axes, strict=True) if name in sharding]
+    return [tuple(int(c[p]) for c in kept) for p in range(gen.size)]

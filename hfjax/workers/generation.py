@@ -39,6 +39,7 @@ def agent_generator(generator: OfflineGenerator, rollout: RolloutConfig) -> Agen
         max_tokens_per_turn=agent.max_tokens_per_turn or None,
         env_kwargs=agent.env_kwargs,
         env_workers=agent.env_workers,
+        env_step_timeout_s=agent.env_step_timeout_s,
     )
 
 

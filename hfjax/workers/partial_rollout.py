@@ -4,9 +4,12 @@
 the samples not yet ended then continue under the new weights as new requests (prompt + tokens so far, so the KV
 cache of the continuation is computed by the new weights), and so on until every sample ended. A sample's tokens are
 the concatenation of each version's tokens; its log probs are those of the policy that sampled each token; its
-per-token versions say which. Continuations sample with their own keys (round `k` uses seed + k, request
-`(first + prompt) * n + sample`), so no random stream is reused. The engine must take prompts as long as the prompt
-plus the response (`max_prefill_length`).
+per-token versions say which. Continuations sample with keys of their own (`continuation_request`): a sample's
+key is its step's seed folded with a request id and a sample index, and a step's own requests are numbered from 0,
+while a continuation's request id is negative and numbers its (sample, round) pair, so no random stream is reused,
+within a step or across steps. One call follows at most `CONTINUATION_ROUNDS` weight changes: its last round runs
+every sample to its end under the weights it has. The engine must take prompts as long as the prompt plus the
+response (`max_prefill_length`).
 Imports `hfjax.rollout` only.
 """
 
@@ -19,6 +22,23 @@ import numpy as np
 
 from hfjax.rollout import OfflineGenerator, SamplingParams
 from hfjax.rollout.generator import FINISH_INTERRUPTED, FINISH_LENGTH, FINISH_REJECTED, FINISH_STOP, SampleOutput
+
+CONTINUATION_ROUNDS = 128  # weight changes one generation call follows at most
+CONTINUED_SAMPLES = 2**24  # sample indices (request * n + sample) a continuation's request id can number
+
+
+def continuation_request(request: int, sample: int, n: int, round_: int) -> int:
+    """The request id that round `round_` (1 to `CONTINUATION_ROUNDS`) of the continuation of sample `sample` of
+    request `request` (of a step sampling `n` per request) samples with, under the step's own seed. Negative, unlike
+    the step's own request ids, so its key (seed, id, sample 0) is the key of no step's sample; one-to-one in
+    (request * n + sample, round), so no two continuations of a step share one; within int32, the engine's width."""
+    index = request * n + sample
+    if not 0 <= index < CONTINUED_SAMPLES or not 1 <= round_ <= CONTINUATION_ROUNDS:
+        raise ValueError(
+            f"partial rollout: sample {index} (request {request} x n={n} + sample {sample}), round {round_}: expected "
+            f"a sample below {CONTINUED_SAMPLES} and a round from 1 to {CONTINUATION_ROUNDS}"
+        )
+    return -1 - (index * CONTINUATION_ROUNDS + round_ - 1)
 
 
 def _extend(out: SampleOutput, more: SampleOutput, version: int, budget: int) -> SampleOutput:
@@ -54,9 +74,10 @@ def generate_across_versions(
     check_every: int = 8,
 ) -> list[SampleOutput]:
     """Samples as `generator.generate` would, moving to the newest weights whenever `newer()` says there are some
-    (asked every `check_every` decode steps): `load_newest()` installs them in the generator and returns their
-    version. `version` is the version of the generator's weights at the start. Outputs in request order, each with
-    the version of every token (`SampleOutput.versions`)."""
+    (asked every `check_every` decode steps; not in round `CONTINUATION_ROUNDS`, which ends every sample):
+    `load_newest()` installs them in the generator and returns their version. `version` is the version of the
+    generator's weights at the start. Outputs in request order, each with the version of every token
+    (`SampleOutput.versions`)."""
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     outputs = generator.generate(prompts, sampling, first_request, interrupt=newer, check_every=check_every)
     samples = [dataclasses.replace(o, versions=np.full(len(o.tokens), version, np.int32)) for o in outputs]
@@ -68,8 +89,12 @@ def generate_across_versions(
         version, rounds = load_newest(), rounds + 1
         budgets = [sampling.max_new_tokens - len(samples[i].tokens) for i in waiting]
         resumed = [np.concatenate([prompts[samples[i].request], samples[i].tokens]) for i in waiting]
-        ids = [(first_request + samples[i].request) * sampling.n + samples[i].sample for i in waiting]
-        continued = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets), seed=sampling.seed + rounds)
-        more = generator.generate(resumed, continued, ids, interrupt=newer, check_every=check_every)
+        ids = [
+            continuation_request(first_request + samples[i].request, samples[i].sample, sampling.n, rounds)
+            for i in waiting
+        ]
+        continued = dataclasses.replace(sampling, n=1, max_new_tokens=max(budgets))
+        interrupt = newer if rounds < CONTINUATION_ROUNDS else None
+        more = generator.generate(resumed, continued, ids, interrupt=interrupt, check_every=check_every)
         for i, budget, out in zip(waiting, budgets, more, strict=True):
             samples[i] = _extend(samples[i], out, version, budget)

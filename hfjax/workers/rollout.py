@@ -18,7 +18,7 @@ import numpy as np
 
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.parallel import layout_or_default
-from hfjax.parallel.host_local import process_layout
+from hfjax.parallel.host_local import host_local_layout, process_layout
 from hfjax.protocol import DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.config import ActorConfig, RolloutConfig
@@ -53,7 +53,7 @@ class RolloutWorker(Worker):
         """Loads the checkpoint straight into this process's generation replicas; builds the engine."""
         rollout = self.rollout_cfg
         gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
-        self.local_layout = process_layout(gen)
+        self.local_layout = process_layout(host_local_layout(gen))  # its own order, when host-local
         dtype = self.actor_cfg.dtype
         self.policy = LoadedModel(
             self.actor_cfg.model_path, self.local_layout, dtype=dtype, param_dtype=dtype, head="causal_lm"

@@ -16,7 +16,7 @@ import numpy as np
 
 from hfjax.controller.global_arrays import process_reduce
 from hfjax.data.tokenize import position_ids
-from hfjax.envs.agent_loop import AGENT_COLUMNS, agent_columns, agent_metrics
+from hfjax.envs.trajectory import AGENT_COLUMNS, agent_columns, agent_metrics
 from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
 from hfjax.training.train_state import split_rows
@@ -39,9 +39,9 @@ def assemble(
 ) -> dict[str, np.ndarray]:
     """Tensors of the rollout batch: each prompt row repeated `n` times (interleaved, the order `outputs` come in)
     and joined with its responses, padded to `response_length`; `rollout_versions` when the outputs carry the policy
-    version of each token. Multi-turn trajectories (`hfjax.envs.Trajectory`) keep their environment tokens in the
-    response with `response_mask` 0 and add `env_rewards` (each token's reward from the environment); a trajectory
-    whose environment gave its own first prompt has that prompt in its row."""
+    version of each token. Multi-turn trajectories (`hfjax.envs.trajectory.Trajectory`) keep their environment
+    tokens in the response with `response_mask` 0 and add `env_rewards` (each token's reward from the environment); a
+    trajectory whose environment gave its own first prompt has that prompt in its row."""
     rows = len(outputs)
     responses = np.full((rows, response_length), pad_id, np.int32)
     response_mask = np.zeros((rows, response_length), np.int32)
@@ -99,7 +99,7 @@ def _own_prompts(
 
 
 def batch_agent_metrics(batch: dict[str, np.ndarray]) -> dict[str, float]:
-    """The turn metrics (`hfjax.envs.agent_loop.agent_metrics`) of a whole rollout batch of trajectories; environment
+    """The turn metrics (`hfjax.envs.trajectory.agent_metrics`) of a whole rollout batch of trajectories; environment
     tokens are the attended response tokens outside `response_mask`."""
     width = batch["responses"].shape[1]
     attended = int(np.asarray(batch["attention_mask"])[:, -width:].sum())
