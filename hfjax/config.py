@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -135,6 +136,12 @@ class AlgorithmConfig:
                 f"adv_estimator: {self.estimator!r} needs reward_baselines (ReMax's greedy rewards), which only "
                 f"algorithm.name=remax or a program calling step.greedy_baseline() computes"
             )
+        if "sum_pi_squared" in needs:
+            raise ValueError(
+                f"adv_estimator: {self.estimator!r} needs sum_pi_squared (the old policy's summed squared token "
+                "probabilities), which the training step does not compute yet; call "
+                "hfjax.algos.compute_advantage with hfjax.algos.sum_pi_squared_from_logits from your own code"
+            )
 
 
 def _load_program(spec: str) -> tuple[str, tuple[str, ...]]:
@@ -209,6 +216,9 @@ class TrainerConfig:
     val_before_train: bool = False
     resume: Literal["auto", "never"] = "auto"
     max_to_keep: int = 3
+    # on SIGTERM: seconds to finish and save the step in flight before abandoning it (0: abandon at once; the
+    # previous checkpoint is kept either way); the run then exits with code 143
+    preemption_grace_s: float = 30.0
     # where metrics go (verl's key): console, jsonl (run_dir/metrics.jsonl, read by `hfjax plot`), tensorboard
     # (run_dir/tb), wandb (the `hfjax[wandb]` extra; W&B project `project_name`, run group `experiment_name`)
     logger: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = dataclasses.field(
@@ -241,6 +251,7 @@ class TrainerConfig:
             save_freq=ZERO_AT_END,
             test_freq=ZERO_AT_END,
             max_to_keep=AT_LEAST_1,
+            preemption_grace_s=(lambda v: 0 <= v < math.inf, "seconds >= 0"),
             device_memory_gib=(lambda v: v is None or 0 < v < math.inf, "a number of GiB > 0 or null"),
         )
         if self.ray_address is not None and not self.ray_address.strip():
@@ -330,7 +341,30 @@ class RLConfig:
             )
         if self.trainer.placement == "disaggregated" and self.trainer.backend != "ray":
             raise ValueError("trainer.placement=disaggregated runs two worker groups: it needs trainer.backend=ray")
+        self._resolve_rollout_correction()
         self._check_layouts()
+
+    def _resolve_rollout_correction(self) -> None:
+        """`actor.rollout_correction.rollout_is: auto` becomes token-level TIS when rollouts may be stale (they come
+        from an older policy than the trainer's), else none; a stale run left uncorrected is warned about."""
+        correction, staleness = self.actor.rollout_correction, self.async_.max_staleness
+        if correction.rollout_is == "auto":
+            correction.rollout_is = "token" if staleness else None
+            if staleness:
+                warnings.warn(
+                    f"async.max_staleness={staleness}: rollouts may come from a policy older than the trainer's "
+                    f"(by up to {staleness} updates), so actor.rollout_correction.rollout_is defaults to token "
+                    f"(truncated importance weights, threshold {correction.rollout_is_threshold}); set it to null to "
+                    "train uncorrected, or to sequence",
+                    stacklevel=2,
+                )
+        elif staleness and not correction.enabled:
+            warnings.warn(
+                f"async.max_staleness={staleness} with actor.rollout_correction.rollout_is and rollout_rs null: the "
+                "policy gradient uses stale samples without importance weights or rejection (biased); set "
+                "rollout_is: token to correct it",
+                stacklevel=2,
+            )
 
     @property
     def disaggregated(self) -> bool:
@@ -414,11 +448,15 @@ class RLConfig:
     @property
     def reuses_update_log_probs(self) -> bool:
         """Whether the actor update computes the old log probs itself (`actor.old_log_prob: auto` with one optimizer
-        step per iteration and no KL in the reward): the policy has not moved since generation, so they are the
-        update's own log probs, detached."""
+        step per iteration, no KL in the reward and no rollout correction): the old log probs are the trainer's
+        current policy, which the update's own forward is until its single optimizer step, so they are that
+        forward's log probs, detached. That policy is not the rollout's when rollouts are stale
+        (`async.max_staleness`) or the engine's numerics differ: that gap is what `actor.rollout_correction` corrects,
+        on the controller before the advantages, so a correction needs the separate pass."""
         actor = self.actor
         single_step = actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= self.data.train_batch_size * self.rollout.n
-        return actor.old_log_prob == "auto" and single_step and not self.algorithm.use_kl_in_reward
+        no_correction = not actor.rollout_correction.enabled
+        return actor.old_log_prob == "auto" and single_step and not self.algorithm.use_kl_in_reward and no_correction
 
 
 def load_rl_config(source: str | Path | dict[str, Any] | None, overrides: Sequence[str] = ()) -> RLConfig:

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from hfjax.algos import compute_advantage, kl_penalty, masked_mean, masked_seq_mean
+from hfjax.algos import compute_advantage, kl_penalty, masked_mean, masked_seq_mean, rollout_correction
 from hfjax.config import RLConfig
-from hfjax.protocol import DataProto
+from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.trainer.timeline import Timeline
 from hfjax.workers.sequences import batch_agent_metrics, scores_to_token_level
 
@@ -48,7 +48,9 @@ PUBLIC_API = (
 
 
 def rollout_meta(cfg: RLConfig, step: int) -> dict[str, Any]:
-    """The sampling request of a step's rollout: `rollout.n` samples per prompt, seeded by the step."""
+    """The sampling request of a step's rollout: `rollout.n` samples per prompt, seeded by the step (sample s of
+    prompt p draws with the key of (seed, p, s); partial rollouts' continuations with the same seed and negative
+    request ids, `hfjax.workers.partial_rollout.continuation_request`)."""
     return {"n": cfg.rollout.n, "seed": cfg.rollout.seed + step}
 
 
@@ -87,6 +89,7 @@ class Step:
         self.lanes = group_names(cfg)
         self.metrics: dict[str, float] = {}
         self.reward_baselines: np.ndarray | None = None
+        self._corrected = False  # rollout correction applied (once per step, before the advantages)
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -233,6 +236,39 @@ class Step:
         self.metrics.update({"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta})
         return scores - beta * kl
 
+    def _correct_off_policy(self) -> None:
+        """verl's rollout correction (decoupled mode), once per step before the advantages: with the batch's
+        `old_log_probs` (pi_old) and `rollout_log_probs` (mu) and `actor.rollout_correction`, the importance weights
+        go to the batch as `rollout_is_weights` and the rejected tokens leave `response_mask` (so the advantages,
+        both updates and their token and sequence counts see only the kept ones); the `rollout_corr/*` metrics are
+        the whole batch's. Without old log probs (the update computes them: `RLConfig.reuses_update_log_probs`) the
+        actor logs the mismatch metrics instead."""
+        data, correction = self.batch.batch, self.cfg.actor.rollout_correction
+        if self._corrected or "rollout_log_probs" not in data:
+            return
+        if "old_log_probs" not in data:
+            if correction.enabled:
+                raise ValueError(
+                    "actor.rollout_correction needs the old log probs before the advantages: call "
+                    "step.old_log_prob() first"
+                )
+            return
+        weights, kept, metrics = rollout_correction(
+            data["old_log_probs"],
+            data["rollout_log_probs"],
+            data["response_mask"],
+            rollout_is=correction.rollout_is,
+            rollout_is_threshold=correction.rollout_is_threshold,
+            rollout_is_batch_normalize=correction.rollout_is_batch_normalize,
+            rollout_rs=correction.rollout_rs,
+            rollout_rs_threshold=correction.rollout_rs_threshold,
+        )
+        if weights is not None:
+            data["rollout_is_weights"] = np.asarray(weights, np.float32)
+        data["response_mask"] = np.asarray(kept).astype(data["response_mask"].dtype)
+        self.metrics.update({key: float(value) for key, value in metrics.items()})
+        self._corrected = True
+
     def _gae_or_rule(self, estimator: str, rewards: np.ndarray, values: np.ndarray | None) -> tuple[Any, Any]:
         algo, data = self.cfg.algorithm, self.batch
         advantages, returns = compute_advantage(
@@ -252,10 +288,13 @@ class Step:
         """`token_level_rewards` (the scores minus the KL penalty when `algorithm.use_kl_in_reward`), then
         `advantages` and `returns` by `estimator` (a registered name or `path/to/file.py:function`; None: the
         run's `algorithm.adv_estimator`, else the one of `algorithm.name`). The estimator gets `values` when the
-        batch has them and `reward_baselines` after `greedy_baseline`."""
+        batch has them and `reward_baselines` after `greedy_baseline`. Before it, the off-policy correction
+        (`actor.rollout_correction`, verl's) adds `rollout_is_weights` and drops rejected tokens from
+        `response_mask`."""
         with self.timed("adv"), self.on_lane("controller", "advantages"):
             rewards = self._rewards("token_level_scores")
             self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
+            self._correct_off_policy()
             values = self.batch.batch.get("values")
             adv, ret = self._gae_or_rule(estimator or self.cfg.algorithm.estimator, rewards, values)
         self.batch.batch["advantages"], self.batch.batch["returns"] = adv, ret
@@ -263,11 +302,12 @@ class Step:
     def safe_advantages(self) -> None:
         """Safe-RLHF: reward and cost advantages (the run's estimator, GAE by default, over `values` and
         `cost_values`); the actor follows `advantages` = (A_r - lambda * A_c) / (1 + lambda); also `returns` and
-        `cost_returns`."""
+        `cost_returns`. The off-policy correction runs first, as in `advantages`."""
         estimator = self.cfg.algorithm.estimator
         with self.timed("adv"), self.on_lane("controller", "advantages"):
             rewards = self._rewards("token_level_scores")
             self.batch.batch["token_level_rewards"] = rewards.astype(np.float32)
+            self._correct_off_policy()
             adv_r, ret_r = self._gae_or_rule(estimator, rewards, self.batch.batch["values"])
             costs = self.batch.batch["token_level_costs"]
             adv_c, ret_c = self._gae_or_rule(estimator, costs, self.batch.batch["cost_values"])
@@ -296,17 +336,21 @@ class Step:
 
     def update_actor(self, rows: np.ndarray | None = None) -> None:
         """PPO epochs of the policy on `advantages` with `actor.policy_loss` (after `trainer.critic_warmup` steps);
-        logs the `actor/` metrics. `rows` (a boolean mask over the batch) keeps the others out of the loss and its
-        token and sequence counts, while they stay in the batch and its metrics."""
+        logs the `actor/` metrics; `rollout_is_weights` (from the correction) weigh the token losses. `rows` (a
+        boolean mask over the batch) keeps the others out of the loss and its token and sequence counts, while they
+        stay in the batch and its metrics."""
         if self.step < self.cfg.trainer.critic_warmup:
             return
         keys = [*PROMPT_TENSORS, "responses", "response_mask", "advantages"]
         keys += [] if self.cfg.reuses_update_log_probs else ["old_log_probs"]
         keys += ["ref_log_prob"] if self.cfg.actor.use_kl_loss else []
-        keys += ["rollout_log_probs"] if "rollout_log_probs" in self.batch.batch else []  # off-policy correction
+        keys += ["rollout_is_weights"] if "rollout_is_weights" in self.batch.batch else []  # off-policy correction
+        if self.cfg.reuses_update_log_probs and "rollout_log_probs" in self.batch.batch:
+            keys.append("rollout_log_probs")  # the update measures the mismatch to its own log probs
         data = self.batch.select(batch_keys=keys)
         if rows is not None:
             data.batch["response_mask"] = data.batch["response_mask"] * np.asarray(rows, bool)[:, None]
+            data.batch[ROW_IN_LOSS] = np.asarray(rows, bool)
         with self.timed("update_actor"):
             _, metrics = self._call("actor", "update_actor", data)
         self.metrics.update(metrics)
