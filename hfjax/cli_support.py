@@ -67,8 +67,9 @@ def debugging(flag: bool) -> bool:
 
 
 def run_command(command: str, run: Callable[[], int], debug: bool) -> int:
-    """Runs a subcommand: returns its exit code, or prints `hfjax COMMAND: message` for hfjax's own errors (exit 2)
-    and for Ctrl-C (exit 130). With `debug`, errors propagate with their traceback."""
+    """Runs a subcommand: returns its exit code, or prints `hfjax COMMAND: message` for hfjax's own errors (exit 2),
+    for Ctrl-C (exit 130) and for a run stopped by SIGTERM (exit 143). With `debug`, errors propagate with their
+    traceback."""
     try:
         return run()
     except KeyboardInterrupt:
@@ -86,6 +87,11 @@ def run_command(command: str, run: Callable[[], int], debug: bool) -> int:
         print(message, file=sys.stderr)
         return EXIT_USER_ERROR
     except BaseException as exc:
+        from hfjax.trainer.preemption import EXIT_PREEMPTED, Preempted
+
+        if isinstance(exc, Preempted):  # SIGTERM: the run stopped as asked (not an error), its message says how
+            print(f"hfjax {command}: {exc}", file=sys.stderr)
+            return EXIT_PREEMPTED
         if debug or not isinstance(exc, user_errors()):
             raise
         print(f"hfjax {command}: {exc}", file=sys.stderr)

@@ -124,6 +124,8 @@ def test_over_long_prompts_per_truncation_mode(tokenizer, tmp_path, caplog):
     [
         ("prompt", [{"role": "user", "content": 5}], "field 'prompt[0].content': expected a string, got 5"),
         ("prompt", [], "field 'prompt': expected a non-empty list"),
+        ("prompt", "", "field 'prompt': expected a prompt with some text (every message's content is empty), got ''"),
+        ("prompt", [{"role": "system", "content": " "}, {"role": "user", "content": ""}], "some text"),
         ("prompt", [{"content": "hi"}], "field 'prompt[0].role': expected a non-empty string, got None"),
         ("data_source", None, "missing required field 'data_source'"),
         ("reward_model", "42", "field 'reward_model': expected a mapping, got '42'"),

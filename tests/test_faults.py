@@ -7,6 +7,7 @@ with each step logged once (JSONL and TensorBoard)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -20,7 +21,10 @@ import threading
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import psutil
 import pytest
 import safetensors.numpy
@@ -28,15 +32,17 @@ import yaml
 from rl_setup import build_run_inputs, deterministic, rl_config
 from tensorboardX.proto.event_pb2 import Event
 
+from hfjax.cli_support import user_errors
 from hfjax.config import load_rl_config
 from hfjax.controller import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
 from hfjax.controller.liveness import LivenessConfig, WorkerHungError
 from hfjax.controller.worker_group import WorkerDiedError
 from hfjax.trainer.health import RunStalledError
 from hfjax.trainer.launch import export_run, run_rl
+from hfjax.trainer.preemption import HARD_EXIT_MARGIN_S
 from hfjax.trainer.rl import RLTrainer
 from hfjax.training import read_metrics
-from hfjax.training.checkpoint import CheckpointError
+from hfjax.training.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError
 from hfjax.training.run_dir import RunDirLock, RunDirLockedError
 
 pytest_plugins = ["ray_cluster"]
@@ -238,6 +244,130 @@ def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tm
     assert steps == list(range(1, complete[-1] + 2))
 
 
+def _spans_of(run_dir: Path, step_index: int) -> list[dict]:
+    """The timeline's spans of step `step_index` (0-based) that have ended."""
+    path = run_dir / "timeline.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [span for line in lines if line.endswith("}") and (span := json.loads(line))["step"] == step_index]
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.slow)])
+def test_sigterm_mid_step_saves_that_step_and_the_resumed_run_equals_an_uninterrupted_one(inputs, tmp_path, backend):
+    run_dir, grace = tmp_path / "run", 20.0
+    trainer = {"total_steps": 50, "save_freq": 0, "backend": backend, "preemption_grace_s": grace}
+    config = rl_config(inputs, run_dir, "grpo", trainer=trainer)  # save_freq 0: only the preemption can save
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not _spans_of(run_dir, 1):  # a span of step 2 (index 1) ended: that step is under way
+            assert driver.poll() is None and time.monotonic() < deadline, "the run ended before the SIGTERM"
+            time.sleep(0.005)
+        driver.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = driver.communicate(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        driver.kill()
+        driver.wait()
+    assert driver.returncode == 143, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    saved = re.fullmatch(r"hfjax train: preempted \(SIGTERM\): step (\d+) saved; run the same command to resume", last)
+    assert saved, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert took < grace + HARD_EXIT_MARGIN_S
+    step = int(saved.group(1))
+    assert step == 2  # the step in flight when the signal came was finished and saved, not lost
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints" / "trainer").iterdir() if p.name.isdigit()) == [step]
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, step + 1))
+    local = {"backend": "local", "total_steps": step + 1}
+    resumed = run_rl(load_rl_config({**config, "trainer": {**config["trainer"], **local}}))
+    assert len(resumed) == 1
+    run_rl(load_rl_config(rl_config(inputs, tmp_path / "full", "grpo", trainer={**trainer, **local})))
+    _assert_same_steps(read_metrics(run_dir), read_metrics(tmp_path / "full"))
+
+
+# --- a checkpoint that cannot be written ---------------------------------------------------------------------------
+
+NO_SPACE = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+# what orbax re-raises when tensorstore's background write hits a full disk (seen on a full tmpfs)
+NO_SPACE_IN_BACKGROUND = ValueError(
+    'RESOURCE_EXHAUSTED: Error writing "w/0" in OCDBT database at local file "/ckpt/2.orbax-checkpoint-tmp/": '
+    "Failed to write 586055 bytes to file 4: No space left on device [os_error_code='28']"
+)
+
+
+@pytest.mark.parametrize("where", ["save", "background write"])
+def test_a_save_that_finds_the_disk_full_names_the_intact_step_and_it_restores(tmp_path, monkeypatch, where):
+    directory = tmp_path / "ckpt"
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=sharding)
+    manager = CheckpointManager(directory)
+    manager.save(1, {"w": jnp.arange(3.0)})
+    manager.wait()
+    if where == "save":
+        monkeypatch.setattr(ocp.CheckpointManager, "save", _raises(NO_SPACE))
+    else:  # the write starts, then fails in orbax's thread: the error comes back when the save is waited for
+
+        def write_fails_later(*args, **kwargs):
+            monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", _raises(NO_SPACE_IN_BACKGROUND))
+
+        monkeypatch.setattr(ocp.CheckpointManager, "save", write_fails_later)
+    with pytest.raises(CheckpointSaveError) as failed:
+        manager.save(2, {"w": jnp.arange(3.0) + 10})
+        manager.wait()
+    assert str(failed.value) == (
+        f"{directory}: writing step 2 failed (No space left on device, errno 28); the steps before it (1) are intact"
+    )
+    assert failed.value.step == 2
+    monkeypatch.undo()
+    with CheckpointManager(directory) as fresh:  # as a resumed run sees it
+        step, items, _ = fresh.restore(None, {"w": target})
+    assert step == 1 and items["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+def _raises(error: Exception):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+def test_a_run_whose_checkpoint_finds_the_disk_full_stops_in_one_line_and_resumes_from_the_step_before(
+    inputs, tmp_path, monkeypatch
+):
+    run_dir = tmp_path / "run"
+    config = rl_config(inputs, run_dir, "grpo", trainer={"total_steps": 3, "save_freq": 1})
+    save = ocp.CheckpointManager.save
+
+    def disk_full_at_step_2(self, step, *args, **kwargs):
+        if step == 2:
+            raise NO_SPACE
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", disk_full_at_step_2)
+    with pytest.raises(CheckpointSaveError) as failed:
+        run_rl(load_rl_config(config))
+    message = str(failed.value)
+    assert "\n" not in message and isinstance(failed.value, user_errors())  # the CLI prints it as one line, rc 2
+    assert message == (
+        f"checkpoint of step 2 not saved: {run_dir / 'checkpoints' / 'actor'}: writing step 2 failed (No space left "
+        "on device, errno 28); the steps before it (1) are intact; step 1 is the last complete checkpoint, and a "
+        f"resumed run continues from it: free space (or fix the permissions) under {run_dir / 'checkpoints'}, then "
+        "run the same command"
+    )
+    monkeypatch.undo()
+    resumed = run_rl(load_rl_config({**config, "trainer": {**config["trainer"], "total_steps": 2}}))
+    assert len(resumed) == 1  # step 2 redone from step 1
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+
+
 # --- runs that cannot learn ----------------------------------------------------------------------------------------
 
 
@@ -277,6 +407,7 @@ def test_local_ray_listens_on_loopback_only_prefixes_worker_output_and_removes_i
     temp = Path(tempfile.mkdtemp(prefix="hfx"))  # short: Ray's socket paths must fit in 107 bytes
     script = f"""
 import json, tempfile, time, psutil, ray
+from hfjax.cli_support import user_errors
 from hfjax.config import load_rl_config
 from hfjax.controller import RayWorkerGroup, ResourcePool
 from hfjax.trainer.launch import ray_session

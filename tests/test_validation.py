@@ -5,6 +5,7 @@ naming the field and what was expected. Tiny local checkpoints only; nothing is 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from hfjax.data.records import DataError, read_rows, write_rows
 from hfjax.protocol import DataProto
 from hfjax.quickstart import QuickstartConfig, run_quickstart
 from hfjax.rewards import RewardError, load_reward_function
+from hfjax.trainer import preflight
 from hfjax.trainer.preflight import check_rl_run
 from hfjax.trainer.sft import SFTConfig
 from hfjax.trainer.supervised import check_supervised_run
@@ -290,3 +292,41 @@ def test_rows_without_ground_truth_fail_before_the_run(inputs, tmp_path):
 def test_a_valid_run_passes_the_preflight(inputs, tmp_path):
     for algorithm in ("grpo", "ppo"):
         check_rl_run(load_rl_config(rl_config(inputs, tmp_path, algorithm)))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer.devices_per_host=512", "trainer.backend=ray"],
+            r"trainer.devices_per_host=512: the default actor.train_layout mesh\(fsdp=512\) cannot shard \d+ "
+            r"parameters of the model at .*: dimension \d \('embed'\) of shape \(\d+, 32\) is not divisible",
+        ),
+        (
+            ["trainer.placement=standalone"],
+            r"trainer.placement=standalone: runs 2 worker groups \(\[\['actor'\], \['critic'\]\]\) on separate "
+            r"devices, which needs trainer.backend=ray",
+        ),
+        (["data.train_batch_size=33"], r"data.train_batch_size=33: expected at most the 32 rows of data.train_files"),
+    ],
+)
+def test_device_placement_and_batch_errors_name_the_field_before_ray_starts(
+    inputs, tmp_path, capsys, overrides, message
+):
+    """One `hfjax train` line with exit code 2, from the preflight (the 32-row dataset, the 32-wide tiny model)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(rl_config(inputs, tmp_path / "run", "ppo")))
+    assert main(["train", str(config), *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"hfjax train: {message}.*", err[-1]), err[-1]
+    assert not (tmp_path / "run").exists()  # nothing started: no run directory, no Ray
+
+
+def test_an_accelerator_this_machine_lacks_is_named(inputs, tmp_path, monkeypatch):
+    cfg = load_rl_config(rl_config(inputs, tmp_path, "grpo"), ["trainer.device=gpu", "trainer.backend=ray"])
+    monkeypatch.setattr(preflight, "local_accelerator", lambda device: False)  # as on a machine without GPUs
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"^trainer.device=gpu: this machine has no GPU \(no /dev/nvidia\* or"):
+        check_rl_run(cfg)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster's GPUs are checked when it is joined
+    check_rl_run(cfg)

@@ -60,8 +60,12 @@ def parse_prompt_row(ref: RowRef, row: dict[str, Any]) -> dict[str, Any]:
     """The checked fields of one prompt row (see the module docstring for the schema)."""
     reward_model = parse_mapping(row.get("reward_model"), ref, "reward_model")
     ability = row.get("ability")
+    prompt = require(row, ref, "prompt")
+    messages = parse_messages(prompt, ref, "prompt")
+    if not any(message["content"].strip() for message in messages):  # the model would answer nothing in particular
+        raise ref.error("prompt", "a prompt with some text (every message's content is empty)", prompt)
     return {
-        "messages": parse_messages(require(row, ref, "prompt"), ref, "prompt"),
+        "messages": messages,
         "data_source": parse_str(require(row, ref, "data_source"), ref, "data_source"),
         "ability": None if ability is None else parse_str(ability, ref, "ability"),
         "ground_truth": reward_model.get("ground_truth"),

@@ -18,6 +18,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
+
 from hfjax.config import RLConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, read_rows
@@ -26,7 +28,7 @@ from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.mapping.cost import CostOptions, InfeasibleError, Prediction
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
-from hfjax.parallel.layout import LayoutError
+from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
 from hfjax.rewards import SCORERS, RewardError, load_reward_function
 from hfjax.trainer.automap_run import predict_run
 from hfjax.typed_config import ConfigError
@@ -133,20 +135,91 @@ def check_rl_run(cfg: RLConfig) -> None:
         except RewardError as exc:
             raise ConfigError(f"reward.function: {exc}") from exc
     needs_truth = cfg.reward.use_rule and cfg.reward.function is None
-    check_prompt_files(cfg.data.train_files, "data.train_files", needs_truth, required=True)
+    rows = check_prompt_files(cfg.data.train_files, "data.train_files", needs_truth, required=True)
+    if rows < cfg.data.train_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size}: expected at most the {rows} rows of data.train_files"
+        )
     check_prompt_files(cfg.data.val_files, "data.val_files", needs_truth, required=False)
+    check_placement(cfg)
+    check_train_layouts(cfg)
     check_memory(cfg, next(iter(models.values())))
 
 
-def check_prompt_files(files: Sequence[str], field: str, needs_truth: bool, required: bool) -> None:
+def check_placement(cfg: RLConfig) -> None:
+    """`backend: local` runs one worker group, and a `trainer.device` accelerator exists where this machine's own Ray
+    (or this process) will look for it."""
+    trainer, groups = cfg.trainer, cfg.worker_groups()
+    if trainer.backend == "local" and len(groups) > 1:
+        raise ConfigError(
+            f"trainer.placement={trainer.placement}: runs {len(groups)} worker groups ({groups}) on separate devices, "
+            "which needs trainer.backend=ray; use trainer.placement=colocate with trainer.backend=local"
+        )
+    joins_a_cluster = trainer.backend == "ray" and (trainer.ray_address or os.environ.get("RAY_ADDRESS"))
+    if trainer.device in ("gpu", "tpu") and not joins_a_cluster and not local_accelerator(trainer.device):
+        raise ConfigError(
+            f"trainer.device={trainer.device}: this machine has no {trainer.device.upper()} "
+            f"(no {ACCELERATOR_FILES[trainer.device]}); "
+            "use trainer.device=auto or cpu, or join a cluster that has them (trainer.ray_address)"
+        )
+
+
+ACCELERATOR_FILES = {"gpu": "/dev/nvidia* or /dev/kfd", "tpu": "/dev/accel* or /dev/vfio/*"}
+
+
+def local_accelerator(device: str) -> bool:
+    """Whether this machine shows devices of kind `device` (gpu: NVIDIA or AMD device files; tpu: TPU VM ones)."""
+    patterns = {"gpu": ("nvidia[0-9]*", "kfd"), "tpu": ("accel[0-9]*", "vfio/[0-9]*")}[device]
+    return any(next(Path("/dev").glob(pattern), None) is not None for pattern in patterns)
+
+
+def check_train_layouts(cfg: RLConfig) -> None:
+    """Every parameter of the actor (and critic) divides over the mesh axes of its training layout: the configured
+    one, or the default fsdp over the group's devices (`trainer.hosts` x the group's share of
+    `trainer.devices_per_host`); abstract shapes only."""
+    from flax import nnx
+
+    from hfjax.models.hf import abstract_model
+
+    hosts, per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))
+    default = {"mesh": {"fsdp": hosts * per_host}, "rules": "fsdp"}
+    roles = [("actor.train_layout", cfg.actor.train_layout, cfg.actor.model_path, "causal_lm")]
+    if cfg.uses_critic:
+        roles.append(("critic.layout", cfg.critic.layout, cfg.critic.model_path, "token_cls"))
+    for field, config, path, head in roles:
+        layout = Layout.from_config(config if config is not None else default, field)
+        model = dataclasses.replace(read_config(path)[0], num_labels=1)  # a critic's head has one output
+        params = nnx.state(abstract_model(model, head), nnx.Param)
+        problems = []
+        for key, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_param_leaf):
+            axes = leaf.get_metadata().get("logical_axes") or (None,) * len(leaf.shape)
+            try:
+                layout.spec(axes, leaf.shape, jax.tree_util.keystr(key, simple=True, separator="."))
+            except LayoutError as exc:
+                problems.append(str(exc))
+        if not problems:
+            continue
+        where = (
+            f"{field} {layout.describe()}"
+            if config is not None
+            else f"trainer.devices_per_host={cfg.trainer.devices_per_host}: the default {field} {layout.describe()}"
+        )
+        raise ConfigError(
+            f"{where} cannot shard {len(problems)} parameters of the model at {path} (e.g. {problems[0]}); "
+            f"choose a number of devices that divides them, or give {field} a mesh that does"
+        )
+
+
+def check_prompt_files(files: Sequence[str], field: str, needs_truth: bool, required: bool) -> int:
     """The prompt files exist and every row parses; with `needs_truth` (the built-in rule rewards), every row's
-    `data_source` has a scorer and its `reward_model.ground_truth` is set."""
+    `data_source` has a scorer and its `reward_model.ground_truth` is set. Returns the number of rows."""
     if required and not files:
         raise ConfigError(f"{field}: expected at least one parquet or JSONL file, got []")
     for i, file in enumerate(files):
         if not Path(file).is_file():
             raise ConfigError(f"{field}[{i}]: no such file {file!r}")
-    for ref, row in read_rows(files):
+    rows = read_rows(files)
+    for ref, row in rows:
         fields = parse_prompt_row(ref, row)
         if not needs_truth:
             continue
@@ -157,6 +230,7 @@ def check_prompt_files(files: Sequence[str], field: str, needs_truth: bool, requ
                 f"{ref}: missing field 'reward_model.ground_truth', which the rule reward of data_source "
                 f"{fields['data_source']!r} scores against (or give reward.function, or set reward.use_rule=false)"
             )
+    return len(rows)
 
 
 def with_default_gen_layout(cfg: RLConfig) -> RLConfig:

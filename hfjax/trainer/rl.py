@@ -21,17 +21,21 @@ from tqdm.auto import tqdm
 
 from hfjax.algos import make_kl_controller
 from hfjax.config import RLConfig
+from hfjax.controller.liveness import WorkerHungError
+from hfjax.controller.worker_group import WorkerDiedError, WorkerError
 from hfjax.data import BatchLoader, PromptDataset
+from hfjax.data.records import DataError
 from hfjax.models import load_tokenizer
 from hfjax.protocol import DataProto
 from hfjax.trainer.health import RunHealth
 from hfjax.trainer.placement import spawn_roles
+from hfjax.trainer.preemption import Preempted, SigtermGuard, StepAbandoned, abandoned_message, saved_message
 from hfjax.trainer.programs import program_for
 from hfjax.trainer.rl_metrics import data_metrics
 from hfjax.trainer.rollout_stream import RolloutStream
 from hfjax.trainer.step import Step, group_names
 from hfjax.trainer.timeline import Timeline, truncate
-from hfjax.training.checkpoint import CheckpointError, CheckpointManager, UnreadableStepError
+from hfjax.training.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError, UnreadableStepError
 from hfjax.training.metrics import MetricsLogger
 from hfjax.training.run_dir import RunDirLock, save_run_config
 from hfjax.typed_config import ConfigError, to_dict
@@ -44,6 +48,17 @@ TIMELINE_FILE = "timeline.jsonl"  # what ran when on which worker group (`hfjax 
 
 def _as_proto(batch: Any) -> DataProto:
     return DataProto.from_dict(batch.tensors, batch.non_tensors)
+
+
+def _save_failure(error: BaseException) -> str | None:
+    """What a `CheckpointSaveError` says, raised here or by a worker (which the worker group reports as a
+    `WorkerError` carrying the worker's traceback, whose last such line is the error); None for other errors."""
+    if isinstance(error, CheckpointSaveError):
+        return str(error)
+    if isinstance(error, (WorkerDiedError, WorkerHungError)):
+        return None
+    lines = [line for line in str(error).splitlines() if f"{CheckpointSaveError.__name__}: " in line]
+    return lines[-1].split(f"{CheckpointSaveError.__name__}: ", 1)[1] if lines else None
 
 
 class RLTrainer:
@@ -69,6 +84,11 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         options = {"max_prompt_length": data.max_prompt_length, "truncation": data.truncation}
         self.train_data = PromptDataset(data.train_files, self.tokenizer, **options)
+        if len(self.train_data) < data.train_batch_size:
+            raise DataError(
+                f"data.train_batch_size={data.train_batch_size}: expected at most the {len(self.train_data)} prompts "
+                f"of data.train_files ({self.train_data.num_filtered} longer than data.max_prompt_length filtered)"
+            )
         self.loader = BatchLoader(self.train_data, data.train_batch_size, seed=data.seed, shuffle=data.shuffle)
         self.val_data = PromptDataset(data.val_files, self.tokenizer, **options) if data.val_files else None
         reward = cfg.reward
@@ -95,6 +115,8 @@ class RLTrainer:
         self.loader_states: dict[int, dict[str, Any]] = {}  # before the prompts of each step were taken
         self.health = RunHealth(cfg.trainer.health)
         self.step = 0
+        self.saved_step: int | None = None  # the newest complete checkpoint
+        self.step_in_flight = 1
 
     # ------------------------------------------------------------------------------------------------ rewards
     def sequence_scores(self, data: DataProto) -> np.ndarray:
@@ -122,7 +144,17 @@ class RLTrainer:
         return next(batches)
 
     def fit(self) -> list[dict[str, float]]:
-        """Runs the remaining steps up to `trainer.total_steps`; returns the logged metrics of each step."""
+        """Runs the remaining steps up to `trainer.total_steps`; returns the logged metrics of each step. On SIGTERM
+        it saves the step in flight once finished and raises `Preempted` (`hfjax.trainer.preemption`)."""
+        self.saved_step = self.state_checkpoints.latest_step()
+        self.step_in_flight = self.step + 1
+        with SigtermGuard(self.cfg.trainer.preemption_grace_s) as sigterm:
+            try:
+                return self._fit(sigterm)
+            except StepAbandoned as abandoned:
+                raise Preempted(abandoned_message(abandoned, self.step_in_flight, self.saved_step)) from None
+
+    def _fit(self, sigterm: SigtermGuard) -> list[dict[str, float]]:
         trainer = self.cfg.trainer
         if trainer.resume == "auto":
             self.resume()
@@ -138,6 +170,9 @@ class RLTrainer:
             stream.sync(self.step)
         bar = tqdm(range(self.step, trainer.total_steps), desc="rl", unit="step", disable=not trainer.progress)
         for step in bar:
+            if sigterm.requested:
+                raise Preempted(self._save_on_preemption())
+            self.step_in_flight = step + 1
             started, started_at = time.perf_counter(), self.timeline.now()
             self.reward_errors = 0
             if stream is None:
@@ -176,6 +211,12 @@ class RLTrainer:
         if stream is not None:
             stream.drain()
         return history
+
+    def _save_on_preemption(self) -> str:
+        """Saves the last finished step unless `save_freq` just did; returns what `Preempted` says."""
+        if self.step and self.saved_step != self.step:
+            self.save()
+        return saved_message(self.step)
 
     def _metrics_logger(self) -> MetricsLogger:
         """The `trainer.logger` destinations; records after the restored step, from an interrupted run, are dropped
@@ -221,7 +262,26 @@ class RLTrainer:
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def save(self) -> None:
-        """Saves every trained role's state, then the trainer's record, which marks the step complete."""
+        """Saves every trained role's state, then the trainer's record, which marks the step complete. A write that
+        fails (no space left, no permission) stops the run with a `CheckpointSaveError` naming the step kept."""
+        try:
+            self._save_step()
+        except (CheckpointSaveError, WorkerError) as e:
+            failure = _save_failure(e)
+            if failure is None:
+                raise
+            kept = (
+                f"step {self.saved_step} is the last complete checkpoint, and a resumed run continues from it"
+                if self.saved_step
+                else "no step was saved before it"
+            )
+            raise CheckpointSaveError(
+                f"checkpoint of step {self.step} not saved: {failure}; {kept}: free space (or fix the permissions) "
+                f"under {self.checkpoint_dir}, then run the same command",
+                self.step,
+            ) from None
+
+    def _save_step(self) -> None:
         keep = self.cfg.trainer.max_to_keep
         for name in self.trained_roles():
             self.roles[name].save_checkpoint(str(self.checkpoint_dir / name), self.step, keep)
@@ -234,6 +294,7 @@ class RLTrainer:
         }
         self.state_checkpoints.save(self.step, {}, state)
         self.state_checkpoints.wait()
+        self.saved_step = self.step
 
     def trained_roles(self) -> list[str]:
         return [name for name in TRAINED_ROLES if name in self.roles]
@@ -274,7 +335,7 @@ class RLTrainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.lagrange = float(state["lagrange"])
-        self.step = step
+        self.step = self.saved_step = step
         truncate(self.run_dir / TIMELINE_FILE, step - 1)
         log.info("resumed %s from step %d", self.run_dir, step)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from hfjax.data import BatchLoader
 from hfjax.hub import resolve_model
 from hfjax.models import load_hf, load_tokenizer, save_hf
 from hfjax.parallel import Layout, layout_or_default
+from hfjax.trainer.preemption import Preempted, SigtermGuard, StepAbandoned, abandoned_message, saved_message
 from hfjax.trainer.preflight import check_positions, model_config
 from hfjax.training import CheckpointManager, MetricsLogger, OptimConfig, TrainState, make_optimizer
 from hfjax.training.run_dir import RunDirLock, save_run_config
@@ -96,6 +98,9 @@ class TrainerSection:
     export_hf: bool = True
     progress: bool = True
     plot: bool = True  # draw `hfjax plot`'s PNGs into run_dir/plots at the end
+    # on SIGTERM (one process only): seconds to finish and save the step in flight before abandoning it (0: abandon
+    # at once; the previous checkpoint is kept either way); the run then exits with code 143
+    preemption_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_fields(
@@ -108,6 +113,7 @@ class TrainerSection:
             val_freq=ZERO_AT_END,
             total_steps=(lambda v: v is None or v >= 1, ">= 1 or null"),
             seed=NON_NEGATIVE,
+            preemption_grace_s=(lambda v: 0 <= v < math.inf, "seconds >= 0"),
         )
 
 
@@ -281,31 +287,53 @@ def _train(
     logger: MetricsLogger,
     total_steps: int,
 ) -> dict[str, float]:
+    """The steps up to `total_steps`; on SIGTERM (one process only: several would have to agree on the step) the
+    step in flight is finished and saved, then `Preempted` is raised (`hfjax.trainer.preemption`)."""
     trainer, data = cfg.trainer, cfg.data
     batches = _batches(loader)
     last: dict[str, float] = {}
+    saved = manager.latest_step()
     show = trainer.progress and jax.process_index() == 0
-    with tqdm(total=total_steps, initial=state.step, desc=objective.name, unit="step", disable=not show) as bar:
-        while state.step < total_steps:
-            started = time.perf_counter()
-            tensors = dict(next(batches).tensors)
-            tensors.update(objective.normalisers(tensors))
-            metrics = state.update(objective.loss_fn, split_rows(tensors, data.micro_batch_size))
-            seconds = time.perf_counter() - started
-            step, final = state.step, state.step == total_steps
-            last = {f"train/{key}": value for key, value in metrics.items()}
-            last["train/epoch"] = loader.epoch + loader.batch / len(loader)
-            last["timing_s/step"] = seconds
-            last["perf/tokens_per_s"] = objective.tokens(tensors) / seconds
-            if val_set is not None and ((trainer.val_freq and step % trainer.val_freq == 0) or final):
-                last.update(evaluate(state, objective, val_set, data.micro_batch_size))
-            if step % trainer.log_freq == 0 or final:
-                logger.log(step, last)
-            if (trainer.save_freq and step % trainer.save_freq == 0) or final:
-                extra = {"counters": state.counters(), "data": loader.state_dict(), "config": to_dict(cfg)}
-                manager.save(step, state.items(), extra)
-            bar.update(1)
-            bar.set_postfix(loss=f"{last['train/loss']:.4g}")
+
+    def save() -> None:
+        nonlocal saved
+        extra = {"counters": state.counters(), "data": loader.state_dict(), "config": to_dict(cfg)}
+        manager.save(state.step, state.items(), extra)
+        saved = state.step
+
+    sigterm = SigtermGuard(trainer.preemption_grace_s, enabled=jax.process_count() == 1)
+    with (
+        sigterm,
+        tqdm(total=total_steps, initial=state.step, desc=objective.name, unit="step", disable=not show) as bar,
+    ):
+        in_flight = state.step + 1
+        try:
+            while state.step < total_steps:
+                if sigterm.requested:
+                    if state.step and saved != state.step:
+                        save()
+                    manager.wait()
+                    raise Preempted(saved_message(state.step))
+                started, in_flight = time.perf_counter(), state.step + 1
+                tensors = dict(next(batches).tensors)
+                tensors.update(objective.normalisers(tensors))
+                metrics = state.update(objective.loss_fn, split_rows(tensors, data.micro_batch_size))
+                seconds = time.perf_counter() - started
+                step, final = state.step, state.step == total_steps
+                last = {f"train/{key}": value for key, value in metrics.items()}
+                last["train/epoch"] = loader.epoch + loader.batch / len(loader)
+                last["timing_s/step"] = seconds
+                last["perf/tokens_per_s"] = objective.tokens(tensors) / seconds
+                if val_set is not None and ((trainer.val_freq and step % trainer.val_freq == 0) or final):
+                    last.update(evaluate(state, objective, val_set, data.micro_batch_size))
+                if step % trainer.log_freq == 0 or final:
+                    logger.log(step, last)
+                if (trainer.save_freq and step % trainer.save_freq == 0) or final:
+                    save()
+                bar.update(1)
+                bar.set_postfix(loss=f"{last['train/loss']:.4g}")
+        except StepAbandoned as abandoned:
+            raise Preempted(abandoned_message(abandoned, in_flight, saved)) from None
     return last
 
 

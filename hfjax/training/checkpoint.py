@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,15 @@ RECORD = "record"  # the JSON item: {"extra": ..., "keys": {item: [leaf key, ...
 
 class CheckpointError(RuntimeError):
     """No readable checkpoint, or one that does not match what is restored into it."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a step failed (no space left on the device, no permission): the steps committed before it are intact
+    (a step is renamed into place only once complete). One line; `step` names the step that failed."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 class UnreadableStepError(CheckpointError):
@@ -74,6 +85,7 @@ class CheckpointManager:
             max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True, enable_async_checkpointing=async_save
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving: int | None = None  # the step of the latest save started
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -104,11 +116,35 @@ class CheckpointManager:
         except (TypeError, ValueError) as e:
             raise ValueError(f"CheckpointManager.save: extra must be JSON-serialisable ({e})") from e
         args[RECORD] = ocp.args.JsonSave(record)
-        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        self._saving = step
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        except OSError as e:
+            raise self._save_failed(e) from e
 
     def wait(self) -> None:
-        """Blocks until in-flight saves are committed."""
-        self._manager.wait_until_finished()
+        """Blocks until in-flight saves are committed. A save that failed in the background (tensorstore reports a
+        full disk as `ValueError: RESOURCE_EXHAUSTED ... [os_error_code='28']`) raises `CheckpointSaveError`."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(e) from e
+
+    def _save_failed(self, error: Exception) -> CheckpointSaveError:
+        step = self._saving
+        intact = [s for s in self._committed_steps() if s != step]
+        kept = (
+            f"the steps before it ({', '.join(map(str, intact))}) are intact"
+            if intact
+            else "no step was saved before it"
+        )
+        return CheckpointSaveError(f"{self.directory}: writing step {step} failed ({_os_reason(error)}); {kept}", step)
+
+    def _committed_steps(self) -> list[int]:
+        """The step directories on disk (a failed save leaves only a temporary directory, which is not one)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
 
     def restore(self, step: int | None, targets: Mapping[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]]:
         """`(step, items, extra)`: each target (a pytree of `jax.ShapeDtypeStruct` with `sharding`) filled from
@@ -220,6 +256,18 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _os_reason(error: Exception) -> str:
+    """The operating system's reason for `error` ("No space left on device") when it names one, else its type and
+    first line."""
+    code = getattr(error, "errno", None)
+    if code is None:
+        found = re.search(r"os_error_code='?(\d+)", str(error))
+        code = int(found.group(1)) if found else None
+    if code:
+        return f"{os.strerror(code)}, errno {code}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
 
 
 class _Mismatch(ValueError):
