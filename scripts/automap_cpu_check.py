@@ -13,7 +13,8 @@ profile rank real PPO iterations of a small local model the way they measure, an
    rho >= 0.8 and chosen <= 1.15 x best.
 Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/automap_cpu_check.py`): concurrent load
 changes both the calibration and the measurements. Usage:
-    python scripts/automap_cpu_check.py [--mappings 7] [--steps 7] [--out runs/bench/automap_cpu.json]
+    python scripts/automap_cpu_check.py [--mappings 7] [--steps 7] [--out runs/bench/automap_cpu.json] [--tiny]
+`--tiny` runs 2 mappings of a tiny model for 2 iterations each and reports without the pass/fail check.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hfjax-automap-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
-from bench_common import report  # noqa: E402
+from bench_common import parse_args, report  # noqa: E402
 
 # Trainer timings (`timing_s/<name>`) per stage of the cost model.
 STAGE_TIMINGS = {
@@ -146,7 +147,9 @@ def main() -> int:
     parser.add_argument("--predict-only", action="store_true", help="print the predicted ranking, run nothing")
     parser.add_argument("--work-dir", type=Path, help="inputs, mapped configs and runs (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "automap_cpu.json")
-    args = parser.parse_args()
+    tiny = {"mappings": 2, "steps": 2, "warmup": 1, "prompts": 4, "prompt_len": 16, "response_len": 4}
+    tiny |= {"hidden": 32, "mlp": 64, "layers": 1, "heads": 2, "calibration_s": 0.2}
+    args = parse_args(parser, tiny=tiny)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="hfjax-automap-cpu-"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -242,7 +245,7 @@ def main() -> int:
             "args": {k: str(v) for k, v in vars(args).items()},
         },
     )
-    return 0 if ok else 1
+    return 0 if ok or args.tiny else 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ A100-80GB profile on 8-128 GPUs, checked against the paper's placement findings:
 The built-in A100 profile has the DGX A100 network (one 200 Gb/s NIC per GPU). Placement choices depend mostly
 on that inter-host bandwidth, so the search runs once per `--inter-host-gbps` value (per GPU, each way); 25 Gb/s
 per GPU is a 200 Gb/s network shared by a host's 8 GPUs. Usage:
-    python scripts/automap_paper_check.py [--inter-host-gbps 200 50 25] [--out runs/automap/paper_check.json]
+    python scripts/automap_paper_check.py [--inter-host-gbps 200 50 25] [--out runs/automap/paper_check.json] [--tiny]
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import parse_args
 
 from hfjax.mapping import ClusterSpec, CostModel, MappingSearch, Workload, dataflow, role_shapes
 
@@ -81,15 +85,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inter-host-gbps", type=float, nargs="+", default=[200.0, 50.0, 25.0])
     parser.add_argument("--out", type=Path, help="write every cell as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument("--gpus", type=int, nargs="+", default=list(GPUS))
+    args = parse_args(parser, tiny={"inter_host_gbps": [200.0], "sizes": ["llama2-7b"], "gpus": [8, 16]})
     console = Console(width=200)
     cells = []
     for gbps in args.inter_host_gbps:
         table = Table(title=f"PPO on A100-80GB, inter-host {gbps:g} Gb/s per GPU: best mapping per size and GPU count")
         for col in ("model", "GPUs", "best", "placement (devices)", "iteration s", "colocate s", "split s", "paper"):
             table.add_column(col)
-        for size in SIZES:
-            for gpus in GPUS:
+        for size in args.sizes:
+            for gpus in args.gpus:
                 cell = run_cell(size, gpus, gbps)
                 cell["verdict"] = verdict(cell)
                 cells.append(cell)

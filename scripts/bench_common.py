@@ -2,24 +2,64 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+TINY_HELP = "CI smoke run: the same code path end to end at tiny shapes (tiny model, few steps and tokens)"
+REFERENCE_CKPT_DIRS = {False: "hfjax-reference-ckpt", True: "hfjax-reference-ckpt-tiny"}
+
+
+def parse_args(parser: argparse.ArgumentParser, tiny: dict[str, Any]) -> argparse.Namespace:
+    """Parses the command line with a `--tiny` flag added; with it, `tiny`'s values replace the parser's defaults
+    (options given on the command line still win)."""
+    unknown = sorted(set(tiny) - {action.dest for action in parser._actions})
+    if unknown:
+        raise ValueError(f"tiny defaults {unknown}: {parser.prog} has no such options")
+    parser.add_argument("--tiny", action="store_true", help=TINY_HELP)
+    args = parser.parse_args()
+    if args.tiny:
+        parser.set_defaults(**tiny)
+        args = parser.parse_args()
+    return args
+
 
 def reference_checkpoint(out_dir: Path, tiny: bool = False) -> Path:
     """Builds (once) the benchmark reference checkpoint with `scripts/make_reference_ckpt.py`; returns its
-    directory."""
+    directory. Built beside `out_dir` and renamed into place, so concurrent callers never see a partial one."""
     if (out_dir / "config.json").is_file():
         return out_dir
     from make_reference_ckpt import build
 
-    return build(out_dir, tiny=tiny)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}-", dir=out_dir.parent))
+    build(staging, tiny=tiny)
+    try:
+        staging.rename(out_dir)
+    except OSError:  # another process finished first
+        shutil.rmtree(staging)
+    return out_dir
+
+
+def default_checkpoint(ckpt: Path | None, tiny: bool) -> Path:
+    """`ckpt`, or the shared reference checkpoint (`tiny`: its 2-layer variant), built once under the temp dir."""
+    if ckpt is not None:
+        return ckpt
+    return reference_checkpoint(Path(tempfile.gettempdir()) / REFERENCE_CKPT_DIRS[tiny], tiny)
+
+
+def workload_dir(args: argparse.Namespace) -> Path:
+    """Where a benchmark writes the shared GRPO workload (`scripts/peers/workload.py`): `runs/peers`, or beside its
+    output with `--tiny` (so a smoke run never replaces the standard prompts)."""
+    return args.out.parent if args.tiny else Path(__file__).resolve().parent.parent / "runs" / "peers"
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> dict[str, float]:

@@ -3,7 +3,7 @@ the throughput of a 64 MB DataProto sent to 2 workers and back, beside plain Ray
 per-worker halves and return them (the controller concatenating the results in both cases). Also the controller's
 peak Python/numpy allocation during one call (tracemalloc): the concatenated result is the one copy either path
 makes on the controller. Usage:
-    python scripts/bench_controller.py [--mb 64] [--repeats 20] [--out runs/bench/controller.json]
+    python scripts/bench_controller.py [--mb 64] [--repeats 20] [--out runs/bench/controller.json] [--tiny]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import interleaved_medians, report
+from bench_common import interleaved_medians, parse_args, report
 
 from hfjax.controller import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
 from hfjax.protocol import DataProto
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=64.0, help="DataProto size for the throughput case")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/controller.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, tiny={"mb": 1.0, "repeats": 2})
     with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as temp_dir:  # short: Ray's socket paths are limited
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
         try:

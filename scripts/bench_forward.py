@@ -1,7 +1,7 @@
 """Jitted forward throughput of hfjax vs transformers (PyTorch CPU) on the reference checkpoint, same process.
 
 Workload: batch 8 x 256 tokens, float32, after warm-up, median of repeats. Usage:
-    python scripts/bench_forward.py [--ckpt DIR] [--repeats 10] [--out runs/bench/forward.json]
+    python scripts/bench_forward.py [--ckpt DIR] [--repeats 10] [--out runs/bench/forward.json] [--tiny]
 """
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import interleaved_medians, reference_checkpoint, report
+from bench_common import default_checkpoint, interleaved_medians, parse_args, report
 
 
 def main() -> None:
@@ -23,8 +22,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/forward.json"))
-    args = parser.parse_args()
-    ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
+    args = parse_args(parser, tiny={"batch": 2, "length": 16, "repeats": 1})
+    ckpt = default_checkpoint(args.ckpt, args.tiny)
 
     import jax
     import numpy as np

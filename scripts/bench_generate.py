@@ -7,19 +7,18 @@ memory, the bytes it must read (every weight but the embedding table, plus the K
 the memory bandwidth measured here (a large numpy copy); compute, its FLOPs (2 per weight and token, plus attention
 over the mean cache length) / the rate of a jitted fp32 matmul of the decode step's MLP shape, compiled as the engine
 compiles. The step's floor is the larger. Usage:
-    python scripts/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json]
+    python scripts/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import copy_times, interleaved_medians, reference_checkpoint, report
+from bench_common import copy_times, default_checkpoint, interleaved_medians, parse_args, report
 
 
 def memory_bandwidth(n_bytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -57,8 +56,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus filter of the sampled runs (both systems)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/generate.json"))
-    args = parser.parse_args()
-    ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
+    parser.add_argument("--probe-mib", type=int, default=256, help="size of the memory bandwidth probe")
+    parser.add_argument("--matmul-s", type=float, default=1.0, help="seconds the matmul rate probe runs")
+    args = parse_args(parser, tiny={"prompts": 4, "new_tokens": 8, "repeats": 1, "probe_mib": 8, "matmul_s": 0.1})
+    ckpt = default_checkpoint(args.ckpt, args.tiny)
 
     import jax
     import numpy as np
@@ -122,7 +123,7 @@ def main() -> None:
     tokens = args.prompts * args.new_tokens
 
     # Decode-step floor: weights read (no embedding table) + mean KV cache read, over measured bandwidth.
-    bandwidth = memory_bandwidth()
+    bandwidth = memory_bandwidth(args.probe_mib << 20)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - cfg.padded_vocab_size * cfg.hidden_size * 4
     mean_cache_len = float(np.mean(lengths)) + args.new_tokens / 2
     kv_bytes = 2 * cfg.num_layers * args.prompts * mean_cache_len * cfg.num_kv_heads * cfg.head_dim * 4
@@ -130,7 +131,7 @@ def main() -> None:
     step_flops = (
         2 * args.prompts * (param_bytes / 4 + 2 * cfg.num_layers * mean_cache_len * cfg.num_heads * cfg.head_dim)
     )
-    rate = matmul_rate(args.prompts, cfg.hidden_size, cfg.intermediate_size)
+    rate = matmul_rate(args.prompts, cfg.hidden_size, cfg.intermediate_size, args.matmul_s)
     compute_floor_s = step_flops / rate
     floor_step_s = max(memory_floor_s, compute_floor_s)
     generator.generate(prompts, sampled)

@@ -1,7 +1,8 @@
 """Load time and peak host RSS of `load_hf` on a locally built ~0.5B-parameter bfloat16 checkpoint (sharded
 safetensors), beside transformers' `from_pretrained` of the same files. Each load runs in a fresh process so that
 its RSS high-water mark is its own. Usage:
-    python scripts/bench_load.py [--ckpt DIR] [--layout fsdp=8] [--out runs/bench/load.json]
+    python scripts/bench_load.py [--ckpt DIR] [--layouts ";fsdp=8"] [--out runs/bench/load.json] [--tiny]
+With `--tiny` the checkpoint has a tiny shape of the same family (`TINY_SHAPE`, a few shards).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import report
+from bench_common import parse_args, report
 
 # Qwen2.5-0.5B's shape with a random init: 494M parameters, tied embeddings.
 SHAPE = dict(
@@ -28,6 +29,8 @@ SHAPE = dict(
     tie_word_embeddings=True,
     rope_theta=1e6,
 )
+TINY_SHAPE = {**SHAPE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
 MEASURE = r"""
 import json, os, sys, time
@@ -56,8 +59,9 @@ print(json.dumps({"seconds": seconds, "baseline_rss": base, "peak_rss": peak, "f
 """
 
 
-def build_checkpoint(out: Path, shard_bytes: int = 300 * 2**20) -> Path:
-    """Writes random bf16 tensors in transformers' names and sharded layout (index + numbered files)."""
+def build_checkpoint(out: Path, shape: dict, shard_bytes: int) -> Path:
+    """Writes random bf16 tensors of a Qwen2 `shape` in transformers' names and sharded layout (index + numbered
+    files of at most `shard_bytes` each)."""
     if (out / "config.json").is_file():
         return out
     import torch
@@ -65,7 +69,7 @@ def build_checkpoint(out: Path, shard_bytes: int = 300 * 2**20) -> Path:
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
-    config = tf.Qwen2Config(**SHAPE)
+    config = tf.Qwen2Config(**shape)
     config.architectures = ["Qwen2ForCausalLM"]
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in tf.Qwen2ForCausalLM(config).state_dict().items() if n != "lm_head.weight"}
@@ -108,10 +112,12 @@ def measure(which: str, ckpt: Path, mesh: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", type=Path, default=Path(tempfile.gettempdir()) / "hfjax-bench-0.5b-bf16")
+    parser.add_argument("--shard-mib", type=int, default=300, help="safetensors shard size when building")
     parser.add_argument("--layouts", default=";fsdp=8", help="';'-separated meshes for hfjax ('' = one device)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/load.json"))
-    args = parser.parse_args()
-    ckpt = build_checkpoint(args.ckpt)
+    tiny_ckpt = Path(tempfile.gettempdir()) / "hfjax-bench-tiny-bf16"
+    args = parse_args(parser, tiny={"ckpt": tiny_ckpt, "shard_mib": 0, "layouts": ";fsdp=2"})
+    ckpt = build_checkpoint(args.ckpt, TINY_SHAPE if args.tiny else SHAPE, args.shard_mib * 2**20)
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
     files = len(list(ckpt.glob("*.safetensors")))
     runs = [("transformers from_pretrained", "torch", "")] + [

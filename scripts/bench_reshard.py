@@ -4,6 +4,7 @@ bytes moved and peak bytes per device against the paper's Table 2, and to_gen ti
 write floor: every gen byte copied at that bandwidth (on CPU a device's own share is copied too: CPU devices share
 host memory, and each gen shard is a new buffer). Usage:
     python scripts/bench_reshard.py [--pairs configs/layout_pairs.yaml] [--repeats 5] [--out runs/bench/reshard.json]
+        [--tiny]
 With `--param-dtype float32 --gen-dtype bfloat16` the training copy is float32 master weights and each pair also runs
 with a bfloat16 generation copy (cast where the master lies, then moved; the master stays), beside float32 ones.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import copy_times, report
+from bench_common import copy_times, parse_args, report
 
 from hfjax.cli import abstract_params_for
 from hfjax.parallel.layout_compare import compare_layouts
@@ -31,7 +32,7 @@ from hfjax.parallel.layout_compare import compare_layouts
 MIB = 2**20
 
 
-def memcpy_bandwidth(nbytes: int = 256 * MIB, repeats: int = 7) -> float:
+def memcpy_bandwidth(nbytes: int, repeats: int = 7) -> float:
     """Bytes per second of one host memcpy into an already-touched buffer (median of `repeats`)."""
     return nbytes / statistics.median(copy_times(nbytes, repeats))
 
@@ -46,13 +47,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/reshard.json"))
     parser.add_argument("--param-dtype", default="bfloat16", help="dtype of the training copy")
     parser.add_argument("--gen-dtype", default=None, help="also run each pair with the generation copy cast to this")
-    args = parser.parse_args()
-    pairs = yaml.safe_load(args.pairs.read_text())["pairs"]
+    parser.add_argument("--probe-mib", type=int, default=256, help="size of the memcpy bandwidth probe")
+    parser.add_argument("--max-pairs", type=int, help="compare only the first N pairs of --pairs")
+    args = parse_args(parser, tiny={"model": "bench-25m", "repeats": 1, "probe_mib": 8, "max_pairs": 2})
+    pairs = yaml.safe_load(args.pairs.read_text())["pairs"][: args.max_pairs]
     params = abstract_params_for(args.model, args.param_dtype)
-    bandwidth = memcpy_bandwidth()
+    bandwidth = memcpy_bandwidth(args.probe_mib * MIB)
     gen_dtypes = (None, args.gen_dtype) if args.gen_dtype else (None,)
     rows = compare_layouts(params, pairs, repeats=args.repeats, gen_dtypes=gen_dtypes)
-    bandwidth = (bandwidth + memcpy_bandwidth()) / 2  # before and after, to smooth machine noise
+    bandwidth = (bandwidth + memcpy_bandwidth(args.probe_mib * MIB)) / 2  # before and after, to smooth machine noise
     table = []
     for r in rows:
         floor, write_floor = r["received_bytes_total"] / bandwidth, r["gen_bytes_total"] / bandwidth

@@ -15,7 +15,7 @@ With `--hosts 1,2` each algorithm runs once per host count on a Ray cluster of s
 side by side in one run, and the table adds each host's share of the bytes the controller sent to and received
 from the worker groups per step.
 Usage:
-    python scripts/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json]
+    python scripts/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json] [--tiny]
     python scripts/bench_rl_step.py --hosts 1,2 [--devices 8]
     python scripts/bench_rl_step.py --backend ray --devices 8 --placements colocate,disaggregated:0,disaggregated:1
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
-from bench_common import reference_checkpoint, report  # noqa: E402
+from bench_common import default_checkpoint, parse_args, report, workload_dir  # noqa: E402
 
 STAGES = (
     "gen",
@@ -68,7 +68,7 @@ def config(
             "trim_padding": args.trim_padding,
             "layout": train_layout(args.train_mesh),
         },
-        "rollout": {"n": 4, "response_length": 128, "slots": args.prompts * 4, "ignore_eos": True},
+        "rollout": {"n": 4, "response_length": args.response_length, "slots": args.prompts * 4, "ignore_eos": True},
         "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
         "algorithm": {"name": algorithm},
         "trainer": {
@@ -117,13 +117,14 @@ def main() -> None:
         default="colocate",
         help="trainer.placement[:async.max_staleness] list, e.g. colocate,disaggregated:0,disaggregated:1",
     )
+    parser.add_argument("--response-length", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/rl_step.json"))
-    args = parser.parse_args()
+    args = parse_args(parser, tiny={"prompts": 2, "micro_batch": 8, "response_length": 8})
     args.devices = args.devices or (8 if args.hosts else 1)
     host_counts = [int(h) for h in args.hosts.split(",")] if args.hosts else [1]
     if args.hosts:
         simulated_cluster(max(host_counts))
-    ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
+    ckpt = default_checkpoint(args.ckpt, args.tiny)
 
     import psutil
     from workload import write_workload
@@ -131,7 +132,7 @@ def main() -> None:
     from hfjax.config import load_rl_config
     from hfjax.trainer.launch import run_rl
 
-    workload = write_workload(ckpt, ROOT / "runs" / "peers" / "workload.parquet", n=args.prompts)
+    workload = write_workload(ckpt, workload_dir(args) / "workload.parquet", n=args.prompts)
     run_dir = Path(tempfile.mkdtemp(prefix="hfjax-bench-rl-"))
     rows, summaries = [], {}
     placements = args.placements.split(",")
@@ -188,7 +189,7 @@ def main() -> None:
     with open("/proc/self/status") as f:
         hwm = next((int(line.split()[1]) for line in f if line.startswith("VmHWM")), 0) / 2**20
     report(
-        f"one RL iteration: {args.prompts} prompts x 4 samples x 128 tokens, {args.backend} backend "
+        f"one RL iteration: {args.prompts} prompts x 4 samples x {args.response_length} tokens, {args.backend} backend "
         f"(peak host memory of this process {hwm:.2f} GiB, now {peak_gib:.2f} GiB)",
         [
             "algorithm",

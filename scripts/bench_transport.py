@@ -17,7 +17,7 @@ its arrays ready); median seconds, against a floor of one host memory copy of th
 
 The last transfer of each row is checked (crc32 of every array) against the trainer's. Writes runs/bench/transport.json.
 Usage:
-    python scripts/bench_transport.py [--repeats 5]
+    python scripts/bench_transport.py [--repeats 5] [--out runs/bench/transport.json] [--tiny]
 """
 
 from __future__ import annotations
@@ -25,12 +25,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import parse_args
 
 ENV = {"env_vars": {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}}
 LAYOUTS = {"fsdp": 0, "replicated": None, "tensor": -1}  # name -> axis split over the 4 devices (None: replicated)
@@ -161,14 +165,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/transport.json"))
-    args = parser.parse_args()
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the Llama shapes (MLP 2.6875x)")
+    parser.add_argument("--layers", type=int, default=6)
+    args = parse_args(parser, tiny={"repeats": 1, "hidden": 64, "layers": 1})
 
     import ml_dtypes
     import ray
     from rich.console import Console
     from rich.table import Table
 
-    shapes = llama_shapes()
+    shapes = llama_shapes(hidden=args.hidden, layers=args.layers, mlp=args.hidden * 43 // 16)
     params = sum(int(np.prod(s)) for s in shapes.values())
     ray.init(include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="bench-transport-"))
     actor = ray.remote(num_cpus=0, runtime_env=ENV)(Group)

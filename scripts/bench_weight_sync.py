@@ -10,7 +10,7 @@ syncs once to warm up, then `--repeats` times. The last sync's weights are check
 in the rollout's dtype) before the groups stop.
 Usage:
     python scripts/bench_weight_sync.py [--ckpt DIR] [--dtypes float32,bfloat16] [--gen-meshes data,tensor]
-        [--repeats 5] [--devices 4]
+        [--repeats 5] [--devices 4] [--tiny]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
-from bench_common import copy_times, reference_checkpoint, report  # noqa: E402
+from bench_common import copy_times, default_checkpoint, parse_args, report, workload_dir  # noqa: E402
 
 
 def sync_times(trainer, repeats: int) -> tuple[list[float], list[dict]]:
@@ -49,8 +49,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--devices", type=int, default=4, help="devices of each group (trainer and rollout)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/weight_sync.json"))
-    args = parser.parse_args()
-    ckpt = args.ckpt or reference_checkpoint(Path(tempfile.gettempdir()) / "hfjax-reference-ckpt")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts of the run's workload (its batch size)")
+    tiny = {"dtypes": "float32", "gen_meshes": "data", "repeats": 1, "devices": 2, "prompts": 4}
+    args = parse_args(parser, tiny=tiny)
+    ckpt = default_checkpoint(args.ckpt, args.tiny)
 
     import ray
     from workload import write_workload
@@ -61,13 +63,13 @@ def main() -> None:
 
     pin_controller_to_cpu()
     ray.init(include_dashboard=False, log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="hfjax-ray-"))
-    workload = write_workload(ckpt, ROOT / "runs" / "peers" / "workload.parquet", n=64)
+    workload = write_workload(ckpt, workload_dir(args) / "workload.parquet", n=args.prompts)
     rows, runs = [], {}
     for axis, dtype in [(a, d) for a in args.gen_meshes.split(",") for d in args.dtypes.split(",")]:
         cfg = load_rl_config(
             {
                 "model_path": str(ckpt),
-                "data": {"train_files": [str(workload)], "max_prompt_length": 64, "train_batch_size": 64},
+                "data": {"train_files": [str(workload)], "max_prompt_length": 64, "train_batch_size": args.prompts},
                 "actor": {"dtype": dtype, "train_layout": {"mesh": {"fsdp": args.devices}, "rules": "fsdp"}},
                 "rollout": {"n": 4, "gen_layout": {"mesh": {axis: args.devices}, "rules": "dp_tp_gen"}},
                 "trainer": {

@@ -14,7 +14,8 @@ trainer callback, split into verl's `timing_s/{gen,reward,ref,update_actor}` fro
 divides the tokens of those steps (prompt + response tokens, verl's `perf/throughput`) by their time.
 Writes the summary JSON (`--out`) and the per-step metrics with verl's names as JSONL (`--metrics`), which
 `hfjax.plot.compare_runs` draws. Run in the TRL virtualenv (`bash scripts/peers/setup_trl.sh` makes it):
-    runs/peers/trl-venv/bin/python scripts/peers/trl_grpo.py [--ckpt DIR] [--steps 2]
+    runs/peers/trl-venv/bin/python scripts/peers/trl_grpo.py [--ckpt DIR] [--steps 2] [--tiny]
+With `--tiny` and no TRL installed, only the workload is built and the summary says why training was skipped.
 Imports torch, transformers, datasets and trl, and `workload.py`/`reward.py` beside it; never hfjax's JAX code.
 """
 
@@ -29,9 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reward import trl_reward
-from workload import DEFAULT_OUT, ROOT, checkpoint, write_workload
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+from bench_common import parse_args as parse_with_tiny  # noqa: E402
+from reward import trl_reward  # noqa: E402
+from workload import DEFAULT_OUT, ROOT, checkpoint, write_workload  # noqa: E402
 
 # TRL's logged metric -> verl's name (the names hfjax logs and hfjax.plot draws)
 TRL_TO_VERL = {
@@ -77,7 +79,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "peers" / "trl_grpo.json")
     parser.add_argument("--metrics", type=Path, default=ROOT / "runs" / "peers" / "trl" / "metrics.jsonl")
-    args = parser.parse_args()
+    tiny = {"steps": 1, "prompts": 2, "max_new_tokens": 8, "micro_batch": 8}
+    args = parse_with_tiny(parser, tiny=tiny)
     if args.min_new_tokens is None:
         args.min_new_tokens = args.max_new_tokens
     samples = args.prompts * args.group
@@ -227,14 +230,24 @@ def main() -> None:
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ckpt = checkpoint(args.ckpt, args.tiny)
+    prompts_file = args.out.parent / "workload.parquet" if args.tiny else DEFAULT_OUT
+    workload = args.workload or write_workload(ckpt, prompts_file, args.prompts, args.max_prompt_tokens)
+    try:
+        import trl
+    except ImportError as exc:
+        if not args.tiny:
+            raise
+        skipped = {"peer": "trl", "skipped": f"training skipped: {exc}", "workload": str(workload)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(skipped, indent=2))
+        print(f"{skipped['skipped']}; wrote {args.out}")
+        return
     import torch
     import transformers
-    import trl
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    ckpt = checkpoint(args.ckpt)
-    workload = args.workload or write_workload(ckpt, DEFAULT_OUT, args.prompts, args.max_prompt_tokens)
     recorder = step_recorder(args.metrics)
     trainer = trl.GRPOTrainer(
         model=str(ckpt),

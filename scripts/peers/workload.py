@@ -6,7 +6,7 @@ stays within a target length drawn uniformly from (instruction length, max_promp
 than `max_prompt_tokens`, so neither side truncates or drops one. The prompts are written as verl-schema parquet
 (`hfjax.data.write_rows`): hfjax reads it as `data.train_files`, `trl_grpo.py` reads the same file.
 Usage (either virtualenv):
-    python scripts/peers/workload.py [--ckpt DIR] [--out runs/peers/workload.parquet] [--prompts 64]
+    python scripts/peers/workload.py [--ckpt DIR] [--out runs/peers/workload.parquet] [--prompts 64] [--tiny]
 Imports transformers (the tokenizer), numpy and `hfjax.data` (no JAX); `scripts/bench_common.py` builds the checkpoint.
 """
 
@@ -14,35 +14,32 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-from bench_common import reference_checkpoint  # noqa: E402
+from bench_common import default_checkpoint, parse_args  # noqa: E402
 
-DEFAULT_CKPT = Path(tempfile.gettempdir()) / "hfjax-reference-ckpt"  # the one scripts/bench_*.py build and share
 DEFAULT_OUT = ROOT / "runs" / "peers" / "workload.parquet"
 DATA_SOURCE = "peers/digits"
 INSTRUCTION = "Count letters:"
 
 
-def checkpoint(ckpt: Path | None) -> Path:
-    """`ckpt`, or the benchmark reference checkpoint (built once under the temp dir)."""
-    return ckpt if ckpt is not None else reference_checkpoint(DEFAULT_CKPT)
+def checkpoint(ckpt: Path | None, tiny: bool = False) -> Path:
+    """`ckpt`, or the benchmark reference checkpoint (`tiny`: its tiny variant), built once under the temp dir."""
+    return default_checkpoint(ckpt, tiny)
 
 
-def vocabulary_words(tokenizer: Any) -> list[str]:
-    """Alphabetic tokens of at least 3 letters from the tokenizer's vocabulary, in token-id order."""
-    words = []
-    for token_id in range(len(tokenizer)):
-        text = tokenizer.decode([token_id]).strip()
-        if len(text) >= 3 and text.isascii() and text.isalpha():
-            words.append(text)
-    if not words:
+def vocabulary_words(tokenizer: Any, min_letters: int = 3) -> list[str]:
+    """Alphabetic tokens of at least `min_letters` letters (fewer where the vocabulary has no token that long, as
+    the tiny reference tokenizer's) from the tokenizer's vocabulary, in token-id order."""
+    tokens = [tokenizer.decode([token_id]).strip() for token_id in range(len(tokenizer))]
+    alphabetic = [text for text in tokens if text.isascii() and text.isalpha()]
+    if not alphabetic:
         raise SystemExit(f"{tokenizer.name_or_path}: the vocabulary has no alphabetic tokens to build prompts from")
-    return words
+    shortest = min(min_letters, max(len(text) for text in alphabetic))
+    return [text for text in alphabetic if len(text) >= shortest]
 
 
 def prompt_length(tokenizer: Any, text: str) -> int:
@@ -102,13 +99,15 @@ def write_workload(ckpt: Path, out: Path, n: int = 64, max_prompt_tokens: int = 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", type=Path, help=f"checkpoint whose tokenizer to use (default {DEFAULT_CKPT})")
+    parser.add_argument(
+        "--ckpt", type=Path, help="checkpoint whose tokenizer to use (default: the benchmark reference one)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-prompt-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    write_workload(checkpoint(args.ckpt), args.out, args.prompts, args.max_prompt_tokens, args.seed)
+    args = parse_args(parser, tiny={"prompts": 4})
+    write_workload(checkpoint(args.ckpt, args.tiny), args.out, args.prompts, args.max_prompt_tokens, args.seed)
 
 
 if __name__ == "__main__":
