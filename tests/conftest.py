@@ -3,6 +3,8 @@
 import os
 import tempfile
 
+import pytest
+
 from hfjax.compile_cache import enable_compilation_cache
 
 # Deterministic GPU reductions, so that bitwise comparisons also hold where the tests run with JAX_PLATFORMS=cuda.
@@ -23,3 +25,12 @@ enable_compilation_cache()  # the command line's cache settings, in a directory 
 import jax  # noqa: E402 (after the environment above)
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """With `pytest -n N` (pytest-xdist, `--dist loadgroup` as scripts/test.sh runs it) each file's tests stay on one
+    worker, so a module's fixtures (tiny models, compiled programs) are built once, and every test that uses the
+    session's Ray cluster runs on the same worker, so one cluster serves them all."""
+    for item in items:
+        group = "ray" if "ray_cluster" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

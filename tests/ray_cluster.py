@@ -1,9 +1,10 @@
 """The Ray cluster of the tests marked `ray`: a simulated cluster of `HOSTS` nodes on this machine
 (`ray.cluster_utils.Cluster`, each node with its own raylet, as separate hosts would have), started once per test
-session with its temp dir under pytest's tmp path, shut down at the end. Worker processes get `tests/` and the
+session with its temp dir under /tmp, shut down at the end. Worker processes get `tests/` and the
 repository root on PYTHONPATH, so that they can import worker classes defined in test modules."""
 
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -17,8 +18,10 @@ HOSTS = 4
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    temp_dir = tmp_path_factory.mktemp("ray")
+def ray_cluster():
+    # a short path of its own: Ray's socket paths under it must stay within AF_UNIX's 107 bytes, which pytest's
+    # per-worker temp dirs (pytest-xdist) exceed
+    temp_dir = tempfile.mkdtemp(prefix="hfjax-ray-")
     # Cluster writes its address file under Ray's default temp dir whatever temp dir the nodes use
     Path(tempfile.gettempdir(), "ray").mkdir(exist_ok=True)
     with warnings.catch_warnings():  # Ray starts its daemons with fork+exec, which Python flags once JAX has threads
@@ -37,4 +40,5 @@ def ray_cluster(tmp_path_factory):
     yield ray
     ray.shutdown()
     cluster.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
     assert not ray.is_initialized()

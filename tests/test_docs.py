@@ -19,7 +19,6 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 SKIPPED_DIRS = {
-    ".venv",
     ".git",
     "runs",
     "outputs",
@@ -123,7 +122,9 @@ def test_cli_page_covers_every_subcommand() -> None:
 def repository_text_files() -> list[Path]:
     files = []
     for folder, dirs, names in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
+        dirs[:] = [
+            d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info") and not d.startswith(".venv")
+        ]
         files += [Path(folder) / name for name in names]
     return files
 
