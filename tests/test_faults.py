@@ -37,6 +37,7 @@ from hfjax.config import load_rl_config
 from hfjax.controller import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
 from hfjax.controller.liveness import LivenessConfig, WorkerHungError
 from hfjax.controller.worker_group import WorkerDiedError
+from hfjax.trainer import launch
 from hfjax.trainer.health import RunStalledError
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.preemption import HARD_EXIT_MARGIN_S
@@ -86,7 +87,9 @@ def _tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, list[float]]:
 # --- the run directory ---------------------------------------------------------------------------------------------
 
 
-def test_a_second_run_on_a_directory_refuses_and_a_dead_holders_lock_is_taken_over(inputs, tmp_path, caplog):
+def test_a_second_run_on_a_directory_refuses_and_a_dead_holders_lock_is_taken_over(
+    inputs, tmp_path, caplog, monkeypatch
+):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
         [
@@ -109,6 +112,10 @@ def test_a_second_run_on_a_directory_refuses_and_a_dead_holders_lock_is_taken_ov
             RLTrainer(cfg)
         assert time.perf_counter() - started < 1  # before any worker or dataset
         assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
+        with monkeypatch.context() as patch:  # run_rl takes the lock before its checks (and before Ray)
+            patch.setattr(launch, "check_rl_run", lambda cfg: pytest.fail("checked a run whose directory is locked"))
+            with pytest.raises(RunDirLockedError, match=r"trainer.run_dir: .* is in use by pid"):
+                run_rl(cfg)
         (tmp_path / "run.yaml").write_text(yaml.safe_dump(rl_config(inputs, run_dir, "grpo")))
         cli = subprocess.run(
             [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")], capture_output=True, text=True

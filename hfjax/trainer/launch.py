@@ -16,6 +16,7 @@ from pathlib import Path
 from hfjax.config import RLConfig, load_rl_config
 from hfjax.trainer.preflight import check_rl_run, resolve_hub_models
 from hfjax.trainer.rl import RLTrainer
+from hfjax.training.run_dir import RunDirLock
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 log = logging.getLogger(__name__)
@@ -85,19 +86,21 @@ def pin_controller_to_cpu() -> None:
 
 
 def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
-    """Resolves Hub ids (`resolve_hub_models`) and checks the run (`check_rl_run`), then trains; for `backend: ray`
-    in a `ray_session`, with the controller's JAX on the CPU (`pin_controller_to_cpu`)."""
-    cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
-    check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
-    if cfg.trainer.backend != "ray":
-        return _train(cfg)
-    pin_controller_to_cpu()
-    with ray_session(cfg):
-        return _train(cfg)
+    """Takes the run directory's lock, resolves Hub ids (`resolve_hub_models`) and checks the run (`check_rl_run`),
+    then trains; for `backend: ray` in a `ray_session`, with the controller's JAX on the CPU
+    (`pin_controller_to_cpu`)."""
+    with RunDirLock(cfg.trainer.run_dir) as lock:  # first: a second run on the directory stops before any check
+        cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
+        check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
+        if cfg.trainer.backend != "ray":
+            return _train(cfg, lock)
+        pin_controller_to_cpu()
+        with ray_session(cfg):
+            return _train(cfg, lock)
 
 
-def _train(cfg: RLConfig) -> list[dict[str, float]]:
-    trainer = RLTrainer(cfg)
+def _train(cfg: RLConfig, lock: RunDirLock) -> list[dict[str, float]]:
+    trainer = RLTrainer(cfg, lock)
     try:
         history = trainer.fit()
     finally:

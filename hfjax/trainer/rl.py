@@ -64,14 +64,15 @@ def _save_failure(error: BaseException) -> str | None:
 class RLTrainer:
     """Builds everything from an `RLConfig` (roles start here) and runs `fit()`."""
 
-    def __init__(self, cfg: RLConfig):
+    def __init__(self, cfg: RLConfig, lock: RunDirLock | None = None):
+        """`lock`: the run directory's lock when the caller took it already (`run_rl` takes it first)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
         self.roles: dict[str, Any] = {}
         self.pools: list[Any] = []
         self.logger: MetricsLogger | None = None
         self.state_checkpoints: CheckpointManager | None = None
-        self.lock = RunDirLock(self.run_dir).acquire()  # before anything in the directory is touched
+        self.lock = lock or RunDirLock(self.run_dir).acquire()  # before anything in the directory is touched
         try:
             self._build()
         except BaseException:
