@@ -112,10 +112,10 @@ def test_a_second_run_on_a_directory_refuses_and_a_dead_holders_lock_is_taken_ov
             RLTrainer(cfg)
         assert time.perf_counter() - started < 1  # before any worker or dataset
         assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
-        with monkeypatch.context() as patch:  # run_rl takes the lock before its checks (and before Ray)
-            patch.setattr(launch, "check_rl_run", lambda cfg: pytest.fail("checked a run whose directory is locked"))
+        with monkeypatch.context() as patch:  # run_rl takes the lock before Ray starts
+            patch.setattr(launch, "ray_session", lambda cfg: pytest.fail("started Ray for a locked run directory"))
             with pytest.raises(RunDirLockedError, match=r"trainer.run_dir: .* is in use by pid"):
-                run_rl(cfg)
+                run_rl(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer={"backend": "ray"})))
         (tmp_path / "run.yaml").write_text(yaml.safe_dump(rl_config(inputs, run_dir, "grpo")))
         cli = subprocess.run(
             [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")], capture_output=True, text=True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -330,3 +331,29 @@ def test_an_accelerator_this_machine_lacks_is_named(inputs, tmp_path, monkeypatc
         check_rl_run(cfg)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster's GPUs are checked when it is joined
     check_rl_run(cfg)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate", r"do not fit shape .* in a file of \d+ bytes"),
+        ("reshape", r"checkpoint does not match the model: mis-shaped tensors: model.layers.0.mlp.gate_proj.weight"),
+        ("config", r"is not a readable Hugging Face model directory"),
+    ],
+)
+def test_damaged_checkpoints_fail_at_preflight_from_their_headers(inputs, tmp_path, damage, message):
+    """A truncated safetensors file, a config.json whose shapes disagree with the tensors, and an unreadable
+    config.json: one ConfigError naming the field, from the headers alone (before Ray or any worker)."""
+    model = tmp_path / "model"
+    shutil.copytree(inputs["policy"], model)
+    weights, config = model / "model.safetensors", model / "config.json"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:-64])
+    elif damage == "reshape":
+        hf = json.loads(config.read_text())
+        config.write_text(json.dumps({**hf, "intermediate_size": hf["intermediate_size"] * 2}))
+    else:
+        config.write_text("{not json")
+    cfg = load_rl_config(rl_config(inputs, tmp_path / "run", "ppo"), [f"model_path={model}"])
+    with pytest.raises(ConfigError, match=rf"^model_path: .*{message}"):
+        check_rl_run(cfg)

@@ -195,6 +195,42 @@ def abstract_model(cfg: ModelConfig, head: str, dtype: Any = "float32", param_dt
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedCheckpoint:
+    """What `check_checkpoint` read: the model config and head, the abstract model, the tensor plan, the checkpoint's
+    tensor index and the names of the head tensors that are initialised fresh instead of read."""
+
+    config: ModelConfig
+    head: str
+    model: nnx.Module
+    plan: list[ParamMapping]
+    index: dict[str, TensorEntry]
+    fresh: set[str]
+
+
+def check_checkpoint(
+    path: str | os.PathLike, head: str | None = None, dtype: Any = "float32", param_dtype: Any = None
+) -> CheckedCheckpoint:
+    """Checks an HF checkpoint directory against the model its `config.json` describes (with `head`, as `load_hf`
+    builds it) from the safetensors headers alone: every tensor present, none unexpected, each of the model's shape,
+    each within its file. Reads no tensor data and allocates no device memory; raises `CheckpointError` (or
+    ValueError for a bad config or head)."""
+    cfg, ckpt_head = read_config(path)
+    head = head or ckpt_head
+    if head not in HEAD_CLASSES:
+        raise ValueError(f"load_hf(head={head!r}): expected one of {sorted(HEAD_CLASSES)}")
+    if head != ckpt_head and head != "causal_lm":
+        cfg = dataclasses.replace(cfg, num_labels=1)
+    model = abstract_model(cfg, head, dtype, param_dtype)
+    plan = param_plan(cfg, head)
+    index = checkpoint_index(path)
+    fresh = {m.hf_name for m in plan if m.path[0] in HEAD_PARAMS[head]} if head != ckpt_head else set()
+    ignorable = {"lm_head.weight"} if head != "causal_lm" or cfg.tie_word_embeddings else set()
+    shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(model))}
+    _check_against_checkpoint(plan, shapes, index, fresh, ignorable, str(path))
+    return CheckedCheckpoint(cfg, head, model, plan, index, fresh)
+
+
 def load_hf(
     path: str | os.PathLike,
     *,
@@ -208,25 +244,16 @@ def load_hf(
     or `head` = `causal_lm` | `seq_cls` | `token_cls` to build another head on the same backbone, whose new head
     weights are initialised from `seed`). Parameters go straight to their shardings under `layout` (else the first
     device), one tensor at a time, stored in `param_dtype` (default: `dtype`)."""
-    cfg, ckpt_head = read_config(path)
-    head = head or ckpt_head
-    if head not in HEAD_CLASSES:
-        raise ValueError(f"load_hf(head={head!r}): expected one of {sorted(HEAD_CLASSES)}")
     compute_dtype = _dtype(dtype, "load_hf(dtype)")
     storage_dtype = _dtype(param_dtype or dtype, "load_hf(param_dtype)")
-    if head != ckpt_head and head != "causal_lm":
-        cfg = dataclasses.replace(cfg, num_labels=1)
-    graphdef, abstract_state = nnx.split(abstract_model(cfg, head, compute_dtype, storage_dtype))
+    checked = check_checkpoint(path, head, compute_dtype, storage_dtype)
+    cfg, head, plan, index, fresh = checked.config, checked.head, checked.plan, checked.index, checked.fresh
+    graphdef, abstract_state = nnx.split(checked.model)
     if layout is not None:
         shardings = dict(nnx.to_flat_state(Layout.from_config(layout).shardings(abstract_state)))
     else:
         shardings = None
     flat = dict(nnx.to_flat_state(abstract_state))
-    plan = param_plan(cfg, head)
-    index = checkpoint_index(path)
-    fresh = {m.hf_name for m in plan if m.path[0] in HEAD_PARAMS[head]} if head != ckpt_head else set()
-    ignorable = {"lm_head.weight"} if head != "causal_lm" or cfg.tie_word_embeddings else set()
-    _check_against_checkpoint(plan, {p: v.shape for p, v in flat.items()}, index, fresh, ignorable, str(path))
     std = float(cfg.hf_config.get("initializer_range", 0.02))
     rng = np.random.default_rng(seed)
     default_sharding = SingleDeviceSharding(jax.devices()[0])

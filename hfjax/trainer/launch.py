@@ -86,12 +86,12 @@ def pin_controller_to_cpu() -> None:
 
 
 def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
-    """Takes the run directory's lock, resolves Hub ids (`resolve_hub_models`) and checks the run (`check_rl_run`),
-    then trains; for `backend: ray` in a `ray_session`, with the controller's JAX on the CPU
-    (`pin_controller_to_cpu`)."""
-    with RunDirLock(cfg.trainer.run_dir) as lock:  # first: a second run on the directory stops before any check
-        cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
-        check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
+    """Resolves Hub ids (`resolve_hub_models`), checks the run (`check_rl_run`) and takes the run directory's lock,
+    then trains; for `backend: ray` in a `ray_session` (started after the lock), with the controller's JAX on the
+    CPU (`pin_controller_to_cpu`)."""
+    cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
+    check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
+    with RunDirLock(cfg.trainer.run_dir) as lock:  # before Ray: a second run on the directory starts nothing
         if cfg.trainer.backend != "ray":
             return _train(cfg, lock)
         pin_controller_to_cpu()

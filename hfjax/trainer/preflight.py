@@ -1,5 +1,6 @@
 """Checks of a loaded config against what it points at, before Ray, any worker or any device memory: model
-directories and their `config.json` (no weights), sequence lengths against the models' positions, the KV cache and
+directories, their `config.json` and their safetensors headers (every tensor present, of the model's shape, within
+its file; no tensor data read), sequence lengths against the models' positions, the KV cache and
 the run's memory per device (the cost model's memory of `hfjax.mapping.cost`) against the device's memory, the
 dataset files and rows (ground truth where a rule reward needs it), and the reward function (file, import, name,
 signature). Each failure is one line naming the config field and what was expected.
@@ -27,7 +28,8 @@ from hfjax.hub import is_hub_id, resolve_model
 from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.mapping.cost import CostOptions, InfeasibleError, Prediction
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf import read_config
+from hfjax.models.hf import check_checkpoint, read_config
+from hfjax.models.safetensors_io import CheckpointError
 from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
 from hfjax.rewards import SCORERS, RewardError, load_reward_function
 from hfjax.trainer.automap_run import predict_run
@@ -53,6 +55,15 @@ def model_config(path: str, field: str) -> ModelConfig:
         return read_config(directory)[0]
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{field}: {path} is not a readable Hugging Face model directory ({exc})") from exc
+
+
+def check_weights(path: str, field: str, head: str) -> None:
+    """The safetensors headers of the model at config `field` against the model `head` builds from it (names,
+    shapes, file sizes; no tensor data read); ConfigError naming `field`."""
+    try:
+        check_checkpoint(Path(path).expanduser(), head)
+    except (CheckpointError, ValueError) as exc:
+        raise ConfigError(f"{field}: {exc}") from exc
 
 
 def check_positions(model: ModelConfig, tokens: int, lengths: str, field: str) -> None:
@@ -115,14 +126,20 @@ def resolve_hub_models(cfg: RLConfig) -> RLConfig:
 
 def check_rl_run(cfg: RLConfig) -> None:
     """Every check of the module docstring for an RL run; raises ConfigError (or DataError for a dataset row)."""
-    roles = {"actor.model_path" if cfg.actor.model_path != cfg.model_path else "model_path": cfg.actor.model_path}
+
+    def field(role: str, path: str) -> str:  # the config key that set a role's checkpoint
+        return f"{role}.model_path" if path != cfg.model_path else "model_path"
+
+    checkpoints = [(field("actor", cfg.actor.model_path), cfg.actor.model_path, "causal_lm")]  # (field, path, head)
     if cfg.uses_critic:
-        roles["critic.model_path" if cfg.critic.model_path != cfg.model_path else "model_path"] = cfg.critic.model_path
+        checkpoints.append((field("critic", cfg.critic.model_path), cfg.critic.model_path, "token_cls"))
     for name in ("reward_model", "cost_model"):
         section = getattr(cfg.reward, name)
         if section.enabled:
-            roles[f"reward.{name}.model_path"] = section.model_path
-    models = {field: model_config(path, field) for field, path in roles.items()}
+            checkpoints.append((f"reward.{name}.model_path", section.model_path, "seq_cls"))
+    models = {key: model_config(path, key) for key, path, _ in checkpoints}
+    for key, path, head in checkpoints:  # the model each role builds against the checkpoint's tensors
+        check_weights(path, key, head)
     if not Path(cfg.tokenizer_path).expanduser().is_dir():
         raise ConfigError(f"tokenizer_path: no such directory {cfg.tokenizer_path!r}; expected a local tokenizer")
     prompt, response = cfg.data.max_prompt_length, cfg.rollout.response_length
