@@ -172,6 +172,87 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, top_p, vocab):
     assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)
 
 
+def _tie_heavy_logits(kind: str, rows: int, vocab: int, seed: int) -> np.ndarray:
+    """Random logits: `normal`, `integer` (rounded, so ties, -0 beside +0, and -inf columns) or `three` (values in
+    {0, 1, 2}: ties everywhere, including across the candidate boundary)."""
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return (rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+    if kind == "integer":
+        logits = np.round(rng.normal(size=(rows, vocab)) * 3).astype(np.float32)
+        logits[:, rng.integers(0, vocab, 9)] = -np.inf
+        return logits
+    return rng.integers(0, 3, (rows, vocab)).astype(np.float32)
+
+
+FITTING = [(0, 1.0), (1, 0.5), (50, 0.9), (5, 1.0), (128, 0.95), (0, 0.2), (3, 0.7)]  # top_k <= CANDIDATES
+SPILLING = [*FITTING, (200, 0.9), (0, 0.999), (300, 1.0)]  # top_k past the candidates, nucleus past them
+
+
+_filter = jax.jit(filter_logits, static_argnames=("kind", "method"))
+
+
+@pytest.mark.parametrize("combos", [FITTING, SPILLING], ids=["fitting", "spilling"])
+def test_candidate_filters_keep_the_bisection_tokens(combos):
+    """30 rows cycle through (top_k, top_p) settings, off (0, 1.0) included, on normal, integer and three-valued
+    logits; fitting settings run the `lax.top_k` branch, spilling ones the full-sort fallback. Both keep exactly the
+    tokens the bisection keeps, ties included, and those follow the numpy reference."""
+    from hfjax.rollout.token_filters import CANDIDATES, _filter_over_candidates
+
+    rows, vocab = 30, 300
+    settings = [combos[i % len(combos)] for i in range(rows)]
+    top_k = jnp.asarray([k for k, _ in settings], jnp.int32)
+    top_p = jnp.asarray([p for _, p in settings], jnp.float32)
+    kind = SamplerKind(True, True)
+    for seed, logits_kind in enumerate(["normal", "integer", "three"]):
+        logits = jnp.asarray(_tie_heavy_logits(logits_kind, rows, vocab, seed))
+        bisection = np.isfinite(np.asarray(_filter(logits, top_k, top_p, kind=kind, method="bisection")))
+        candidates = np.isfinite(np.asarray(_filter(logits, top_k, top_p, kind=kind, method="candidates")))
+        np.testing.assert_array_equal(candidates, bisection, err_msg=logits_kind)
+        fits = jax.jit(_filter_over_candidates, static_argnums=(3, 4))(logits, top_k, top_p, kind, CANDIDATES)[1]
+        assert bool(np.all(fits)) == (combos is FITTING)
+        for row in range(rows):  # the rule in float64: the mass strictly above a kept token is below top_p
+            row_logits = np.asarray(logits[row], np.float64)
+            expected = _numpy_filter(row_logits, int(top_k[row]), float(top_p[row])) & np.isfinite(row_logits)
+            np.testing.assert_array_equal(bisection[row], expected, err_msg=f"{logits_kind} row {row}")
+
+
+def test_candidates_spill_on_ties_across_a_small_candidate_set():
+    """With 4 candidates, the rows whose top-k or nucleus lies inside them give the bisection's tokens (ties at the
+    4th value kept, though not among the candidates), and the others say they do not fit."""
+    from hfjax.rollout.token_filters import _filter_by_bisection, _filter_over_candidates
+
+    logits = jnp.asarray(_tie_heavy_logits("three", 40, 64, 7))
+    top_k = jnp.asarray([0, 2, 4, 5, 9] * 8, jnp.int32)
+    top_p = jnp.asarray([0.05, 0.3, 1.0, 0.5, 0.99] * 8, jnp.float32)
+    kind = SamplerKind(True, True)
+    filtered, fits = jax.jit(_filter_over_candidates, static_argnums=(3, 4))(logits, top_k, top_p, kind, 4)
+    expected = np.isfinite(np.asarray(jax.jit(_filter_by_bisection, static_argnums=3)(logits, top_k, top_p, kind)))
+    fits = np.asarray(fits)
+    assert fits.any() and not fits.all()
+    np.testing.assert_array_equal(np.isfinite(np.asarray(filtered))[fits], expected[fits])
+
+
+def test_candidate_sampler_draws_the_bisection_tokens():
+    """Under the same keys, both filter methods draw the same tokens with the same log probs (rows with top-k,
+    top-p, both and neither)."""
+    filters = SamplerKind(True, True)
+    rows = 2 * len(FITTING)
+    logits = jnp.asarray(_tie_heavy_logits("integer", rows, 300, 3))
+    keys = jax.jit(sample_key)(*(np.arange(rows, dtype=np.int32),) * 3)
+    settings = (
+        jnp.ones(rows, jnp.int32),
+        jnp.full(rows, 1.3),
+        jnp.asarray([k for k, _ in FITTING] * 2, jnp.int32),
+        jnp.asarray([p for _, p in FITTING] * 2, jnp.float32),
+    )
+    run = jax.jit(sample_tokens, static_argnames=("kind", "filter_method"))
+    bisection = run(logits, keys, *settings, kind=filters, filter_method="bisection")
+    candidates = run(logits, keys, *settings, kind=filters, filter_method="candidates")
+    np.testing.assert_array_equal(np.asarray(candidates[0]), np.asarray(bisection[0]))
+    np.testing.assert_array_equal(np.asarray(candidates[1]), np.asarray(bisection[1]))
+
+
 def test_greedy_token_is_the_first_maximum():
     """The greedy pick equals numpy's argmax (first index of the maximum), with ties and -inf entries."""
     rng = np.random.default_rng(4)
@@ -235,6 +316,21 @@ def test_continuous_batching_equals_one_at_a_time(llama):
     sampled = SamplingParams(max_new_tokens=9, n=2, seed=3)
     tokens = [[o.tokens.tolist() for o in g.generate(prompts, sampled)] for g in (few, many)]
     assert tokens[0] == tokens[1]
+
+
+def test_data_parallel_generation_equals_one_device(llama):
+    """Prefill rows split over data=4 give the one-device sampled tokens and log-probs (greedy tokens under
+    data=4,tensor=2: `test_greedy_equals_transformers`). The 6 samples of 3 prompts (one prefill bucket) refill as
+    prefill calls of 4 + 2 rows, the 2 padded to 4 under data=4."""
+    _, path = llama
+    prompts = _prompts(7, (9, 14, 12))
+    data4 = Layout.from_config({"mesh": {"data": 4}, "rules": "dp_tp_gen", "devices": [0, 1, 2, 3]})
+    sampling = SamplingParams(max_new_tokens=8, n=2, seed=9)
+    expected = _generator(path, slots=8)[1].generate(prompts, sampling)
+    got = _generator(path, data4, slots=8)[1].generate(prompts, sampling)
+    assert [o.tokens.tolist() for o in got] == [o.tokens.tolist() for o in expected]
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
 def test_data_parallel_decode_step_has_no_collectives(llama):

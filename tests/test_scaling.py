@@ -1,7 +1,8 @@
 """Scaling read from compiled programs (not timed): the actor's loss-and-gradient, its log-prob pass and the engine's
 decode step of a small model (4 layers, 8 heads, a 32k vocabulary) on 8 fake devices. Under `fsdp=8` and
 `fsdp=4,tensor=2` each device does about 1/8 of one device's FLOPs, and under `fsdp` the collectives are the weights'
-(gathers of parameters, reductions of gradients), never an activation's or the logits'."""
+(gathers of parameters, reductions of gradients), never an activation's or the logits'. The engine's largest prefill
+under `data=4` does about 1/4 of one device's FLOPs on each device (each data shard prefills its own rows)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax
 import pytest
 
 import hfjax.models.transformer as transformer
-from hfjax.compiled.programs import actor_programs, bytes_per_device
+from hfjax.compiled.programs import AbstractModel, actor_programs, bytes_per_device, engine_programs
 from hfjax.config import load_rl_config
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import Layout
@@ -52,13 +53,7 @@ def compiled_programs(name: str) -> dict[str, jax.stages.Compiled]:
     counts comparable (and with one chunk, one device's program would fold the backward's recomputed logits into the
     forward's, which a partitioned program does not)."""
     train, gen = LAYOUTS[name]
-    cfg = load_rl_config(
-        {
-            "actor": {"model_path": "unused", "micro_batch_size": 8, "ppo_mini_batch_size": 8},
-            "data": {"max_prompt_length": 64},
-            "rollout": {"response_length": 64, "slots": 16, "n": 2},
-        }
-    )
+    cfg = _rl_config()
     chunk_length = transformer.chunk_length
     transformer.chunk_length = lambda tokens, rows: 32
     try:
@@ -67,6 +62,17 @@ def compiled_programs(name: str) -> dict[str, jax.stages.Compiled]:
                 for t in traces if t.program.startswith(PROGRAMS)}  # fmt: skip
     finally:
         transformer.chunk_length = chunk_length
+
+
+def _rl_config():
+    """The run every program here is compiled for: 16 slots, 64-token prompts and responses, micro-batches of 8."""
+    return load_rl_config(
+        {
+            "actor": {"model_path": "unused", "micro_batch_size": 8, "ppo_mini_batch_size": 8},
+            "data": {"max_prompt_length": 64},
+            "rollout": {"response_length": 64, "slots": 16, "n": 2},
+        }
+    )
 
 
 def flops(compiled: jax.stages.Compiled) -> float:
@@ -111,3 +117,19 @@ def _abstract_params():
     from hfjax.models.hf import abstract_model
 
     return nnx.split(abstract_model(SHAPE, "causal_lm"), nnx.Param, ...)[1]
+
+
+def _prefill_flops(gen_layout: dict) -> float:
+    """Per-device FLOPs of the engine's largest fused prefill-and-insert (16 prompts of 64 tokens) under a layout."""
+    layout = Layout.from_config(gen_layout)
+    params = AbstractModel.build(SHAPE, "causal_lm", layout, "float32", None).params
+    prefill = next(engine_programs(_rl_config(), SHAPE, layout, params, 0))
+    assert prefill.program == "prefill 16 x 64"
+    return flops(prefill.traced.lower().compile())
+
+
+def test_prefill_split_over_data_axis():
+    """Each of 4 data shards prefills its own rows: per-device FLOPs about a quarter of one device's."""
+    one = _prefill_flops({"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]})
+    four = _prefill_flops({"mesh": {"data": 4}, "rules": "dp_tp_gen", "devices": [0, 1, 2, 3]})
+    assert four <= 1.15 * one / 4, f"prefill under data=4: {four:.3e} FLOPs per device, one device {one:.3e}"

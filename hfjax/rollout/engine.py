@@ -1,11 +1,12 @@
 """`Engine`, the generation interface shaped after JetStream's, and `JaxEngine`, its implementation for hfjax causal LMs
 over a generation `Layout`.
 
-The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots
-over the layout's batch axes and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of positions per
-layer. `prefill` runs a batch of right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so
-compiles stay few), or appends them to an `existing_prefix`; `insert` copies prefilled prompts into slots and samples
-each sample's first token (the token `prefill` returns is sample 0's: both draw it with the same key); `extend` appends
+The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots over the layout's batch axes
+and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of positions per layer. `prefill` runs a batch of
+right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so compiles stay few; rows split over
+the layout's batch axes, so each data shard prefills its own), or appends them to an `existing_prefix`; `insert` copies
+prefilled prompts into slots (gathering their keys and values to the slots' shards) and samples each sample's first
+token (the token `prefill` returns is sample 0's: both draw it with the same key); `extend` appends
 tokens to running slots (a multi-turn observation) without re-prefilling their history; `generate` advances every slot
 by one token, attending only over the blocks that the longest slot has reached when told its length (one compiled step
 per block count). The jitted steps donate the decode state, trace attention under the layout (`program_layout`: Pallas
@@ -29,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
-from hfjax.models.program import program_layout
+from hfjax.models.program import constrain, program_layout
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cached_forward import (
@@ -64,6 +65,13 @@ def _batch_sharded(layout: Layout, shape: tuple[int, ...], logical: tuple[str | 
         used.update(mesh_axes)
         entries.append(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
     return NamedSharding(layout.mesh, PartitionSpec(*entries))
+
+
+def _split_rows(*arrays: jax.Array) -> list[jax.Array]:
+    """The arrays (traced under the engine's layout) with their rows, dimension 0, split over the batch mesh axes
+    where they divide: each part of the batch axes then computes its own rows of a prefill, whatever the inputs'
+    placement (host arrays arrive replicated)."""
+    return [constrain(x, ("batch",) + (None,) * (x.ndim - 1)) for x in arrays]
 
 
 def _sample_rng(keys: jax.Array, samples: jax.Array) -> jax.Array:
@@ -161,9 +169,16 @@ class JaxEngine:
     def mesh(self) -> Mesh:
         return self.layout.mesh
 
+    @property
+    def batch_parts(self) -> int:
+        """How many parts the layout's batch mesh axes split rows into: a prefill of a multiple of this many rows
+        computes each row on one part only (fewer rows, or rows that do not divide, are computed on every part)."""
+        return math.prod(self.layout.axis_size(a) for a in dict(self.layout.rules).get("batch", ()))
+
     def get_prefix_destination_sharding(self) -> NamedSharding:
-        """Prefixes live on the generation mesh, replicated (a prefill batch need not divide the batch axes)."""
-        return NamedSharding(self.layout.mesh, PartitionSpec())
+        """Where a prefix's rows live: split over the layout's batch mesh axes (each part prefills its own rows; a
+        prefill whose rows do not divide them keeps the rows that don't on every part)."""
+        return _batch_sharded(self.layout, (self.batch_parts,), ("batch",))
 
     def init_decode_state(self) -> DecodeState:
         """Empty slots: zero caches and lengths (an empty slot computes harmlessly until something is inserted)."""
@@ -343,16 +358,20 @@ class JaxEngine:
         )
 
     def _prefill_fn(self, params, tokens, lengths, seeds, requests, temperature, top_k, top_p, *, kind):
+        tokens, lengths, *sampling = _split_rows(tokens, lengths, seeds, requests, temperature, top_k, top_p)
         cache = prefill_forward(self._model(params), tokens, lengths)
-        return self._prefix_and_first(cache, seeds, requests, temperature, top_k, top_p, kind)
+        return self._prefix_and_first(cache, *sampling, kind)
 
     def _prefill_extend_fn(self, params, existing: Prefix, tokens, lengths, seeds, requests, temp, top_k, top_p, *,
                            kind):  # fmt: skip
+        tokens, lengths, starts, *sampling = _split_rows(
+            tokens, lengths, existing.lengths, seeds, requests, temp, top_k, top_p
+        )
         pad = ((0, 0), (0, tokens.shape[1]), (0, 0), (0, 0))
-        keys = tuple(jnp.pad(k, pad) for k in existing.keys)
-        values = tuple(jnp.pad(v, pad) for v in existing.values)
-        cache = extend_forward(self._model(params), tokens, existing.lengths, lengths, keys, values)
-        return self._prefix_and_first(cache, seeds, requests, temp, top_k, top_p, kind)
+        keys = tuple(_split_rows(*(jnp.pad(k, pad) for k in existing.keys)))
+        values = tuple(_split_rows(*(jnp.pad(v, pad) for v in existing.values)))
+        cache = extend_forward(self._model(params), tokens, starts, lengths, keys, values)
+        return self._prefix_and_first(cache, *sampling, kind)
 
     @staticmethod
     def _prefix_and_first(cache: Prefix, seeds, requests, temperature, top_k, top_p, kind):

@@ -2,10 +2,11 @@
 
 A finished sample frees its slot at once; freed slots are refilled in groups of at least `refill_batch` (or whatever is
 left), each group one compiled prefill+insert per prompt-length bucket (short prompts are not padded to the group's
-longest). A bucket's rows run as the largest power of two that fits plus the rest, each padded to a power of two, so
-compiles stay few and fewer than a quarter of the rows are padding. Each decode step attends over the cache blocks that
-the longest running sample has reached, and is dispatched before the previous step's tokens are read (one step in
-flight), so the host's bookkeeping runs while the device computes. Outputs come back in request order, `n` samples per
+longest). A bucket's rows run as the largest power of two that fits plus the rest, each padded to a power of two (at
+least the layout's batch parts, so each part prefills rows of its own), so compiles stay few and fewer than a quarter
+of the rows are padding. Each decode step attends over the cache blocks that the longest running sample has reached,
+and is dispatched before the previous step's tokens are read (one step in flight), so the host's bookkeeping runs while
+the device computes. Outputs come back in request order, `n` samples per
 prompt, each with its tokens, logprobs and finish reason. The KV cache lives only inside `generate`: allocated when it
 starts, freed when it returns (or fails), so it never sits beside the training step's memory.
 Imports this package's engine and sampling only.
@@ -267,10 +268,12 @@ class OfflineGenerator:
         sampling: SamplingParams,
         request_index: np.ndarray,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
-        """`fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two."""
+        """`fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two, at least the
+        engine's `batch_parts` (so that each part of the batch mesh axes prefills rows of its own)."""
         requests = list(dict.fromkeys(r for r, _ in batch))
         rows_of = {r: row for row, r in enumerate(requests)}
-        width = _pow2_at_least(len(batch))
+        parts = self.engine.batch_parts
+        width = -(-_pow2_at_least(len(batch)) // parts) * parts
         tokens = np.zeros((width, length), np.int32)
         lengths = np.ones(width, np.int32)
         request_ids = np.zeros(width, np.int32)

@@ -5,21 +5,25 @@ over the whole vocabulary, before any top-k / top-p filtering; at temperature 0 
 The model's vocabulary padding columns arrive as `MASKED_SCORE` (finite, -1e30): probability 0 after any positive
 temperature, so they change no log prob, are never the greedy maximum, and are never drawn, even when top-k is
 wider than the vocabulary.
+The behaviour log prob is therefore that of the unfiltered policy, as in verl: with top-k / top-p on, the token
+was drawn from the filtered distribution, so importance ratios built on it (TIS / MIS) are biased by the filter
+(each kept token's drawn probability is its unfiltered one divided by the kept mass; the ratio treats it as the
+unfiltered one).
+Filters: `token_filters` (the tie rule; bisection on CPU, `lax.top_k` candidates on accelerators, same tokens).
 Randomness: each sample has its own key, folded with the index of the token in the response, so a sample's tokens
 do not depend on which slot or batch it ran in.
-Imports only jax and numpy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -jnp.inf
+from hfjax.rollout.token_filters import FilterMethod, filter_logits
 
 
 class SamplingError(ValueError):
@@ -88,60 +92,6 @@ def sample_key(seed: jax.Array, request: jax.Array, sample: jax.Array) -> jax.Ar
     return jax.vmap(one)(seed, request, sample)
 
 
-def _order_keys(x: jax.Array) -> jax.Array:
-    """uint32 keys that sort like the float32 values `x` (-0 counts as +0)."""
-    bits = jax.lax.bitcast_convert_type(x + 0.0, jnp.uint32)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def _search_keys(keys: jax.Array, holds: Callable[[jax.Array], jax.Array], largest: bool) -> jax.Array:
-    """Per row, the largest (or smallest) uint32 threshold t for which `holds(t)` [rows] is true, where `holds` is
-    monotone in t and true at the end of the range searched toward: 32 bisection steps over all keys, each one
-    reduction over the row (no sort: XLA's CPU sort of a 64 x 8192 batch costs about 40 decode steps)."""
-    rows = keys.shape[0]
-    low, high = jnp.zeros(rows, jnp.uint32), jnp.full(rows, 0xFFFFFFFF, jnp.uint32)
-
-    def step(_: int, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        low, high = bounds
-        half = (high - low) >> 1
-        if largest:  # invariant: holds(low)
-            mid = low + half + ((high - low) & 1)
-            ok = holds(mid)
-            return jnp.where(ok, mid, low), jnp.where(ok, high, mid - 1)
-        mid = low + half  # invariant: holds(high)
-        ok = holds(mid)
-        return jnp.where(ok, low, mid + 1), jnp.where(ok, mid, high)
-
-    low, high = jax.lax.fori_loop(0, 32, step, (low, high))
-    return low if largest else high
-
-
-def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: SamplerKind) -> jax.Array:
-    """Masks (to -inf) tokens outside the top-k, then outside the smallest set of most likely tokens whose
-    probability (renormalised after top-k) reaches top_p. scaled [rows, vocab]; top_k, top_p [rows]. Ties with the
-    last kept value are kept. Both cut-offs are exact thresholds found by bisection on the values' bit patterns:
-    the k-th largest value, and the smallest value v with less than top_p of the mass strictly above it."""
-    if not (kind.top_k or kind.top_p):
-        return scaled
-    keys = _order_keys(scaled)
-    if kind.top_k:
-        k = jnp.clip(top_k, 1, scaled.shape[-1])
-        kth = _search_keys(keys, lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= k, largest=True)
-        keep = (top_k[:, None] <= 0) | (keys >= kth[:, None])
-        scaled = jnp.where(keep, scaled, NEG_INF)
-        keys = jnp.where(keep, keys, 0)
-    if kind.top_p:
-        probs = jax.nn.softmax(scaled, axis=-1)
-
-        def mass_above_below_p(t: jax.Array) -> jax.Array:
-            return jnp.sum(jnp.where(keys > t[:, None], probs, 0.0), axis=-1) < top_p
-
-        last_kept = _search_keys(keys, mass_above_below_p, largest=False)
-        keep = (top_p[:, None] >= 1.0) | (keys >= last_kept[:, None])
-        scaled = jnp.where(keep, scaled, NEG_INF)
-    return scaled
-
-
 def inverse_cdf_sample(logits: jax.Array, uniform: jax.Array) -> jax.Array:
     """Per row, the token whose cumulative probability interval under softmax(logits) holds `uniform` [rows] in
     [0, 1): one random number per row instead of noise over the whole vocabulary (drawing that noise cost about 4x
@@ -196,16 +146,19 @@ def sample_tokens(
     top_k: jax.Array,
     top_p: jax.Array,
     kind: SamplerKind,
+    filter_method: FilterMethod | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row. logits [rows, vocab] float32; keys [rows, 2] raw key data; steps [rows] (index of
-    the token in its response); temperature/top_k/top_p [rows]. Returns (tokens int32, logprobs float32)."""
+    the token in its response); temperature/top_k/top_p [rows]; `filter_method` None: by platform. Returns (tokens
+    int32, logprobs float32): the log probs are taken before top-k / top-p (module docstring), so they are not the
+    probabilities the tokens were drawn with when a filter is on."""
     logits = logits.astype(jnp.float32)
     greedy = temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     logprobs_all = jax.nn.log_softmax(scaled, axis=-1)
     tokens = _first_max_index(logits)
     if kind.sampled:
-        filtered = filter_logits(scaled, top_k, top_p, kind)
+        filtered = filter_logits(scaled, top_k, top_p, kind, filter_method)
 
         def uniform(key: jax.Array, step: jax.Array) -> jax.Array:
             return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key), step))
