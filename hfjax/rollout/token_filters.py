@@ -22,15 +22,20 @@ likely token count as 0 (at most vocab * 2^-30 of the largest weight in all, 1.4
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from hfjax.models.program import program_platform
 
-if TYPE_CHECKING:
-    from hfjax.rollout.sampling import SamplerKind
+
+class FilterSwitches(Protocol):
+    """Which filters the compiled step has (`sampling.SamplerKind` is one)."""
+
+    top_k: bool
+    top_p: bool
+
 
 FilterMethod = Literal["bisection", "candidates"]
 FILTER_METHODS: tuple[str, ...] = ("bisection", "candidates")
@@ -48,7 +53,7 @@ def default_filter_method() -> FilterMethod:
 
 
 def filter_logits(
-    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: SamplerKind, method: FilterMethod | None = None
+    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: FilterSwitches, method: FilterMethod | None = None
 ) -> jax.Array:
     """`scaled` [rows, vocab] with the tokens outside top-k, then outside top-p (the module's rule), set to -inf.
     top_k [rows] (<= 0: off), top_p [rows] (>= 1: off); `method` None picks by platform."""
@@ -132,7 +137,7 @@ def _search_keys(keys: jax.Array, holds: Callable[[jax.Array], jax.Array], large
     return low if largest else high
 
 
-def _filter_by_bisection(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: SamplerKind) -> jax.Array:
+def _filter_by_bisection(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: FilterSwitches) -> jax.Array:
     """Both thresholds as exact bit-pattern keys: the k-th largest value, and the smallest value with less than
     top_p of the mass strictly above it."""
     keys = _order_keys(scaled)
@@ -152,7 +157,7 @@ def _filter_by_bisection(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, 
 
 
 def _filter_over_candidates(
-    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: SamplerKind, count: int
+    scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, kind: FilterSwitches, count: int
 ) -> tuple[jax.Array, jax.Array]:
     """The filters with thresholds read from the `count` largest values of each row; returns the filtered logits
     and, per row, whether those values sufficed (always true at count = vocab)."""
