@@ -27,6 +27,7 @@ import jax  # noqa: E402 (after the environment above)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items: list) -> None:
     """With `pytest -n N` (pytest-xdist, `--dist loadgroup` as scripts/test.sh runs it) each file's tests stay on one
     worker, so a module's fixtures (tiny models, compiled programs) are built once, and every test that uses the

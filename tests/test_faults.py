@@ -499,7 +499,15 @@ def test_a_call_past_its_deadline_is_reported_and_a_busy_worker_is_not(ray_clust
 
 
 def _worker_pids() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if "ray::WorkerHost" in " ".join(p.info["cmdline"] or [])]
+    mine = psutil.Process().children(recursive=True)  # this test process's cluster only (not another pytest worker's)
+    return [p.pid for p in mine if "ray::WorkerHost" in " ".join(_cmdline(p))]
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # ended meanwhile
+        return []
 
 
 def _when(condition, action, timeout_s: float = 300) -> threading.Thread:
