@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -214,13 +215,6 @@ def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tm
     run_dir = tmp_path / "run"
     config = rl_config(inputs, run_dir, "grpo", trainer={"total_steps": 50, "save_freq": 1, "progress": False})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     actor, trainer = run_dir / "checkpoints" / "actor", run_dir / "checkpoints" / "trainer"
     kill = signal_name.startswith("SIGKILL")
 
@@ -229,18 +223,9 @@ def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tm
             return False
         return any("tmp" in p.name for p in actor.glob("*")) if kill else len(read_metrics(run_dir)) >= 1
 
-    try:
-        deadline = time.monotonic() + 300
-        while not due():
-            assert driver.poll() is None and time.monotonic() < deadline, "the run ended before the fault"
-            time.sleep(0.005)
-        driver.send_signal(signal.SIGKILL if kill else signal.SIGINT)
-        _, stderr = driver.communicate(timeout=120)
-    finally:
-        driver.kill()
-        driver.wait()
+    returncode, stderr, _ = _signal_train(tmp_path / "run.yaml", due, signal.SIGKILL if kill else signal.SIGINT)
     if not kill:
-        assert driver.returncode == 130
+        assert returncode == 130
         assert stderr.strip().splitlines()[-1].startswith("hfjax train: interrupted; the workers are stopped")
         assert "Traceback" not in stderr
     complete = sorted(int(p.name) for p in trainer.iterdir() if p.name.isdigit())
@@ -249,6 +234,30 @@ def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tm
     assert len(resumed) == 1
     steps = [m["step"] for m in read_metrics(run_dir)]
     assert steps == list(range(1, complete[-1] + 2))
+
+
+def _signal_train(config: Path, due: Callable[[], bool], signum: int) -> tuple[int, str, float]:
+    """Runs `hfjax train config` in a subprocess, sends it `signum` once `due()` (polled), and returns its exit code,
+    its stderr and the seconds from the signal to its exit."""
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "hfjax.cli", "train", str(config)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not due():
+            assert driver.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
+            time.sleep(0.005)
+        driver.send_signal(signum)
+        sent = time.monotonic()
+        _, stderr = driver.communicate(timeout=120)
+        return driver.returncode, stderr, time.monotonic() - sent
+    finally:
+        driver.kill()
+        driver.wait()
 
 
 def _spans_of(run_dir: Path, step_index: int) -> list[dict]:
@@ -264,26 +273,9 @@ def test_sigterm_mid_step_saves_that_step_and_the_resumed_run_equals_an_uninterr
     trainer = {"total_steps": 50, "save_freq": 0, "backend": backend, "preemption_grace_s": grace}
     config = rl_config(inputs, run_dir, "grpo", trainer=trainer)  # save_freq 0: only the preemption can save
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while not _spans_of(run_dir, 1):  # a span of step 2 (index 1) ended: that step is under way
-            assert driver.poll() is None and time.monotonic() < deadline, "the run ended before the SIGTERM"
-            time.sleep(0.005)
-        driver.send_signal(signal.SIGTERM)
-        sent = time.monotonic()
-        _, stderr = driver.communicate(timeout=120)
-        took = time.monotonic() - sent
-    finally:
-        driver.kill()
-        driver.wait()
-    assert driver.returncode == 143, stderr[-3000:]
+    # due once a span of step 2 (index 1) ended: that step is under way
+    returncode, stderr, took = _signal_train(tmp_path / "run.yaml", lambda: bool(_spans_of(run_dir, 1)), signal.SIGTERM)
+    assert returncode == 143, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     saved = re.fullmatch(r"hfjax train: preempted \(SIGTERM\): step (\d+) saved; run the same command to resume", last)
     assert saved, stderr[-3000:]
