@@ -135,6 +135,11 @@ class Layout:
     def axis_size(self, name: str) -> int:
         return dict(self.axes)[name]
 
+    @property
+    def batch_parts(self) -> int:
+        """How many parts the mesh axes of the `batch` rule split rows into."""
+        return math.prod(self.axis_size(a) for a in dict(self.rules).get("batch", ()))
+
     @functools.cached_property
     def mesh(self) -> Mesh:
         """The mesh over `device_ids` (in that order) of `device_pool` (default: all of `jax.devices()`); sizes must

@@ -173,7 +173,7 @@ class JaxEngine:
     def batch_parts(self) -> int:
         """How many parts the layout's batch mesh axes split rows into: a prefill of a multiple of this many rows
         computes each row on one part only (fewer rows, or rows that do not divide, are computed on every part)."""
-        return math.prod(self.layout.axis_size(a) for a in dict(self.layout.rules).get("batch", ()))
+        return self.layout.batch_parts
 
     def get_prefix_destination_sharding(self) -> NamedSharding:
         """Where a prefix's rows live: split over the layout's batch mesh axes (each part prefills its own rows; a

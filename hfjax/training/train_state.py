@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -77,7 +76,7 @@ def place_batch(layout: Layout, batch: Mapping[str, np.ndarray]) -> dict[str, ja
         shape = (value.shape[0] * processes, *value.shape[1:])
         sharding = batch_sharding(layout, shape)
         if not sharding.spec or sharding.spec[0] is None:
-            parts = math.prod(layout.axis_size(a) for a in dict(layout.rules).get("batch", ()))
+            parts = layout.batch_parts
             raise LayoutError(
                 f"place_batch: a micro-batch of {shape[0]} rows ({value.shape[0]} per process) cannot be split over "
                 f"the batch mesh axes of {layout.describe()} ({parts} parts); with several hosts make micro-batch "
