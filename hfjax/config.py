@@ -342,6 +342,7 @@ class RLConfig:
         if self.trainer.placement == "disaggregated" and self.trainer.backend != "ray":
             raise ValueError("trainer.placement=disaggregated runs two worker groups: it needs trainer.backend=ray")
         self._resolve_rollout_correction()
+        self._check_packed_rows()
         self._check_layouts()
 
     def _resolve_rollout_correction(self) -> None:
@@ -389,6 +390,16 @@ class RLConfig:
         if placement == "split":
             return [["actor"], roles[1:]]
         return [[name] for name in roles]
+
+    def _check_packed_rows(self) -> None:
+        """A packed row holds at least one whole sequence: `packed_row_tokens` >= the longest prompt + response."""
+        longest = self.data.max_prompt_length + self.rollout.response_length
+        for name, section in (("actor", self.actor), ("critic", self.critic)):
+            if 0 < section.packed_row_tokens < longest:
+                raise ValueError(
+                    f"{name}.packed_row_tokens={section.packed_row_tokens}: a packed row holds whole sequences, "
+                    f"expected 0 (off) or at least data.max_prompt_length + rollout.response_length = {longest}"
+                )
 
     def _check_layouts(self) -> None:
         """Every configured layout has the devices of its role's group; generation over several hosts keeps each

@@ -132,6 +132,48 @@ def test_right_padded_lengths(implementation, dtype):
         assert_close(got, expected, np.ones(real.shape, bool), dtype)
 
 
+def _packed_segments() -> np.ndarray:
+    """Two rows of 12 positions: sequences of 5, 4 and 2 tokens then one of padding; one of 12 tokens."""
+    return np.asarray([[1] * 5 + [2] * 4 + [3] * 2 + [0], [1] * 12], np.int32)
+
+
+def _separate_sequences(segments: np.ndarray, window: int | None) -> np.ndarray:
+    """What each query sees when every segment is its own sequence: its earlier keys of the same segment (within the
+    window), padding nothing; [b, t, t], built one (row, query) at a time."""
+    b, t = segments.shape
+    allowed = np.zeros((b, t, t), bool)
+    for row, query in np.ndindex(b, t):
+        for key in range(query + 1):
+            near = window is None or query - key < window
+            allowed[row, query, key] = near and segments[row, key] == segments[row, query] != 0
+    return allowed
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas_interpret", "cudnn_translation"])
+@pytest.mark.parametrize(("dtype", "window"), [(jnp.float32, None), (jnp.float32, 3), (BF16, None)])
+def test_packed_segments_attend_only_within_their_sequence(implementation, dtype, window):
+    """Several sequences packed in a row (segment ids 1, 2, ...; 0 padding): every implementation gives each real
+    token what it would see in its own sequence (float64 reference), gradients included."""
+    segments = _packed_segments()
+    q, k, v = qkv_inputs(4, 2, 12, 4, 2, 8, dtype)
+    index = jnp.arange(12)
+    mask = attention_mask(jnp.asarray(segments), index, index, window)
+    allowed = _separate_sequences(segments, window)
+    np.testing.assert_array_equal(np.asarray(mask), allowed)
+    if implementation == "cudnn_translation":
+        fn = lambda q, k, v: cudnn_attention(q, k, v, valid=segments, window=window, implementation="xla")  # noqa: E731
+    else:  # as DecoderLayer passes them: the segments beside the mask (its diagonal has no segment ids)
+        fn = lambda q, k, v: causal_attention(  # noqa: E731
+            q, k, v, valid=jnp.asarray(segments), mask=mask, window=window, implementation=implementation
+        )
+    real = segments > 0
+    out, grads = output_and_grads(fn, q, k, v, jnp.asarray(real))
+    assert_close(out, numpy_attention(q, k, v, allowed), real, dtype)
+    _, want_grads = output_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask), q, k, v, jnp.asarray(real))
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert_close(got, expected, np.ones(real.shape, bool), dtype)
+
+
 def test_cudnn_falls_back_to_xla_where_unsupported():
     q, k, v = qkv_inputs(3, 2, 8, 4, 2, 8, jnp.float32)  # float32: not for cuDNN
     valid = left_padded(8, [8, 5])

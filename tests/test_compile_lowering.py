@@ -51,3 +51,20 @@ def test_every_program_lowers_for_the_target(monkeypatch, platform, lowering):
             assert kernels == 0, f"{trace.group} {trace.program}: a TPU kernel in a {lowering} program"
     engine = JaxEngine(abstract_model(SHAPE, "causal_lm", "bfloat16"), gen, max_prefill_length=128, max_new_tokens=128)
     assert engine.block == (128 if platform == "tpu" else 32)  # 256 positions: one lane-wide block on a TPU
+
+
+@pytest.mark.parametrize("platform,lowering", [("tpu", "tpu"), ("gpu", "cuda")])
+def test_packed_programs_lower_for_the_target(monkeypatch, platform, lowering):
+    """With `packed_row_tokens` the actor's and critic's gradient and pass programs take packed rows (segment ids in
+    the attention: splash segment ids on a TPU, a cuDNN mask on a GPU) and still lower for the target."""
+    monkeypatch.setattr(Layout, "platform", property(lambda self: platform))
+    packed = {section: {**CONFIG[section], "packed_row_tokens": 512} for section in ("actor", "critic")}
+    cfg = load_rl_config({**CONFIG, **packed, "actor": {**packed["actor"], "use_kl_loss": False}})
+    train, gen = Layout.from_config(TRAIN), Layout.from_config(GEN)
+    traces = [t for t in actor_programs(cfg, SHAPE, train, gen) if t.program in ("loss+grad", "log probs")]
+    traces += [t for t in critic_programs(cfg, SHAPE, train) if t.program in ("loss+grad", "values")]
+    assert len(traces) == 4
+    for trace in traces:
+        text = trace.traced.lower(lowering_platforms=(lowering,)).as_text()
+        assert "tensor<4x512xi32>" in text  # one packed row of 512 tokens per batch part (fsdp=4)
+        assert bool(text.count("tpu_custom_call")) == (platform == "tpu"), f"{trace.group} {trace.program}"

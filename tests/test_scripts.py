@@ -22,6 +22,7 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
     "bench_forward.py": (["--tiny"], "out.json", REPORT_KEYS | {"relative_error", "params"}),
     "bench_generate.py": (["--tiny"], "out.json", REPORT_KEYS | {"decode_steps", "floor_step_ms"}),
     "bench_load.py": (["--tiny"], "out.json", REPORT_KEYS | {"checkpoint_bytes", "raw"}),
+    "bench_packing.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_loss", "real_tokens", "sequences"}),
     "bench_sampler.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_tokens", "slots", "vocab"}),
     "peers/trl_grpo.py": (["--tiny"], "out.json", {"peer"}),
 }

@@ -1,5 +1,6 @@
-"""Micro-batches without their all-padding columns (`actor.trim_padding`, `critic.trim_padding`): the columns cut
-are exactly the shared padding, and log probs, values and an update equal those of the full-width batch."""
+"""Micro-batches without their all-padding columns (`actor.trim_padding`, `critic.trim_padding`) and packed
+micro-batches (`packed_row_tokens`): the columns cut are exactly the shared padding, and log probs, values and an
+update equal those of the full-width batch."""
 
 from __future__ import annotations
 
@@ -85,20 +86,24 @@ def _record_widths(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
-def test_trimmed_micro_batches_give_the_full_width_results(inputs, monkeypatch, role):
+def test_trimmed_and_packed_micro_batches_give_the_full_width_results(inputs, monkeypatch, role):
+    """Trimmed micro-batches (`trim_padding`) and packed ones (`packed_row_tokens`) against full-width padded ones:
+    per-token log probs or values, the update's metrics and the updated parameters."""
     base = rl_config(inputs, "unused", "ppo")
     # Adam with eps 1 steps by about lr * gradient: the new parameters then differ only as much as the gradients do
     # (with eps 1e-8 the first step is lr * sign(gradient), which flips on rounding where a gradient is ~0).
     optim = {"lr": 1e-3, "eps": 1.0}
-    base["actor"].update(ppo_mini_batch_size=8, micro_batch_size=4, use_kl_loss=False, entropy_coeff=0.01, optim=optim)
+    actor_settings = dict(use_kl_loss=False, entropy_coeff=0.01, loss_agg_mode="seq-mean-token-mean")
+    base["actor"].update(ppo_mini_batch_size=8, micro_batch_size=4, optim=optim, **actor_settings)
     base["critic"].update(ppo_mini_batch_size=8, micro_batch_size=4, optim=optim)
     cfg = load_rl_config(base)
+    modes = {"full": dict(trim_padding=False), "trim": dict(trim_padding=True), "packed": dict(packed_row_tokens=96)}
     results = {}
     recorded = _record_widths(monkeypatch)
-    for trim in (False, True):
+    for mode, settings in modes.items():
         recorded.clear()
         if role == "actor":
-            actor = dataclasses.replace(cfg.actor, trim_padding=trim)
+            actor = dataclasses.replace(cfg.actor, **settings)
             group = LocalWorkerGroup(ActorRolloutRefWorker, actor, cfg.rollout, "actor", max_prompt_length=40)
             group.init_model()
             data = DataProto.from_dict(_batch(group.worker.policy.config.vocab_size, group.worker.pad_id))
@@ -106,21 +111,26 @@ def test_trimmed_micro_batches_give_the_full_width_results(inputs, monkeypatch, 
             data.batch["old_log_probs"] = per_token
             metrics = group.update_actor(data).meta_info["metrics"]
         else:
-            critic = dataclasses.replace(cfg.critic, trim_padding=trim)
+            critic = dataclasses.replace(cfg.critic, **settings)
             group = LocalWorkerGroup(CriticWorker, critic)
             group.init_model()
             data = DataProto.from_dict(_batch(group.worker.critic.config.vocab_size, 0))
             per_token = group.compute_values(data).batch["values"]
             metrics = group.update_critic(data).meta_info["metrics"]
         params = jax.tree.map(np.asarray, group.worker.state.params)
-        results[trim] = per_token, metrics, params, set(recorded)
-    (full, full_metrics, full_params, full_widths), (cut, cut_metrics, cut_params, cut_widths) = results[0], results[1]
-    assert full_widths == {PROMPT_WIDTH + RESPONSE_LENGTH}
-    assert min(cut_widths) < PROMPT_WIDTH + RESPONSE_LENGTH  # trimming happened
+        results[mode] = per_token, metrics, params, list(recorded)
+    full, full_metrics, full_params, full_widths = results["full"]
+    assert set(full_widths) == {PROMPT_WIDTH + RESPONSE_LENGTH}
+    assert min(results["trim"][3]) < PROMPT_WIDTH + RESPONSE_LENGTH  # trimming happened
+    # packed: 169 tokens of 8 sequences in rows of <= 96 (94 and 75 tokens): the pass runs one micro-batch, one row
+    # per device of the default fsdp=8 layout
+    assert results["packed"][3] == [96]
     mask = data.batch["response_mask"].astype(bool)
-    np.testing.assert_allclose(cut[mask], full[mask], rtol=0, atol=2e-6)
-    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
-        if key in full_metrics:
-            assert cut_metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-7), key
-    for got, want in zip(jax.tree.leaves(cut_params), jax.tree.leaves(full_params), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    for mode in ("trim", "packed"):
+        got, got_metrics, got_params, _ = results[mode]
+        np.testing.assert_allclose(got[mask], full[mask], rtol=0, atol=2e-6, err_msg=mode)
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+            if key in full_metrics:
+                assert got_metrics[key] == pytest.approx(full_metrics[key], rel=1e-5, abs=1e-7), (mode, key)
+        for got_leaf, want in zip(jax.tree.leaves(got_params), jax.tree.leaves(full_params), strict=True):
+            np.testing.assert_allclose(got_leaf, want, rtol=1e-5, atol=1e-7, err_msg=mode)

@@ -47,6 +47,14 @@ def test_critic_micro_batch_zero_is_a_config_error_not_zero_division():
     assert message.startswith("critic.micro_batch_size: expected >= 1, got 0")
 
 
+def test_a_packed_row_must_hold_the_longest_sequence():
+    message = config_error(["data.max_prompt_length=64", "rollout.response_length=512", "actor.packed_row_tokens=500"])
+    assert "actor.packed_row_tokens=500: a packed row holds whole sequences" in message
+    assert "at least data.max_prompt_length + rollout.response_length = 576" in message
+    assert config_error(["critic.packed_row_tokens=-1"]).startswith("critic.packed_row_tokens: expected >= 0, got -1")
+    load_rl_config(BASE, ["data.max_prompt_length=64", "rollout.response_length=512", "actor.packed_row_tokens=576"])
+
+
 @pytest.mark.parametrize("field", ["ppo_mini_batch_size", "micro_batch_size", "ppo_epochs"])
 def test_negative_critic_sizes_are_rejected_at_load(field):
     message = config_error(["algorithm.name=ppo", f"critic.{field}=-4"])

@@ -4,7 +4,8 @@ target's compile-only devices, or this machine's), with what each needs per devi
 Each program is the one the workers run, built by the same functions (`actor_loss`, `critic_loss`, the train state's
 gradient and optimizer programs, the row programs of log probs and values, the engine's prefill and decode), at the
 largest shapes a run of the config reaches: a micro-batch of `micro_batch_size` rows of `max_prompt_length +
-response_length` tokens, the engine's `rollout.slots` and its longest prefill bucket. The weights are
+response_length` tokens (with `packed_row_tokens`: one packed row of that many tokens per batch part), the engine's
+`rollout.slots` and its longest prefill bucket. The weights are
 `jax.ShapeDtypeStruct`s: nothing is allocated, so a 70B model compiles on a laptop.
 
 Each program comes as a `ProgramTrace` (the traced program): `measure` compiles it for its devices, and
@@ -48,7 +49,9 @@ from hfjax.workers.actor import actor_loss, response_logprobs
 from hfjax.workers.critic import critic_loss, response_values
 from hfjax.workers.generation import sampling_params
 from hfjax.workers.model_role import rows_program
+from hfjax.workers.packing import PACKED_LABELS, PACKED_POSITIONS, RESPONSE_INDEX
 from hfjax.workers.reward_model import sequence_scores
+from hfjax.workers.sequences import SEQUENCE_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +170,34 @@ def sequence_batch(layout: Layout, rows: int, prompt: int, response: int, extra:
     return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(layout, s)) for k, (s, d) in shapes.items()}
 
 
+def packed_batch(layout: Layout, row_tokens: int, response: int, extra: Sequence[str]) -> dict[str, Any]:
+    """The largest packed micro-batch of `row_tokens` tokens per row (`hfjax.workers.packing`) as
+    `ShapeDtypeStruct`s: one row per batch part, every token a response token, and as many sequence rows as
+    sequences of two tokens would fill (the per-sequence arrays hold no vocabulary dimension: small either way)."""
+    parts = layout.batch_parts
+    seqs = parts * (1 << max(row_tokens // 2 - 1, 0).bit_length())
+    batch = sequence_batch(layout, seqs, 0, response, extra)
+    del batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    shapes = {
+        **dict.fromkeys(SEQUENCE_KEYS, (parts, row_tokens)),
+        PACKED_POSITIONS: (parts, row_tokens),
+        PACKED_LABELS: (parts, row_tokens),
+        RESPONSE_INDEX: (seqs, response),
+    }
+    for key, shape in shapes.items():
+        batch[key] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout, shape))
+    return batch
+
+
+def micro_batch(cfg: RLConfig, section: Any, layout: Layout, extra: Sequence[str]) -> dict[str, Any]:
+    """The largest micro-batch of a trained role's `section` (actor or critic config): packed when it sets
+    `packed_row_tokens`, else `micro_batch_size` rows of the longest prompt and response."""
+    response = cfg.rollout.response_length
+    if section.packed_row_tokens:
+        return packed_batch(layout, section.packed_row_tokens, response, extra)
+    return sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, response, extra)
+
+
 def _train_programs(
     group: str,
     model: AbstractModel,
@@ -228,7 +259,7 @@ def actor_programs(
     """The policy group's programs: the actor's update, its log-prob pass, the reference's, and generation;
     `others`: bytes per device that colocated roles keep meanwhile."""
     actor, rollout = cfg.actor, cfg.rollout
-    prompt, response = cfg.data.max_prompt_length, rollout.response_length
+    response = rollout.response_length
     policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype, actor.remat)
     optimizer = make_optimizer(actor.optim, None)
     opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.params, layout))
@@ -236,10 +267,10 @@ def actor_programs(
     ref = policy.cast(actor.dtype) if has_ref else None
     ref_bytes = (bytes_per_device(ref) if has_ref else 0) + others
     extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
-    batch = sequence_batch(layout, actor.micro_batch_size, prompt, response, extra)
+    batch = micro_batch(cfg, actor, layout, extra)
     loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
     yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
-    rows = sequence_batch(layout, actor.micro_batch_size, prompt, response, ())
+    rows = micro_batch(cfg, actor, layout, ())
     temperature = rollout.temperature
 
     def logprob(model: Any, b: dict) -> dict:
@@ -295,13 +326,13 @@ def engine_programs(
 
 def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: int = 0) -> Iterator[ProgramTrace]:
     """The critic's update and its value pass; `others`: bytes per device that colocated roles keep meanwhile."""
-    critic, prompt, response = cfg.critic, cfg.data.max_prompt_length, cfg.rollout.response_length
+    critic, response = cfg.critic, cfg.rollout.response_length
     model = AbstractModel.build(shape, "token_cls", layout, critic.dtype, critic.param_dtype, critic.remat)
     optimizer = make_optimizer(critic.optim, None)
-    batch = sequence_batch(layout, critic.micro_batch_size, prompt, response, ("values", "returns", "response_mask"))
+    batch = micro_batch(cfg, critic, layout, ("values", "returns", "response_mask"))
     loss_fn = functools.partial(critic_loss, critic, response)
     yield from _train_programs("critic", model, optimizer, critic.optim.grad_clip, loss_fn, batch, others)
-    rows = sequence_batch(layout, critic.micro_batch_size, prompt, response, ())
+    rows = micro_batch(cfg, critic, layout, ())
     opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, model.params, layout))
 
     def values(m: Any, b: dict) -> dict:

@@ -4,8 +4,9 @@ backend.
 
 Both are grouped-query attention (query head h reads kv head h // (heads // kv_heads)) with scores and softmax in
 float32. A query at position i sees the keys at positions j <= i that are real and, with a sliding `window`, have
-i - j < window. A query with no key to see (a padding row) has an unspecified output that differs between
-implementations, but is never NaN; real rows never see padding, so padding rows cannot reach them.
+i - j < window, and, when a row packs several sequences (segment ids), only keys of its own sequence. A query with
+no key to see (a padding row) has an unspecified output that differs between implementations, but is never NaN;
+real rows never see padding, so padding rows cannot reach them.
 
 Implementations (`IMPLEMENTATIONS`):
 - `xla`: plain XLA (the reference, and the default on CPU).
@@ -82,12 +83,15 @@ def resolve_implementation(implementation: str | None = None) -> str:
     )
 
 
-def attention_mask(valid: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
-    """Boolean [batch, queries, keys]: causal, keys valid, and within the sliding window when one is set."""
+def attention_mask(segments: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
+    """Boolean [batch, positions, positions] over `segments` [batch, positions] (0: padding; a row of 0/1 is one
+    sequence, several increasing ids are packed sequences): causal, within the sliding window when one is set, and
+    a query sees only real keys of its own segment."""
     allowed = key_index[None, :] <= query_index[:, None]
     if window is not None:
         allowed &= query_index[:, None] - key_index[None, :] < window
-    return allowed[None, :, :] & valid[:, None, :].astype(bool)
+    same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
+    return allowed[None, :, :] & same
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -173,8 +177,9 @@ def cudnn_attention(
 ) -> jax.Array:
     """Causal self-attention as `jax.nn.dot_product_attention` arguments (its `implementation`: `cudnn`, or `xla` to
     run the same arguments through jax's XLA version, as CPU tests do). `lengths` [b] (real keys first) become
-    sequence lengths; `valid` [b, t] becomes the mask valid[query] == valid[key], so that a padding query sees
-    padding keys and no row is empty. Causality and the window are cuDNN's own masks (it skips what they hide)."""
+    sequence lengths; `valid` [b, t] (0/1, or packed segment ids) becomes the mask valid[query] == valid[key], so
+    that a padding query sees padding keys and no row is empty. Causality and the window are cuDNN's own masks (it
+    skips what they hide)."""
     local = None if window is None else (window - 1, 0)
     if lengths is not None:
         lengths = lengths.astype(jnp.int32)
@@ -189,7 +194,6 @@ def cudnn_attention(
             implementation=implementation,
         )
     assert valid is not None, "cudnn_attention needs valid or lengths"
-    valid = valid.astype(bool)
     same = valid[:, None, :, None] == valid[:, None, None, :]
     return jax.nn.dot_product_attention(
         q, k, v, mask=same, is_causal=True, local_window_size=local, implementation=implementation
@@ -209,11 +213,13 @@ def causal_attention(
 ) -> jax.Array:
     """Causal self-attention of a batch: q [b, t, heads, d]; k, v [b, t, kv_heads, d] -> [b, t, heads, d].
 
-    The real keys are `valid` [b, t] (any pattern, e.g. left padding), or `lengths` [b] (the first lengths[b] of each
-    row: right padding), or else the diagonal of `mask`, which must then be `attention_mask(valid, index, index,
-    window)` [b, t, t]. The xla implementation uses `mask` when given (one mask can serve every layer of a window)
-    and builds it otherwise; the others use the structured form. Under an `program_layout` of several devices a
-    Pallas kernel runs per shard (xla where the operands do not split by the layout)."""
+    The real keys are `valid` [b, t] (any 0/1 pattern, e.g. left padding; or the segment ids of packed sequences,
+    `attention_mask`), or `lengths` [b] (the first lengths[b] of each row: right padding), or else the diagonal of
+    `mask`, which must then be `attention_mask(valid, index, index, window)` [b, t, t]. The xla implementation uses
+    `mask` when given (one mask can serve every layer of a window) and builds it otherwise; the others use the
+    structured form (pass `valid` with `mask` for packed segments: a diagonal holds no segment ids). Under an
+    `program_layout` of several devices a Pallas kernel runs per shard (xla where the operands do not split by the
+    layout)."""
     if valid is None and lengths is None and mask is None:
         raise ValueError("causal_attention needs valid, lengths or mask")
     name = resolve_implementation(implementation)

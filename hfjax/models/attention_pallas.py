@@ -74,7 +74,8 @@ def splash_causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, window: int | None, *, interpret: bool
 ) -> jax.Array:
     """Causal self-attention by splash attention: q [b, t, heads, d]; k, v [b, t, kv_heads, d]; valid [b, t] (real
-    keys) -> [b, t, heads, d]. Differentiable (splash attention's own backward kernels)."""
+    keys 1, or the segment ids of packed sequences; padding 0) -> [b, t, heads, d]. Differentiable (splash
+    attention's own backward kernels)."""
     _, t, heads, d = q.shape
     pad = -t % LANES
 

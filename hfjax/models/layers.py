@@ -184,9 +184,14 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, param_dtype, rngs, std)
         self.window = window
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        """The block over a batch; `mask` is `attention_mask(valid, index, index, self.window)` [b, t, t]."""
-        return self.block(x, cos, sin, lambda q, k, v: causal_attention(q, k, v, mask=mask, window=self.window))
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, segments: jax.Array) -> jax.Array:
+        """The block over a batch of `segments` [b, t] (0/1 real tokens, or packed segment ids); `mask` is
+        `attention_mask(segments, index, index, self.window)` [b, t, t]."""
+
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            return causal_attention(q, k, v, valid=segments, mask=mask, window=self.window)
+
+        return self.block(x, cos, sin, attend)
 
     def block(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: Attend) -> jax.Array:
         """The residual block with the attention step given as `attend(q, k, v) -> attended` (a full forward

@@ -1,7 +1,9 @@
 """The decoder backbone and its three heads: `CausalLM`, `SequenceClassifier` (reward/cost), `Critic` (values).
 
 Inputs are batched and may be left-padded: `attention_mask` [batch, length] is 1 on real tokens; positions default
-to `cumsum(mask) - 1`, as HF `generate` computes them. Outputs are float32.
+to `cumsum(mask) - 1`, as HF `generate` computes them. A row may also pack several sequences: `attention_mask` then
+holds their segment ids (1, 2, ... along the row, 0 on padding), each attends only to itself and its positions
+restart at 0. Outputs are float32.
 The embedding and LM head have `padded_vocab_size` rows (zero beyond `vocab_size`); `CausalLM.logits` gives the
 padding columns `MASKED_SCORE`, so no softmax, sample or loss ever sees them, and `CausalLM.__call__` drops them.
 Imports `hfjax.models.attention`, `.config`, `.dense`, `.layers`, `.lm_head` and `.program`.
@@ -31,8 +33,15 @@ from hfjax.models.program import constrain
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
-    """Position ids for a left-padded batch: 0 at the first real token, 0 on padding."""
-    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+    """Position ids for a batch `mask` [batch, length]: 1 on real tokens (left padding allowed: `cumsum(mask) - 1`),
+    or the segment ids of sequences packed in a row, increasing along it (positions restart at 0 on each); 0 on
+    leading padding."""
+    segments = mask.astype(jnp.int32)
+    count = jnp.cumsum(segments > 0, axis=-1, dtype=jnp.int32)
+    before = jnp.pad(jax.lax.cummax(segments, axis=segments.ndim - 1), [(0, 0)] * (segments.ndim - 1) + [(1, 0)])
+    starts = segments > before[..., :-1]  # the first token of each segment
+    base = jax.lax.cummax(jnp.where(starts, count - 1, 0), axis=segments.ndim - 1)
+    return jnp.maximum(count - 1 - base, 0)
 
 
 def last_token_index(mask: jax.Array) -> jax.Array:
@@ -65,19 +74,17 @@ REMAT_POLICIES = {  # what a layer's backward keeps from its forward; the rest i
 REMAT = ("none", *REMAT_POLICIES)
 
 
-def _layer_step(
-    layer: DecoderLayer, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, remat: str
-) -> jax.Array:
-    """One decoder layer, under `jax.checkpoint` with the `remat` policy unless it is `none` (the layer's state is
-    split off so that the checkpointed function is pure)."""
+def _layer_step(layer: DecoderLayer, x: jax.Array, tables: tuple[jax.Array, ...], remat: str) -> jax.Array:
+    """One decoder layer over `tables` (cos, sin, mask, segments), under `jax.checkpoint` with the `remat` policy
+    unless it is `none` (the layer's state is split off so that the checkpointed function is pure)."""
     if remat == "none":
-        return layer(x, cos, sin, mask)
+        return layer(x, *tables)
     graphdef, state = nnx.split(layer)
 
-    def pure(state: nnx.State, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, state)(x, cos, sin, mask)
+    def pure(state: nnx.State, x: jax.Array, tables: tuple[jax.Array, ...]) -> jax.Array:
+        return nnx.merge(graphdef, state)(x, *tables)
 
-    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x, cos, sin, mask)
+    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x, tables)
 
 
 def set_remat(model: nnx.Module, remat: str) -> nnx.Module:
@@ -106,15 +113,17 @@ class Decoder(nnx.Module):
         self, input_ids: jax.Array, attention_mask_: jax.Array | None = None, positions: jax.Array | None = None
     ) -> jax.Array:
         batch, length = input_ids.shape
-        valid = jnp.ones((batch, length), jnp.int32) if attention_mask_ is None else attention_mask_
+        segments = (
+            jnp.ones((batch, length), jnp.int32) if attention_mask_ is None else attention_mask_.astype(jnp.int32)
+        )
         if positions is None:
-            positions = positions_from_mask(valid)
+            positions = positions_from_mask(segments)
         index = jnp.arange(length, dtype=jnp.int32)
-        masks = {w: attention_mask(valid, index, index, w) for w in {layer.window for layer in self.layers}}
+        masks = {w: attention_mask(segments, index, index, w) for w in {layer.window for layer in self.layers}}
         cos, sin = self.rotary(positions)
         x = constrain(self.embed(input_ids), RESIDUAL)
         for layer in self.layers:
-            x = _layer_step(layer, x, cos, sin, masks[layer.window], self.remat)
+            x = _layer_step(layer, x, (cos, sin, masks[layer.window], segments), self.remat)
         return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:

@@ -36,7 +36,7 @@ from hfjax.training.train_state import TrainState
 from hfjax.workers.config import ActorConfig, RolloutConfig
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
-from hfjax.workers.sequences import response_slice
+from hfjax.workers.packing import response_positions, to_response_rows
 from hfjax.workers.weight_sync import WeightShards, export_shards
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
@@ -47,10 +47,12 @@ def response_logprobs(
 ) -> tuple[jax.Array, jax.Array | None]:
     """(log probs, entropies or None) [rows, response] of the response tokens under logits / temperature: the
     vocabulary projection runs on the response positions only, a chunk of tokens at a time (never the whole
-    [rows, response, vocab] logits: `CausalLM.token_logprobs`)."""
+    [rows, response, vocab] logits: `CausalLM.token_logprobs`); of a packed micro-batch, on its response tokens only
+    (`hfjax.workers.packing`), with one row per sequence out."""
     hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-    response = response_slice(hidden, batch["responses"].shape[1])
-    return model.token_logprobs(response, batch["responses"], temperature=temperature, with_entropy=with_entropy)
+    response, labels = response_positions(hidden, batch)
+    logp, entropies = model.token_logprobs(response, labels, temperature=temperature, with_entropy=with_entropy)
+    return to_response_rows(logp, batch), None if entropies is None else to_response_rows(entropies, batch)
 
 
 def actor_loss(
@@ -227,8 +229,10 @@ class ActorRolloutRefWorker(TrainedRole):
     def _log_probs(self, jitted: Any, params: Any, data: DataProto) -> dict[str, np.ndarray]:
         keys = ("input_ids", "attention_mask", "position_ids", "responses")
         arrays = {k: data.batch[k] for k in keys}
-        trim = data.batch["responses"].shape[1] if self.cfg.trim_padding else None
-        return self.policy.map_rows(jitted, params, arrays, self.cfg.micro_batch_size, trim)
+        length = data.batch["responses"].shape[1]
+        packed = self.cfg.packed_row_tokens
+        trim = length if self.cfg.trim_padding or packed else None
+        return self.policy.map_rows(jitted, params, arrays, self.cfg.micro_batch_size, trim, packed)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     @reports_seconds
@@ -276,6 +280,7 @@ class ActorRolloutRefWorker(TrainedRole):
             cfg.micro_batch_size,
             "actor",
             trim=cfg.trim_padding,
+            row_tokens=cfg.packed_row_tokens,
         )
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)

@@ -28,8 +28,15 @@ KL_NAMES = (*KL_KINDS, *KL_ALIASES)
 
 
 def check_batch_sizes(section: Any) -> None:
-    """`ppo_epochs`, `ppo_mini_batch_size` and `micro_batch_size` are >= 1, and micro-batches divide a mini-batch."""
-    check_fields(section, ppo_epochs=AT_LEAST_1, ppo_mini_batch_size=AT_LEAST_1, micro_batch_size=AT_LEAST_1)
+    """`ppo_epochs`, `ppo_mini_batch_size` and `micro_batch_size` are >= 1, `packed_row_tokens` >= 0, and
+    micro-batches divide a mini-batch."""
+    check_fields(
+        section,
+        ppo_epochs=AT_LEAST_1,
+        ppo_mini_batch_size=AT_LEAST_1,
+        micro_batch_size=AT_LEAST_1,
+        packed_row_tokens=NON_NEGATIVE,
+    )
     mini, micro = section.ppo_mini_batch_size, section.micro_batch_size
     if mini % micro:
         raise ValueError(f"ppo_mini_batch_size: expected a multiple of micro_batch_size={micro}, got {mini}")
@@ -191,6 +198,11 @@ class ActorConfig:
     # Group rows by length and drop the columns that are padding in a whole micro-batch (prompts and responses, to
     # padded lengths 16, 24, 32, 48, 64, ...: a few more compiled shapes) in log-prob passes and updates.
     trim_padding: bool = True
+    # Padding-free micro-batches (verl's use_dynamic_bsz with ppo_max_token_len_per_gpu): > 0 packs the sequences of
+    # updates and log-prob passes several to a row, one row of at most this many tokens per batch part of the layout
+    # (data x fsdp shard) per micro-batch, instead of micro_batch_size padded rows. At least the longest prompt +
+    # response_length. 0: off.
+    packed_row_tokens: int = 0
     # Activation rematerialisation per decoder layer in the update's backward: "none" keeps every activation,
     # "full" keeps each layer's input and recomputes the rest (least memory, about a third more FLOPs), "dots"
     # keeps the matmul outputs and recomputes the elementwise work.
@@ -230,6 +242,7 @@ class CriticConfig:
     micro_batch_size: int = 8
     cliprange_value: float = 0.5
     trim_padding: bool = True  # as `ActorConfig.trim_padding`
+    packed_row_tokens: int = 0  # as `ActorConfig.packed_row_tokens`
     remat: Literal["none", "full", "dots"] = "none"  # as `ActorConfig.remat`
     loss_agg_mode: Literal[
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"

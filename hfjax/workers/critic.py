@@ -22,14 +22,16 @@ from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import TrainState
 from hfjax.workers.config import CriticConfig
 from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
-from hfjax.workers.sequences import response_slice
+from hfjax.workers.packing import response_positions, to_response_rows
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 def response_values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    """Values [rows, response] at the positions that predict the response tokens (of a packed micro-batch: one row
+    per sequence, `hfjax.workers.packing`)."""
     values = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-    return response_slice(values, batch["responses"].shape[1])
+    return to_response_rows(response_positions(values, batch)[0], batch)
 
 
 def critic_loss(
@@ -78,8 +80,9 @@ class CriticWorker(TrainedRole):
     def compute_values(self, data: DataProto) -> DataProto:
         """`values` [B, R]."""
         arrays = {k: data.batch[k] for k in VALUE_KEYS}
-        trim = arrays["responses"].shape[1] if self.cfg.trim_padding else None
-        out = self.critic.map_rows(self._values, self.state.params, arrays, self.cfg.micro_batch_size, trim)
+        packed = self.cfg.packed_row_tokens
+        trim = arrays["responses"].shape[1] if self.cfg.trim_padding or packed else None
+        out = self.critic.map_rows(self._values, self.state.params, arrays, self.cfg.micro_batch_size, trim, packed)
         return DataProto.from_dict({"values": out["values"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -99,4 +102,5 @@ class CriticWorker(TrainedRole):
             cfg.micro_batch_size,
             "critic",
             trim=cfg.trim_padding,
+            row_tokens=cfg.packed_row_tokens,
         )

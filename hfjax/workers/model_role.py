@@ -28,6 +28,7 @@ from hfjax.parallel import Layout
 from hfjax.protocol import PADDING_ROWS, ROW_IN_LOSS, DataProto
 from hfjax.training.checkpoint import CheckpointManager, UnreadableStepError
 from hfjax.training.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
+from hfjax.workers.packing import packed_micro_batches
 from hfjax.workers.sequences import trimmed_chunks
 
 
@@ -78,25 +79,30 @@ class LoadedModel:
         arrays: Mapping[str, np.ndarray],
         micro_batch_size: int,
         response_length: int | None = None,
+        row_tokens: int = 0,
     ) -> Any:
         """Runs `jitted(params, micro_batch)` over fixed-size micro-batches; concatenates the outputs (numpy),
         dropping the padding rows of the last micro-batch. With `response_length` (outputs [rows, response columns]),
         rows of similar lengths share micro-batches, each micro-batch drops its all-padding columns
-        (`trim_padding`), and the outputs come back in row order, zero-padded to `response_length` columns.
+        (`trim_padding`), and the outputs come back in row order, zero-padded to `response_length` columns; with
+        `row_tokens` too, the micro-batches are packed instead (`hfjax.workers.packing`: `micro_batch_size` unused).
         In a group of several processes, `arrays` are this process's rows, `micro_batch_size` counts the rows of
         the whole group (each process gives its share) and only this process's rows come back."""
         rows = len(next(iter(arrays.values())))
         local_rows = process_share(micro_batch_size, "micro_batch_size")
         if response_length is None:
             order, chunks = np.arange(rows), split_rows(arrays, local_rows)
+        elif row_tokens:
+            parts = packing_parts(self.layout)
+            order, chunks = packed_micro_batches(arrays, response_length, row_tokens, parts)
         else:
             order, chunks = trimmed_chunks(dict(arrays), local_rows, response_length)
         outputs = [jitted(params, place_batch(self.layout, chunk)) for chunk in chunks]  # all dispatched, then read
         host = [to_local(out) for out in outputs]
         if response_length is not None:
             host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
-        joined = jax.tree.map(lambda *parts: np.concatenate(parts)[:rows], *host)
-        return jax.tree.map(lambda x: x[np.argsort(order)], joined)
+        joined = jax.tree.map(lambda *parts: np.concatenate(parts)[: len(order)], *host)
+        return jax.tree.map(lambda x: _in_row_order(x, order, rows), joined)
 
 
 def rows_program(
@@ -135,6 +141,26 @@ def padding_masked(arrays: dict[str, np.ndarray], data: DataProto) -> dict[str, 
         arrays["response_mask"][-padding:] = 0
         arrays[ROW_IN_LOSS][-padding:] = False
     return arrays
+
+
+def packing_parts(layout: Layout) -> int:
+    """The packed rows this process gives each packed micro-batch: its share of the layout's batch parts."""
+    processes = jax.process_count()
+    if layout.batch_parts % processes:
+        raise ValueError(
+            f"packed_row_tokens: {layout.describe()} splits rows into {layout.batch_parts} parts, which its "
+            f"{processes} processes cannot share (one packed row per part); use a layout whose batch axes span "
+            "the processes, or packed_row_tokens: 0"
+        )
+    return layout.batch_parts // processes
+
+
+def _in_row_order(outputs: np.ndarray, order: np.ndarray, rows: int) -> np.ndarray:
+    """`outputs` [len(order), ...], output i belonging to row order[i] (-1: a padding row), as [rows, ...]."""
+    out = np.zeros((rows, *outputs.shape[1:]), outputs.dtype)
+    keep = order >= 0
+    out[order[keep]] = outputs[keep]
+    return out
 
 
 def _pad_columns(array: np.ndarray, columns: int) -> np.ndarray:
@@ -181,13 +207,16 @@ class TrainedRole(Worker):
         micro: int,
         role: str,
         trim: bool = False,
+        row_tokens: int = 0,
     ) -> DataProto:
         """`epochs` passes over mini-batches of `mini` rows, each one optimizer step over micro-batches of `micro`
         rows whose losses are normalised by the mini-batch's counts (`global_tokens`, `global_seqs` per row), so
         accumulation equals the whole mini-batch. In a group of several processes `arrays` are this process's rows and
         `mini`, `micro` count the group's rows: each process takes its share of every mini- and micro-batch, and the
         counts are the group's. With `trim`, a mini-batch's rows are grouped by length and each
-        micro-batch drops its all-padding columns (`trim_padding`); the step is the same sum of per-token terms.
+        micro-batch drops its all-padding columns (`trim_padding`); with `row_tokens`, a mini-batch's sequences are
+        packed into micro-batches of one row of at most `row_tokens` tokens per batch part instead
+        (`hfjax.workers.packing`; `micro` unused). Either way the step is the same sum of per-token terms.
         Metrics are means over optimizer steps."""
         history = []
         response_length = arrays["responses"].shape[1]
@@ -199,7 +228,13 @@ class TrainedRole(Worker):
                 rows = len(batch["response_mask"])
                 batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
                 batch["global_seqs"] = np.full(rows, float(seqs), np.float32)
-                chunks = trimmed_chunks(batch, micro, response_length)[1] if trim else split_rows(batch, micro)
+                if row_tokens:
+                    parts = packing_parts(self.state.layout)
+                    chunks = packed_micro_batches(batch, response_length, row_tokens, parts)[1]
+                elif trim:
+                    chunks = trimmed_chunks(batch, micro, response_length)[1]
+                else:
+                    chunks = split_rows(batch, micro)
                 history.append((self.state.update(loss_fn, chunks), len(chunks)))
         return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps)})
 
