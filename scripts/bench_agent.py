@@ -10,7 +10,8 @@ re-prefilled history is 48 + 3 x 64 + 3 x 32 = 336 tokens). Four configurations:
 environments, and extend with a 50 ms tool (`time.sleep` in every step) on 16 environment threads and on one, where
 the env wait share is the share of the rollout in which no slot could decode because every trajectory in a slot
 waited on its environment. Each mode is warmed up once and the shapes that staggered appends can take (every
-power-of-two row count) are compiled beforehand, so compiles are excluded (the table counts any in timed runs); then
+power-of-two row count) are compiled beforehand, so compiles are excluded (the table counts any in timed runs; the
+JSON has the programs the first rollout compiled, `extend` among them, and the engine's bound on extend programs); then
 the four run in turn `--repeats` times; medians. The floor printed beside the speed-up is the ratio of forward tokens
 the model runs in each mode (decode + prefilled or appended tokens, before padding). Each rollout's time is also split
 into decode steps, `engine.extend` calls, prefills (`generator.fill`), waits on environments and the rest (host
@@ -223,7 +224,7 @@ def main() -> None:
         "extend, tool 50 ms, 1 thread": ("extend", TOOL_SLEEP_S, 1),
     }
     runners = {name: agent(mode, sleep_s, workers) for name, (mode, sleep_s, workers) in configs.items()}
-    first_call_s = {}
+    first_call_s, first_compiles = {}, {}
     extends: set[tuple[int, int]] = set()  # (padded width, end of the longest row) of each warm-up `engine.extend`
     timed_extend = engines["extend"].extend
 
@@ -237,6 +238,7 @@ def main() -> None:
         start = time.perf_counter()
         runners[f"{mode}, no tool, 16 threads"].generate(prompts, rows, sampling)
         first_call_s[mode] = time.perf_counter() - start
+        first_compiles[mode] = dict(engines[mode].compiles)
         print(f"warm-up {mode}: {first_call_s[mode]:.1f} s with compiles {dict(engines[mode].compiles)}", flush=True)
     engines["extend"].extend = timed_extend
     # Appends that arrive staggered (environment threads finishing apart, slow tools) batch fewer rows, so the shapes
@@ -356,6 +358,8 @@ def main() -> None:
             "medians": medians,
             "runs": runs,
             "first_call_s_with_compiles": first_call_s,
+            "compiles_first_rollout": first_compiles,
+            "extend_program_bound": engines["extend"].extend_shapes.program_bound,
             "compiles_after_warmup": compiles_warm,
             "compiles_at_end": compiles_end,
             "identical_first_turns_extend_vs_reprefill": int(same),

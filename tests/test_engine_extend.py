@@ -1,6 +1,8 @@
 """The engine's JetStream interface and multi-turn appends: `prefill` with an `existing_prefix` and `extend` of a
 running slot give the logits and tokens of re-prefilling the whole history (greedy, fp32, Llama and Qwen); the fused
-`prefill_insert` gives the tokens of `prefill` then `insert`; `prefill`'s first token is `insert`'s sample 0."""
+`prefill_insert` gives the tokens of `prefill` then `insert`; `prefill`'s first token is `insert`'s sample 0. Extends
+of observations of 5 to 300 tokens compile a bounded number of programs (bucketed shapes, a cap past which a call
+pads up to a compiled shape) and give the tokens and log probs of a teacher-forced forward."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import numpy as np
 import pytest
 from checkpoints import relative_error, save_hf_model
 from flax import nnx
+from tiny_models import TINY, random_model
 
 from hfjax.models import load_hf
 from hfjax.rollout import JaxEngine, SamplingParams
 from hfjax.rollout.cached_forward import extend_forward, prefill_forward
-from hfjax.rollout.sampling import SamplerKind
+from hfjax.rollout.extend_shapes import ExtendShape, ExtendShapes
+from hfjax.rollout.sampling import SamplerKind, SamplingError
 
 VOCAB = 96
 EOS = 7
@@ -29,8 +33,8 @@ def engine(request, tmp_path_factory):
     return model, params, JaxEngine(model, max_concurrent_decodes=4, max_prefill_length=64, max_new_tokens=32)
 
 
-def _tokens(seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(8, VOCAB, n).astype(np.int32)
+def _tokens(seed: int, n: int, vocab: int = VOCAB) -> np.ndarray:
+    return np.random.default_rng(seed).integers(8, vocab, n).astype(np.int32)
 
 
 def _padded(rows: list[np.ndarray], width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -133,3 +137,112 @@ def test_fused_prefill_insert_equals_prefill_then_insert(engine):
         steps = [eng.generate(params, s, SamplerKind.of(SAMPLED)) for s in states]
         states = [s for s, _ in steps]
         assert np.array_equal(steps[0][1].tokens, steps[1][1].tokens)
+
+
+# --------------------------------------------------------------------------------------------- bounded extend compiles
+GREEDY_KIND = SamplerKind.of(GREEDY)
+ALL_KIND = SamplerKind(top_k=True, top_p=True)
+PROMPT_LENGTHS = (9, 20, 37, 60)  # one prompt per slot of a 4-slot engine: extends start at different positions
+
+
+def _tiny_engine(model, **kwargs) -> JaxEngine:
+    """4 slots and 384 positions (8 blocks of 48): room for a 300-token observation after a 60-token prompt."""
+    return JaxEngine(model, max_concurrent_decodes=4, max_prefill_length=64, max_new_tokens=320, **kwargs)
+
+
+def _agent_like_calls(seed: int, calls: int = 64) -> list[list[tuple[int, np.ndarray]]]:
+    """`calls` extends, each of 1-4 distinct slots with an observation of 5-300 tokens."""
+    rng = np.random.default_rng(seed)
+    slot_sets = [rng.permutation(4)[: rng.integers(1, 5)] for _ in range(calls)]
+    return [[(int(s), _tokens(int(rng.integers(1 << 30)), int(rng.integers(5, 301)), TINY.vocab_size)) for s in slots]
+            for slots in slot_sets]  # fmt: skip
+
+
+def _call_dims(eng: JaxEngine, rows: list[tuple[int, np.ndarray]]) -> tuple[int, int, int]:
+    """(rows, longest observation, cache blocks reached) of an extend of `rows` after the slots' prompts."""
+    end = max(PROMPT_LENGTHS[slot] + len(obs) for slot, obs in rows)
+    return len(rows), max(len(obs) for _, obs in rows), -(-end // eng.block)
+
+
+def test_extend_shapes_bucket_and_pad_up_past_the_cap():
+    shapes = ExtendShapes(slots=4, capacity=384, blocks=8, max_programs=2)
+    assert shapes.widths == (16, 24, 32, 48, 64, 96, 128, 192, 256, 384)
+    assert (shapes.row_sizes, shapes.live_sizes) == ((1, 2, 4), (1, 2, 4, 8))
+    assert shapes.program_bound == 2 + 3 + 10 + 4 - 2
+    big, small = ExtendShape(2, 48, 4, GREEDY_KIND), ExtendShape(1, 16, 1, GREEDY_KIND)
+    assert shapes.choose(2, 40, 3, GREEDY_KIND) == big
+    assert shapes.choose(1, 6, 1, GREEDY_KIND) == small
+    assert shapes.choose(1, 20, 2, GREEDY_KIND) == big  # a third shape, past the cap: padded up, nothing compiled
+    assert shapes.choose(1, 6, 1, ALL_KIND) == ExtendShape(1, 16, 1, ALL_KIND)  # no compiled shape of its kind
+    assert shapes.choose(4, 100, 1, GREEDY_KIND) == ExtendShape(4, 128, 4, GREEDY_KIND)  # none holds it: the maximum
+    assert shapes.choose(2, 60, 2, GREEDY_KIND) == ExtendShape(4, 128, 4, GREEDY_KIND)
+    assert shapes.compiled == [big, small, ExtendShape(1, 16, 1, ALL_KIND), ExtendShape(4, 128, 4, GREEDY_KIND)]
+    with pytest.raises(SamplingError, match="5 rows"):
+        shapes.choose(5, 6, 1, GREEDY_KIND)
+
+
+def test_agent_like_extends_choose_a_bounded_number_of_shapes():
+    """64 extends of 1-4 slots with observations of 5-300 tokens, through an engine with the default cap (16): at
+    most 16 + 3 + 10 + 4 - 2 = 31 shapes (3 row, 10 width and 4 block buckets), fewer than the shapes of the widths
+    rounded to a multiple of 8 tokens (what the agent loop padded to before). Shapes only: no program runs."""
+    eng = _tiny_engine(random_model(TINY))
+    calls = [_call_dims(eng, rows) for rows in _agent_like_calls(1)]
+    for dims in calls:
+        eng.extend_shapes.choose(*dims, GREEDY_KIND)
+    unbucketed = {(1 << (rows - 1).bit_length(), -(-width // 8), 1 << (live - 1).bit_length())
+                  for rows, width, live in calls}  # fmt: skip
+    assert len(eng.extend_shapes.compiled) <= 31 < len(unbucketed)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A one-layer random model, its parameters and a jitted teacher-forced forward: logits at each row's last real
+    token of right-padded rows."""
+    model = random_model(TINY)
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def last_logits(model, tokens, lengths):
+        mask = (np.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(np.int32)
+        logits = model(tokens, mask)
+        return jax.numpy.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+    return model, params, last_logits
+
+
+def _teacher_forced(model, last_logits, histories: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy tokens and their log probs after each history, from the model's plain forward."""
+    logits = np.asarray(last_logits(model, *_padded(histories, 384)), np.float64)
+    tokens = logits.argmax(-1)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    return tokens, logprobs[np.arange(len(tokens)), tokens]
+
+
+def test_padded_extends_past_the_cap_equal_a_teacher_forced_forward(tiny_lm):
+    """The prompts, then the agent-like extends, through an engine capped at 2 programs: every call runs padded (rows,
+    tokens and cache blocks) to one of at most 2 + 3 + 10 + 4 - 2 = 17 compiled shapes, the engine traces exactly
+    those, and each row's greedy token and log prob are those of the model's plain forward over its prompt and
+    observation (each extend writes after its slot's prompt, over what earlier, longer extends left in the cache)."""
+    model, params, last_logits = tiny_lm
+    eng = _tiny_engine(model, max_extend_programs=2)
+    prompts = [_tokens(30 + i, n, TINY.vocab_size) for i, n in enumerate(PROMPT_LENGTHS)]
+    state = eng.init_decode_state()  # greedy, empty slots: the first extend writes the prompts at position 0
+    calls = [[(slot, prompt) for slot, prompt in enumerate(prompts)], *_agent_like_calls(1)]
+    histories, tokens, logprobs = [], [], []
+    for call, rows in enumerate(calls):
+        slots = [slot for slot, _ in rows]
+        padded, lengths = _padded([obs for _, obs in rows], max(len(obs) for _, obs in rows))
+        starts = [PROMPT_LENGTHS[s] if call else 0 for s in slots]
+        state, out = eng.extend(
+            params, state, slots=slots, padded_tokens=padded, true_length=lengths, starts=starts, kind=GREEDY_KIND
+        )
+        out = jax.device_get(out)
+        histories += [np.concatenate([prompts[slot], obs]) if call else obs for slot, obs in rows]
+        tokens += out.tokens[: len(rows)].tolist()
+        logprobs += out.logprobs[: len(rows)].tolist()
+    requested = {eng.extend_shapes.bucket(*_call_dims(eng, rows), GREEDY_KIND) for rows in calls[1:]}
+    assert eng.compiles["extend"] == len(eng.extend_shapes.compiled) <= 17 < len(requested)
+    reference_tokens, reference_logprobs = _teacher_forced(model, last_logits, histories)
+    assert tokens == reference_tokens.tolist()
+    np.testing.assert_allclose(logprobs, reference_logprobs, rtol=1e-5, atol=1e-6)

@@ -234,8 +234,6 @@ def _damage(step_dir: Path) -> None:
             handle.truncate(f.stat().st_size // 2)
 
 
-# A restore that fails on a damaged file leaves tensorstore callbacks aimed at orbax's closed event loop.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_latest_falls_back_and_partial_save_is_ignored(tmp_path, trained_state, caplog):
     directory = tmp_path / "ckpt"
     manager = CheckpointManager(directory, max_to_keep=2)

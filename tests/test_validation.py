@@ -18,7 +18,7 @@ from hfjax.data.records import DataError, read_rows, write_rows
 from hfjax.protocol import DataProto
 from hfjax.quickstart import QuickstartConfig, run_quickstart
 from hfjax.rewards import RewardError, load_reward_function
-from hfjax.trainer import preflight
+from hfjax.trainer import launch, preflight
 from hfjax.trainer.preflight import check_rl_run
 from hfjax.trainer.sft import SFTConfig
 from hfjax.trainer.supervised import check_supervised_run
@@ -365,3 +365,55 @@ def test_damaged_checkpoints_fail_at_preflight_from_their_headers(inputs, tmp_pa
     cfg = load_rl_config(rl_config(inputs, tmp_path / "run", "ppo"), [f"model_path={model}"])
     with pytest.raises(ConfigError, match=rf"^model_path: .*{message}"):
         check_rl_run(cfg)
+
+
+def _long_prompt_rows(rows: list[dict], words: int) -> list[dict]:
+    """`rows` with `words` more words of text in each prompt's first message."""
+    padding = " seven" * words
+    return [{**row, "prompt": [{**row["prompt"][0], "content": row["prompt"][0]["content"] + padding}]} for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (  # every prompt of the 32 rows has 10 to 12 tokens with the chat template
+            {"max_prompt_length": 8},
+            r"data.max_prompt_length=8: 32 of the 32 prompts of data.train_files \(.*train.parquet\) are longer with "
+            r"the chat template and data.truncation=filter drops them, leaving 0 where one batch "
+            r"\(data.train_batch_size\) needs 4; set data.max_prompt_length to at least 10",
+        ),
+        (  # six prompts of 10 tokens fit, and a batch takes 8
+            {"max_prompt_length": 10, "train_batch_size": 8},
+            r"data.max_prompt_length=10: 26 of the 32 prompts of data.train_files .* leaving 6 where one batch "
+            r"\(data.train_batch_size\) needs 8; set data.max_prompt_length to at least 11",
+        ),
+        (
+            {"max_prompt_length": 11, "truncation": "error"},
+            r"data.max_prompt_length=11: .*train.parquet: row \d+: the prompt has 12 tokens with the chat template, "
+            r"and data.truncation=error stops the run on it \(11 of the 32 prompts of data.train_files are longer\)",
+        ),
+        (
+            {"max_prompt_length": 12, "val_files": ["LONG"]},
+            r"data.max_prompt_length=12: 8 of the 8 prompts of data.val_files \(.*long_test.jsonl\) are longer .* "
+            r"leaving 0 where validation needs 1; set data.max_prompt_length to at least \d\d+",
+        ),
+    ],
+)
+def test_prompts_too_long_for_the_run_fail_before_ray_starts(inputs, tmp_path, monkeypatch, capsys, data, message):
+    """Prompts tokenized as the run tokenizes them (chat template included) against data.max_prompt_length and
+    data.truncation: one `hfjax train` line with exit code 2, naming the field, the file and how many rows are too
+    long, before Ray starts (the addition task's 32 prompts: 6 of 10 tokens, 15 of 11, 11 of 12)."""
+    if data.get("val_files") == ["LONG"]:
+        rows = _long_prompt_rows([row for _, row in read_rows(inputs["test"])], words=10)
+        data = {**data, "val_files": [str(write_rows(rows, tmp_path / "long_test.jsonl"))]}
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(rl_config(inputs, tmp_path / "run", "grpo", data=data)))
+
+    def no_ray(cfg):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(launch, "ray_session", no_ray)
+    assert main(["train", str(config), "trainer.backend=ray"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"hfjax train: {message}.*", err[-1]), err[-1]
+    assert not (tmp_path / "run").exists()  # nothing started: no run directory, no Ray

@@ -73,6 +73,16 @@ def parse_prompt_row(ref: RowRef, row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def tokenize_prompt_rows(
+    tokenizer: Any, rows: Sequence[tuple[RowRef, dict[str, Any]]]
+) -> tuple[list[dict[str, Any]], list[str], list[np.ndarray]]:
+    """Each row's checked fields (`parse_prompt_row`), its text with the chat template and generation prompt, and
+    that text's token ids: what `PromptDataset` holds of a row before the over-length policy."""
+    fields = [parse_prompt_row(ref, row) for ref, row in rows]
+    texts = [render_prompt(tokenizer, f["messages"], ref) for f, (ref, _) in zip(fields, rows, strict=True)]
+    return fields, texts, encode(tokenizer, texts)
+
+
 class PromptDataset:
     """Prompts from parquet/JSONL files, tokenized with the tokenizer's chat template (`add_generation_prompt=True`).
 
@@ -94,10 +104,8 @@ class PromptDataset:
         self.max_prompt_length, self.truncation, self.pad_to = max_prompt_length, truncation, pad_to
         self.pad_id = pad_token_id(tokenizer)
         rows = read_rows(files)
-        fields = [parse_prompt_row(ref, row) for ref, row in rows]
         refs = [ref for ref, _ in rows]
-        texts = [render_prompt(tokenizer, f["messages"], ref) for f, ref in zip(fields, refs, strict=True)]
-        ids = encode(tokenizer, texts)
+        fields, texts, ids = tokenize_prompt_rows(tokenizer, rows)
         kept = keep_within([len(x) for x in ids], refs, max_prompt_length, truncation, "prompt")
         self.num_filtered = len(rows) - len(kept)
         self.examples = [

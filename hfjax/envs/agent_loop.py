@@ -42,7 +42,6 @@ from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
 
 log = logging.getLogger(__name__)
 
-EXTEND_WIDTH = 8  # observations are padded to a multiple of this many tokens
 COALESCE_S = 0.005  # while no slot can decode, steps that end this soon after the first are appended with it
 
 
@@ -304,13 +303,10 @@ class AgentGenerator:
         return self._extend(state, appends, live, record, kind)
 
     def _extend(self, state, appends, live, record, kind) -> Any:
-        """Appends each observation (after the turn's last token) to its slot; records the next turn's first token."""
-        longest = max(len(tokens) + 1 for _, tokens in appends)
-        width = -(-longest // EXTEND_WIDTH) * EXTEND_WIDTH  # few compiles, little padding; not the prompt limit
-        rows = 1 << max(0, (len(appends) - 1).bit_length())
-        padded = np.zeros((rows, width), np.int32)
-        lengths, starts, steps = np.ones(rows, np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        slots = np.full(rows, self.engine.max_concurrent_decodes, np.int32)  # out of range: padding rows
+        """Appends each observation (after the turn's last token) to its slot; records the next turn's first token.
+        The engine pads the call to one of its few compiled extend shapes."""
+        padded = np.zeros((len(appends), max(len(tokens) + 1 for _, tokens in appends)), np.int32)
+        lengths, starts, steps, slots = (np.zeros(len(appends), np.int32) for _ in range(4))
         for j, (slot, tokens) in enumerate(appends):
             run = live[slot]
             padded[j, : len(tokens) + 1] = [run.tokens[-1], *tokens]

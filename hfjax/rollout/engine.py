@@ -7,13 +7,14 @@ right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, 
 the layout's batch axes, so each data shard prefills its own), or appends them to an `existing_prefix`; `insert` copies
 prefilled prompts into slots (gathering their keys and values to the slots' shards) and samples each sample's first
 token (the token `prefill` returns is sample 0's: both draw it with the same key); `extend` appends
-tokens to running slots (a multi-turn observation) without re-prefilling their history; `generate` advances every slot
+tokens to running slots (a multi-turn observation) without re-prefilling their history, at shapes bucketed and capped
+by `ExtendShapes` (a bounded number of compiled programs, `max_extend_programs`); `generate` advances every slot
 by one token, attending only over the blocks that the longest slot has reached when told its length (one compiled step
 per block count). The jitted steps donate the decode state, trace attention under the layout (`program_layout`: Pallas
 kernels run per shard), and `compiles` counts traces. Parameters are passed on every call (JetStream's convention), so
 new weights of the same shapes and shardings never recompile. `prefill_insert` fuses `prefill` and `insert` into one
 compiled call (what `OfflineGenerator` runs); it gives the tokens of the two calls made one after the other.
-Imports `hfjax.models`, `hfjax.parallel` and this package's interface, sampling and cached forwards.
+Imports `hfjax.models`, `hfjax.parallel` and this package's interface, sampling, extend shapes and cached forwards.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hfjax.rollout.cached_forward import (
     prefill_forward,
     to_decode_layout,
 )
+from hfjax.rollout.extend_shapes import ExtendShapes, pad_extend
 from hfjax.rollout.interface import (
     ALL_FILTERS,
     DecodeState,
@@ -80,7 +82,9 @@ def _sample_rng(keys: jax.Array, samples: jax.Array) -> jax.Array:
 
 
 class JaxEngine:
-    """Generation for an hfjax `CausalLM` (concrete or abstract: only its structure is used) over `layout`."""
+    """Generation for an hfjax `CausalLM` (concrete or abstract: only its structure is used) over `layout`. Past
+    `max_extend_programs` compiled `extend` shapes, an extend pads up to a compiled shape that holds it, and compiles
+    only where none does (`hfjax.rollout.extend_shapes`)."""
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class JaxEngine:
         max_concurrent_decodes: int = 64,
         max_prefill_length: int = 512,
         max_new_tokens: int = 512,
+        max_extend_programs: int = 16,
     ):
         for name, value in (
             ("max_concurrent_decodes", max_concurrent_decodes),
@@ -108,6 +113,9 @@ class JaxEngine:
         self.blocks = -(-self.capacity // self.block)
         self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
         self.compiles: collections.Counter[str] = collections.Counter()
+        self.extend_shapes = ExtendShapes(
+            slots=self._slots, capacity=self.capacity, blocks=self.blocks, max_programs=max_extend_programs
+        )
         self._key_shape = (self._slots, cfg.num_kv_heads, cfg.head_dim, self.block)
         self._value_shape = (self._slots, cfg.num_kv_heads, self.block, cfg.head_dim)
         self._cache_dtype = jnp.dtype(model.dtype)
@@ -284,7 +292,9 @@ class JaxEngine:
         knows, not the decode state's, which advances while a slot waits). Their history is read from the cache, not
         recomputed. Samples each slot's next token with its own key at step `steps[i]` (default: the slot's own count,
         which also advances while it waits; a caller that knows each sample's token count passes it, so the draws do
-        not depend on what else ran); returns the state (lengths `starts + true_length`) and those tokens."""
+        not depend on what else ran); returns the state (lengths `starts + true_length`) and those tokens. The call
+        runs padded to a shape of `extend_shapes` (rows, width, cache blocks): row i of the result is row i's token,
+        the rows past R are padding."""
         tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
         lengths = np.atleast_1d(np.asarray(true_length, np.int32))
         starts = np.atleast_1d(np.asarray(starts, np.int32))
@@ -296,8 +306,9 @@ class JaxEngine:
         slot_ids = np.atleast_1d(np.asarray(slots, np.int32))
         steps = np.full(len(slot_ids), -1, np.int32) if steps is None else np.atleast_1d(np.asarray(steps, np.int32))
         reach = -(-int((starts + lengths).max()) // self.block)  # blocks the rows reach
-        live = min(self.blocks, 1 << (reach - 1).bit_length())  # a power of two: few compiled variants
-        return self._extend(params, decode_state, slot_ids, tokens, lengths, starts, steps, kind=kind, live=live)
+        shape = self.extend_shapes.choose(len(slot_ids), int(lengths.max()), reach, kind)
+        arrays = pad_extend(shape, self._slots, slot_ids, tokens, lengths, starts, steps)
+        return self._extend(params, decode_state, *arrays, kind=kind, live=shape.live)
 
     def insert(
         self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None

@@ -2,13 +2,15 @@
 directories, their `config.json` and their safetensors headers (every tensor present, of the model's shape, within
 its file; no tensor data read), sequence lengths against the models' positions, the KV cache and
 the run's memory per device (the cost model's memory of `hfjax.mapping.cost`) against the device's memory, the
-dataset files and rows (ground truth where a rule reward needs it), and the reward function (file, import, name,
-signature). Each failure is one line naming the config field and what was expected.
+dataset files and rows (ground truth where a rule reward needs it), the tokenizer and the prompts' token lengths
+against `data.max_prompt_length` (`prompt_lengths`), and the reward function (file, import, name, signature). Each
+failure is one line naming the config field and what was expected.
 
 The device memory a run is checked against: `trainer.device_memory_gib` when set; on CPU (`trainer.device: cpu`, or
 `auto` with `JAX_PLATFORMS=cpu`) the host's RAM shared by its fake devices; unknown otherwise (the controller never
 opens an accelerator), and then only the model-position checks run.
-Imports `hfjax.config`, `hfjax.data`, `hfjax.mapping`, `hfjax.models.hf`, `hfjax.rewards` and `automap_run`.
+Imports `hfjax.config`, `hfjax.data`, `hfjax.mapping`, `hfjax.models.hf`, `hfjax.rewards`, `automap_run` and
+`prompt_lengths`.
 """
 
 from __future__ import annotations
@@ -18,21 +20,23 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from hfjax.config import RLConfig
 from hfjax.data.prompts import parse_prompt_row
-from hfjax.data.records import DataError, read_rows
+from hfjax.data.records import DataError, RowRef, read_rows
 from hfjax.hub import is_hub_id, resolve_model
 from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.mapping.cost import CostOptions, InfeasibleError, Prediction
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf import check_checkpoint, read_config
+from hfjax.models.hf import check_checkpoint, load_tokenizer, read_config
 from hfjax.models.safetensors_io import CheckpointError
 from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
 from hfjax.rewards import SCORERS, RewardError, load_reward_function
 from hfjax.trainer.automap_run import predict_run
+from hfjax.trainer.prompt_lengths import check_prompt_lengths
 from hfjax.typed_config import ConfigError
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -140,8 +144,7 @@ def check_rl_run(cfg: RLConfig) -> None:
     models = {key: model_config(path, key) for key, path, _ in checkpoints}
     for key, path, head in checkpoints:  # the model each role builds against the checkpoint's tensors
         check_weights(path, key, head)
-    if not Path(cfg.tokenizer_path).expanduser().is_dir():
-        raise ConfigError(f"tokenizer_path: no such directory {cfg.tokenizer_path!r}; expected a local tokenizer")
+    tokenizer = run_tokenizer(cfg.tokenizer_path)
     prompt, response = cfg.data.max_prompt_length, cfg.rollout.response_length
     lengths = f"data.max_prompt_length {prompt} + rollout.response_length {response}"
     for field, model in models.items():
@@ -152,15 +155,29 @@ def check_rl_run(cfg: RLConfig) -> None:
         except RewardError as exc:
             raise ConfigError(f"reward.function: {exc}") from exc
     needs_truth = cfg.reward.use_rule and cfg.reward.function is None
-    rows = check_prompt_files(cfg.data.train_files, "data.train_files", needs_truth, required=True)
-    if rows < cfg.data.train_batch_size:
+    data = cfg.data
+    train = check_prompt_files(data.train_files, "data.train_files", needs_truth, required=True)
+    if len(train) < data.train_batch_size:
         raise ConfigError(
-            f"data.train_batch_size={cfg.data.train_batch_size}: expected at most the {rows} rows of data.train_files"
+            f"data.train_batch_size={data.train_batch_size}: expected at most the {len(train)} rows of data.train_files"
         )
-    check_prompt_files(cfg.data.val_files, "data.val_files", needs_truth, required=False)
+    batch = (data.train_batch_size, "one batch (data.train_batch_size)")
+    check_prompt_lengths(train, "data.train_files", tokenizer, data, batch)
+    val = check_prompt_files(data.val_files, "data.val_files", needs_truth, required=False)
+    check_prompt_lengths(val, "data.val_files", tokenizer, data, (1, "validation"))
     check_placement(cfg)
     check_train_layouts(cfg)
     check_memory(cfg, next(iter(models.values())))
+
+
+def run_tokenizer(path: str) -> Any:
+    """The tokenizer at `tokenizer_path`, loaded as the run loads it; ConfigError naming the field."""
+    if not Path(path).expanduser().is_dir():
+        raise ConfigError(f"tokenizer_path: no such directory {path!r}; expected a local tokenizer")
+    try:
+        return load_tokenizer(path)
+    except CheckpointError as exc:
+        raise ConfigError(f"tokenizer_path: {exc}") from exc
 
 
 def check_placement(cfg: RLConfig) -> None:
@@ -227,9 +244,11 @@ def check_train_layouts(cfg: RLConfig) -> None:
         )
 
 
-def check_prompt_files(files: Sequence[str], field: str, needs_truth: bool, required: bool) -> int:
+def check_prompt_files(
+    files: Sequence[str], field: str, needs_truth: bool, required: bool
+) -> list[tuple[RowRef, dict[str, Any]]]:
     """The prompt files exist and every row parses; with `needs_truth` (the built-in rule rewards), every row's
-    `data_source` has a scorer and its `reward_model.ground_truth` is set. Returns the number of rows."""
+    `data_source` has a scorer and its `reward_model.ground_truth` is set. Returns the rows."""
     if required and not files:
         raise ConfigError(f"{field}: expected at least one parquet or JSONL file, got []")
     for i, file in enumerate(files):
@@ -247,7 +266,7 @@ def check_prompt_files(files: Sequence[str], field: str, needs_truth: bool, requ
                 f"{ref}: missing field 'reward_model.ground_truth', which the rule reward of data_source "
                 f"{fields['data_source']!r} scores against (or give reward.function, or set reward.use_rule=false)"
             )
-    return len(rows)
+    return rows
 
 
 def with_default_gen_layout(cfg: RLConfig) -> RLConfig:

@@ -131,6 +131,8 @@ class Step:
         reshard = gen_metrics.get("reshard_seconds", 0.0)  # none on a rollout group of its own
         self.metrics["timing_s/reshard"] = self.metrics.get("timing_s/reshard", 0.0) + reshard
         self.metrics["perf/kv_cache_bytes"] = gen_metrics["gen_kv_cache_bytes"]
+        # the engine's compiled programs so far (a count that keeps growing: shapes that were not bucketed)
+        self.metrics.update({k: v for k, v in gen_metrics.items() if k.endswith("_programs")})
         if "agent/env_wait_share" in gen_metrics:  # the rest of agent/* comes from the batch (`generate`)
             self.metrics["agent/env_wait_share"] = gen_metrics["agent/env_wait_share"]
 

@@ -8,18 +8,22 @@ arrays, so any pytree (nnx `State`, optax states) round-trips and is rebuilt wit
 Only the newest `max_to_keep` steps are kept; saving a step number that exists replaces it (a run resumed from an
 earlier step re-saves the steps after it); an unreadable step found by `restore(None, ...)` is renamed
 `<step>.unreadable` (kept for inspection); a target whose tree or shapes differ from the saved ones is a caller error
-(named leaves, nothing set aside).
+(named leaves, nothing set aside). A restore that fails lets orbax's other reads of the step end before their event
+loop closes (no asyncio tracebacks after the step's one warning).
 Imports orbax, jax, the standard library and `hfjax.models.config` (for its vocabulary padding rule, named in
 errors); must not import workers or trainers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +164,8 @@ class CheckpointManager:
         candidates = [step] if step is not None else steps[::-1]
         for candidate in candidates:
             try:
-                items, extra = self._restore_step(candidate, targets)
+                with _loops_that_finish_their_tasks():
+                    items, extra = self._restore_step(candidate, targets)
                 return candidate, items, extra
             except _Mismatch as e:
                 raise CheckpointError(f"{self.directory / str(candidate)}: {e}") from e
@@ -268,6 +273,43 @@ def _os_reason(error: Exception) -> str:
     if code:
         return f"{os.strerror(code)}, errno {code}"
     return f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+
+
+class _TaskFinishingEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first lets its unfinished tasks end and collects their errors.
+
+    Orbax restores a step's arrays concurrently on a fresh event loop and closes it as soon as one read fails (a
+    damaged file), with the other reads still in flight: their results would then reach a closed loop (tensorstore
+    prints "RuntimeError: Event loop is closed") and their errors would never be retrieved (asyncio logs "Task
+    exception was never retrieved"), tracebacks printed after the step was already reported and set aside."""
+
+    def close(self) -> None:
+        if not self.is_running() and not self.is_closed():
+            self.run_until_complete(_finish_other_tasks())
+        super().close()
+
+
+async def _finish_other_tasks() -> None:
+    """Awaits every other task of the running loop, its errors collected, until none is left."""
+    current = asyncio.current_task()
+    while others := asyncio.all_tasks() - {current}:
+        await asyncio.gather(*others, return_exceptions=True)
+
+
+_NEW_LOOP_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _loops_that_finish_their_tasks() -> Iterator[None]:
+    """While open, `asyncio.new_event_loop()` (on which orbax runs each restore) returns a `_TaskFinishingEventLoop`;
+    the event loop policy itself (its threads' current loops) is left as it is."""
+    with _NEW_LOOP_LOCK:
+        policy = asyncio.get_event_loop_policy()
+        policy.new_event_loop = _TaskFinishingEventLoop  # this instance only, until the restore returns
+        try:
+            yield
+        finally:
+            del policy.new_event_loop
 
 
 class _Mismatch(ValueError):

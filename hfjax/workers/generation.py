@@ -9,7 +9,7 @@ Imports `hfjax.rollout`, `hfjax.envs`, `hfjax.protocol` and this package's seque
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,15 @@ def sampling_params(rollout: RolloutConfig, meta: dict[str, Any]) -> SamplingPar
     )
 
 
+def program_counts(compiles: Mapping[str, int]) -> dict[str, float]:
+    """The rollout metrics of an engine's traces by program (`JaxEngine.compiles`)."""
+    return {
+        "rollout/prefill_programs": float(compiles["prefill"] + compiles["prefill_insert"]),
+        "rollout/decode_programs": float(compiles["generate"]),
+        "rollout/extend_programs": float(compiles["extend"]),
+    }
+
+
 def generate_batch(
     generator: OfflineGenerator,
     prompts: DataProto,
@@ -88,7 +97,9 @@ def generate_batch(
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """Runs `generator` (its parameters already set) over the left-padded prompts; returns the rollout batch's arrays
     and the timing metrics (`gen_tokens`, `gen_seconds`, `gen_decode_steps`, `gen_kv_cache_bytes`, and the wall
-    clock `gen_started_at` / `gen_ended_at` for timelines). `run(prompts, sampling, first_request)` replaces
+    clock `gen_started_at` / `gen_ended_at` for timelines) with the programs its engine has compiled so far
+    (`rollout/prefill_programs`, `rollout/decode_programs`, `rollout/extend_programs`: a count that keeps growing
+    means shapes that were not bucketed). `run(prompts, sampling, first_request)` replaces
     `generator.generate` (e.g. generation across weight versions). Sample keys follow each prompt's index in the
     whole batch (`ROW_OFFSET`), so samples do not depend on placement. A prompt the generator rejects is an error
     naming it. With `agent`, each sample is a trajectory of its environment (the batch then also has `env_rewards` and
@@ -113,6 +124,7 @@ def generate_batch(
         "gen_kv_cache_bytes": stats["kv_cache_bytes_per_device"],
         "gen_started_at": started,
         "gen_ended_at": time.time(),
+        **program_counts(generator.engine.compiles),
     }
     if agent is not None:  # the turn metrics come from the batch's agent columns, on the controller
         timing["agent/env_wait_share"] = stats["env_wait_share"]
