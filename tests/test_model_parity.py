@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import build_hf_model, left_padded_batch, relative_error, save_hf_model, torch_logits
+from tiny_models import compiled_forward
 
 from hfjax.models import load_hf
 
@@ -47,7 +48,7 @@ def test_causal_lm_logits_match_transformers(tmp_path, case):
     ids, mask, positions = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=1)
     expected = torch_logits(reference, ids, mask, positions)
     model = load_hf(path)
-    got = np.asarray(model(ids, mask))  # positions derived from the mask
+    got = np.asarray(compiled_forward(model, ids, mask))  # positions derived from the mask
     assert got.dtype == np.float32 and got.shape == expected.shape
     assert relative_error(got[_valid(mask)], expected[_valid(mask)]) <= 1e-5
 
@@ -56,8 +57,8 @@ def test_left_padding_does_not_change_a_row(tmp_path):
     reference, path = save_hf_model(tmp_path, "qwen2")
     model = load_hf(path)
     ids, mask, _ = left_padded_batch(reference.config.vocab_size, [9, 4], seed=2)
-    padded = np.asarray(model(ids, mask))
-    alone = np.asarray(model(ids[1:, -4:], mask[1:, -4:]))
+    padded = np.asarray(compiled_forward(model, ids, mask))
+    alone = np.asarray(compiled_forward(model, ids[1:, -4:], mask[1:, -4:]))
     assert relative_error(padded[1, -4:], alone[0]) <= 1e-5
 
 
@@ -84,7 +85,7 @@ def test_sequence_classification_scores_match_transformers(tmp_path, family, num
     ids, mask, positions = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=3)
     expected = torch_logits(reference, ids, mask, positions)
     model = load_hf(path)
-    got = np.asarray(model(ids, mask))
+    got = np.asarray(compiled_forward(model, ids, mask))
     assert got.shape == (len(LENGTHS), num_labels)
     assert relative_error(got, expected) <= 1e-5
 
@@ -94,7 +95,7 @@ def test_critic_values_match_token_classification(tmp_path, family):
     reference, path = save_hf_model(tmp_path, family, head="TokenClassification", num_labels=1)
     ids, mask, positions = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=4)
     expected = torch_logits(reference, ids, mask, positions)[..., 0]
-    values = np.asarray(load_hf(path)(ids, mask))
+    values = np.asarray(compiled_forward(load_hf(path), ids, mask))
     assert values.shape == ids.shape
     assert relative_error(values[_valid(mask)], expected[_valid(mask)]) <= 1e-5
 
@@ -104,10 +105,10 @@ def test_critic_from_causal_checkpoint_keeps_the_backbone(tmp_path):
     critic = load_hf(path, head="token_cls", seed=7)
     lm = load_hf(path)
     ids, mask, _ = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=5)
-    hidden = np.asarray(lm.model(ids, mask))
+    hidden = np.asarray(compiled_forward(lm.model, ids, mask))
     head = np.asarray(critic.score[...])
     expected = hidden @ head[0] + np.asarray(critic.score_bias[...])[0]
-    assert relative_error(np.asarray(critic(ids, mask))[_valid(mask)], expected[_valid(mask)]) <= 1e-5
+    assert relative_error(np.asarray(compiled_forward(critic, ids, mask))[_valid(mask)], expected[_valid(mask)]) <= 1e-5
     assert np.asarray(critic.score_bias[...]).tolist() == [0.0]
     assert 0.005 < float(head.std()) < 0.05  # initialised like HF (normal, initializer_range 0.02), not zeros
 
@@ -119,7 +120,7 @@ def test_bfloat16_compute_stays_close_to_float32(tmp_path, param_dtype):
     expected = torch_logits(reference, ids, mask, positions)
     model = load_hf(path, dtype="bfloat16", param_dtype=param_dtype)
     assert model.model.layers[0].self_attn.q_kernel[...].dtype == np.dtype(param_dtype)
-    got = np.asarray(model(ids, mask))
+    got = np.asarray(compiled_forward(model, ids, mask))
     assert got.dtype == np.float32
     err = relative_error(got[_valid(mask)], expected[_valid(mask)])
     assert 1e-6 < err <= 3e-2  # bf16 rounding is visible, and bounded
@@ -130,7 +131,7 @@ def test_bfloat16_matches_transformers_bfloat16(tmp_path):
     ids, mask, positions = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=6)
     expected32 = torch_logits(reference, ids, mask, positions)
     expected16 = torch_logits(reference.to(torch.bfloat16), ids, mask, positions)
-    got = np.asarray(load_hf(path, dtype="bfloat16")(ids, mask))
+    got = np.asarray(compiled_forward(load_hf(path, dtype="bfloat16"), ids, mask))
     v = _valid(mask)
     # hfjax bf16 is no further from the fp32 truth than transformers' own bf16 run (with a 50% margin).
     assert relative_error(got[v], expected32[v]) <= 1.5 * relative_error(expected16[v], expected32[v])
@@ -141,7 +142,7 @@ def test_long_left_padded_batch_uses_causal_blocks_exactly(tmp_path):
     reference, path = save_hf_model(tmp_path, "mistral", num_key_value_heads=2, sliding_window=50)
     ids, mask, positions = left_padded_batch(reference.config.vocab_size, [128, 100, 37], seed=8)
     expected = torch_logits(reference, ids, mask, positions)
-    got = np.asarray(load_hf(path)(ids, mask))
+    got = np.asarray(compiled_forward(load_hf(path), ids, mask))
     assert relative_error(got[_valid(mask)], expected[_valid(mask)]) <= 1e-5
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from checkpoints import save_hf_model
 from flax import nnx
+from tiny_models import compiled_forward
 
 from hfjax.models import load_hf
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
@@ -74,7 +75,7 @@ def _log_softmax(logits):
 def _teacher_forced_logprobs(model, prompt, tokens):
     """Log prob of each of `tokens` after `prompt` under `model` (one forward over the whole sequence)."""
     sequence = np.concatenate([prompt, tokens])[None]
-    logits = np.asarray(model(sequence))[0]
+    logits = np.asarray(compiled_forward(model, sequence))[0]
     rows = _log_softmax(logits[len(prompt) - 1 : len(sequence[0]) - 1])
     return rows[np.arange(len(tokens)), tokens]
 

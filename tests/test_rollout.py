@@ -117,9 +117,7 @@ def test_filters_match_numpy_reference():
     logits = rng.normal(size=(6, 50)).astype(np.float32) * 3
     top_k = np.array([0, 1, 5, 17, 0, 3], np.int32)
     top_p = np.array([0.3, 1.0, 0.9, 0.5, 0.95, 1.0], np.float32)
-    out = np.asarray(
-        filter_logits(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), SamplerKind(True, True))
-    )
+    out = np.asarray(_filter(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p), kind=BOTH))
     for row in range(len(logits)):
         expected = _numpy_filter(logits[row].astype(np.float64), int(top_k[row]), float(top_p[row]))
         np.testing.assert_array_equal(np.isfinite(out[row]), expected)
@@ -131,9 +129,7 @@ def test_filters_match_numpy_reference():
     top_k = rng.integers(0, 40, 64).astype(np.int32)
     top_p = rng.uniform(0.05, 1.0, 64).astype(np.float32)
     top_p[:4] = 1.0
-    out = np.asarray(
-        filter_logits(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k), jnp.asarray(top_p), SamplerKind(True, True))
-    )
+    out = np.asarray(_filter(jnp.asarray(logits, jnp.float32), jnp.asarray(top_k), jnp.asarray(top_p), kind=BOTH))
     for row in range(len(logits)):
         expected = _numpy_filter(logits[row], int(top_k[row]), float(top_p[row]))
         np.testing.assert_array_equal(np.isfinite(out[row]), expected, err_msg=f"row {row}")
@@ -189,7 +185,8 @@ FITTING = [(0, 1.0), (1, 0.5), (50, 0.9), (5, 1.0), (128, 0.95), (0, 0.2), (3, 0
 SPILLING = [*FITTING, (200, 0.9), (0, 0.999), (300, 1.0)]  # top_k past the candidates, nucleus past them
 
 
-_filter = jax.jit(filter_logits, static_argnames=("kind", "method"))
+_filter = jax.jit(filter_logits, static_argnames=("kind", "method"))  # one program, not one compile per operation
+BOTH = SamplerKind(True, True)
 
 
 @pytest.mark.parametrize("combos", [FITTING, SPILLING], ids=["fitting", "spilling"])
