@@ -35,7 +35,7 @@ from hfjax.models.hf import abstract_model
 from hfjax.models.transformer import set_remat
 from hfjax.parallel.layout import Layout
 from hfjax.rollout import JaxEngine
-from hfjax.rollout.interface import prefill_buckets
+from hfjax.rollout.interface import power_of_two_at_least, prefill_buckets
 from hfjax.rollout.sampling import SamplerKind
 from hfjax.training.optim import make_optimizer
 from hfjax.training.train_state import (
@@ -175,7 +175,7 @@ def packed_batch(layout: Layout, row_tokens: int, response: int, extra: Sequence
     `ShapeDtypeStruct`s: one row per batch part, every token a response token, and as many sequence rows as
     sequences of two tokens would fill (the per-sequence arrays hold no vocabulary dimension: small either way)."""
     parts = layout.batch_parts
-    seqs = parts * (1 << max(row_tokens // 2 - 1, 0).bit_length())
+    seqs = parts * power_of_two_at_least(row_tokens // 2)
     batch = sequence_batch(layout, seqs, 0, response, extra)
     del batch["input_ids"], batch["attention_mask"], batch["position_ids"]
     shapes = {

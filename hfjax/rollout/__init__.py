@@ -2,7 +2,14 @@
 
 from hfjax.rollout.engine import JaxEngine
 from hfjax.rollout.generator import OfflineGenerator, SampleOutput
-from hfjax.rollout.interface import DecodeState, Engine, PrefillResult, ResultTokens, prefill_buckets
+from hfjax.rollout.interface import (
+    DecodeState,
+    Engine,
+    PrefillResult,
+    ResultTokens,
+    power_of_two_at_least,
+    prefill_buckets,
+)
 from hfjax.rollout.sampling import SamplingError, SamplingParams
 
 __all__ = [
@@ -15,5 +22,6 @@ __all__ = [
     "SampleOutput",
     "SamplingError",
     "SamplingParams",
+    "power_of_two_at_least",
     "prefill_buckets",
 ]

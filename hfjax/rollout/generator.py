@@ -25,6 +25,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hfjax.rollout.engine import JaxEngine
+from hfjax.rollout.interface import power_of_two_at_least
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_REJECTED = "stop", "length", "rejected"
@@ -63,10 +64,6 @@ def free_decode_state(state: Any) -> None:
 
 def _no_tokens() -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(0, np.int32), np.zeros(0, np.float32)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _row_chunks(members: list[int]) -> list[list[int]]:
@@ -273,7 +270,7 @@ class OfflineGenerator:
         requests = list(dict.fromkeys(r for r, _ in batch))
         rows_of = {r: row for row, r in enumerate(requests)}
         parts = self.engine.batch_parts
-        width = -(-_pow2_at_least(len(batch)) // parts) * parts
+        width = -(-power_of_two_at_least(len(batch)) // parts) * parts
         tokens = np.zeros((width, length), np.int32)
         lengths = np.ones(width, np.int32)
         request_ids = np.zeros(width, np.int32)

@@ -86,6 +86,11 @@ class Engine(Protocol):
     def mesh(self) -> Mesh: ...
 
 
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= `n` (1 for n <= 1): rounded row counts, so few shapes compile."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def prefill_buckets(max_prefill_length: int) -> tuple[int, ...]:
     """Padded prompt lengths: 16, 24, 32, 48, 64, 96, ... (powers of two and 1.5x powers of two, so at most a third
     of a padded prompt longer than 16 is padding) up to the limit, and the limit itself."""

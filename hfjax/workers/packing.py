@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hfjax.controller.global_arrays import process_reduce
-from hfjax.rollout import prefill_buckets
-from hfjax.workers.sequences import SEQUENCE_KEYS, content_lengths, response_slice
+from hfjax.rollout import power_of_two_at_least
+from hfjax.workers.sequences import SEQUENCE_KEYS, content_lengths, padded_lengths, response_slice
 
 PACKED_POSITIONS = "packed_positions"  # [parts, T] the packed index whose output predicts each response token
 PACKED_LABELS = "packed_labels"  # [parts, T] that response token
@@ -73,16 +73,6 @@ def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     return [rows[r] for r in by_load]
 
 
-def _rounded(value: int, limit: int) -> int:
-    """`value` (at least 1) rounded up to a `prefill_buckets` length of `limit`."""
-    buckets = np.asarray(prefill_buckets(limit))
-    return int(buckets[np.searchsorted(buckets, max(value, 1))])
-
-
-def _power_of_two(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
-
-
 def packed_micro_batches(
     batch: Mapping[str, np.ndarray], response_length: int, row_tokens: int, parts: int
 ) -> tuple[np.ndarray, list[dict[str, np.ndarray]]]:
@@ -122,10 +112,10 @@ def _shape(
     seqs = max((len(row) for row in group), default=1)
     longest = max((int(responses[row].max()) for row in group), default=1)
     return (
-        _rounded(width, row_tokens),
-        _rounded(tokens, row_tokens),
-        _power_of_two(seqs),
-        _rounded(longest, response_length),
+        int(padded_lengths(width, row_tokens)),
+        int(padded_lengths(tokens, row_tokens)),
+        power_of_two_at_least(seqs),
+        int(padded_lengths(longest, response_length)),
     )
 
 

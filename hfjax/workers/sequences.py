@@ -136,7 +136,7 @@ def content_lengths(batch: dict[str, np.ndarray], response_length: int) -> tuple
     return mask[:, :split].sum(axis=1), mask[:, split:].sum(axis=1)
 
 
-def _padded(lengths: np.ndarray, limit: int) -> np.ndarray:
+def padded_lengths(lengths: np.ndarray, limit: int) -> np.ndarray:
     """The shortest padded lengths (`prefill_buckets`: at most a third of one is padding) that hold `lengths` tokens
     (at least 1)."""
     buckets = np.asarray(prefill_buckets(limit))
@@ -147,7 +147,7 @@ def length_order(batch: dict[str, np.ndarray], response_length: int) -> np.ndarr
     """A row order that puts rows of similar lengths next to each other, so that consecutive micro-batches trim well:
     by padded response length, then by prompt length."""
     prompts, responses = content_lengths(batch, response_length)
-    return np.lexsort((prompts, _padded(responses, response_length)))
+    return np.lexsort((prompts, padded_lengths(responses, response_length)))
 
 
 def trimmed_chunks(
@@ -167,7 +167,7 @@ def trimmed_widths(batch: dict[str, np.ndarray], response_length: int) -> tuple[
     response, each rounded up to a padded length (so a few shapes compile)."""
     prompts, responses = content_lengths(batch, response_length)
     split = batch["attention_mask"].shape[1] - response_length
-    return int(_padded(prompts.max(), split)), int(_padded(responses.max(), response_length))
+    return int(padded_lengths(prompts.max(), split)), int(padded_lengths(responses.max(), response_length))
 
 
 def trim_padding(
