@@ -417,3 +417,14 @@ def test_prompts_too_long_for_the_run_fail_before_ray_starts(inputs, tmp_path, m
     err = capsys.readouterr().err.strip().splitlines()
     assert re.fullmatch(rf"hfjax train: {message}.*", err[-1]), err[-1]
     assert not (tmp_path / "run").exists()  # nothing started: no run directory, no Ray
+
+
+def test_prompts_that_fit_pass_preflight_without_validation_files(inputs, tmp_path):
+    """data.truncation=filter with no data.val_files (the GPU check's GRPO run) has no validation prompts to check;
+    with or without them, prompts that fit pass, and a data.max_prompt_length below every prompt still fails."""
+    for val_files in ([], [inputs["test"]]):
+        data = {"truncation": "filter", "max_prompt_length": 12, "val_files": val_files}
+        check_rl_run(load_rl_config(rl_config(inputs, tmp_path / "run", "grpo", data=data)))
+    data = {"truncation": "filter", "max_prompt_length": 9, "val_files": []}
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length=9: 32 of the 32 prompts of data.train_files"):
+        check_rl_run(load_rl_config(rl_config(inputs, tmp_path / "run", "grpo", data=data)))

@@ -32,7 +32,10 @@ def check_prompt_lengths(
 ) -> None:
     """Raises ConfigError when the run could not use the prompts `rows` of config `field`: with `truncation: error`
     a prompt longer than `data.max_prompt_length` (naming its file and row), with `filter` fewer prompts that fit
-    than `needed` (how many, and what needs them: `(16, "one batch (data.train_batch_size)")`)."""
+    than `needed` (how many, and what needs them: `(16, "one batch (data.train_batch_size)")`). No rows (no
+    `data.val_files`, say) need nothing."""
+    if not rows:
+        return
     limit, truncation = data.max_prompt_length, data.truncation
     lengths: list[int] = []
     fitting = 0
