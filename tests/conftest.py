@@ -8,13 +8,18 @@ import pytest
 from hfjax.compile_cache import enable_compilation_cache
 
 # Deterministic GPU reductions, so that bitwise comparisons also hold where the tests run with JAX_PLATFORMS=cuda.
-# No LLVM optimisation of the CPU code: tests compile thousands of small programs and run each a few times, so the
-# optimiser costs more than it saves (an actor-update test: compile 20.2 s -> 11.5 s, the test 39 s -> 27 s). XLA's
-# own HLO passes still run; Ray workers inherit these flags (`ResourcePool.process_env`).
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_gpu_deterministic_ops=true --xla_backend_optimization_level=0"
-).strip()
+# Tests compile thousands of small programs and run each a few times, so compiling cheaply beats running fast: no LLVM
+# optimisation of the CPU code (an actor-update test: compile 20.2 s -> 11.5 s, the test 39 s -> 27 s), and XLA's
+# classic CPU fusion emitters instead of the MLIR ones (tests/test_trim_padding.py: 43.6 -> 27.4 s of CPU time,
+# tests/test_engine_extend.py: 66.5 -> 49.1 s). XLA's HLO passes still run; Ray workers and scripts started by tests
+# inherit these flags (`ResourcePool.process_env`).
+TEST_XLA_FLAGS = (
+    "--xla_force_host_platform_device_count=8",
+    "--xla_gpu_deterministic_ops=true",
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+)
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,11 +39,17 @@ if os.environ.get("HFJAX_TEST_COMPILE_REPORT"):  # where the compiles come from,
     pytest_plugins = ["compile_report"]
 
 
+@pytest.fixture
+def one_device_xla_flags() -> str:
+    """The session's XLA flags without its 8 fake devices, for processes a test starts with one device."""
+    return " ".join(flag for flag in TEST_XLA_FLAGS if not flag.startswith("--xla_force_host_platform_device_count"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items: list) -> None:
     """With `pytest -n N` (pytest-xdist, `--dist loadgroup` as scripts/test.sh runs it) each file's tests stay on one
-    worker, so a module's fixtures (tiny models, compiled programs) are built once, and every test that uses the
-    session's Ray cluster runs on the same worker, so one cluster serves them all."""
+    worker, so a module's fixtures (tiny models, compiled programs) are built once. The Ray tests of different files
+    may run on different workers, each starting its own session cluster (`ray_cluster`): one more cluster start-up is
+    cheaper than running every Ray test, the longest ones, on one worker while the other idles."""
     for item in items:
-        group = "ray" if "ray_cluster" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

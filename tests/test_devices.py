@@ -45,7 +45,9 @@ def test_auto_picks_the_clusters_accelerator_and_a_missing_one_is_an_error():
 
 
 @pytest.mark.ray
-def test_controller_jax_stays_on_cpu_when_the_driver_environment_names_an_accelerator(ray_cluster, tmp_path):
+def test_controller_jax_stays_on_cpu_when_the_driver_environment_names_an_accelerator(
+    ray_cluster, tmp_path, one_device_xla_flags
+):
     """A driver started with JAX_PLATFORMS=cuda (what a GPU host's environment may set) trains on the Ray backend:
     its own JAX computations run on the CPU (without the pin, its first array fails: there is no CUDA here), the
     workers get the device kind of `trainer.device` (auto: the cluster has no accelerator, so cpu)."""
@@ -55,7 +57,7 @@ def test_controller_jax_stays_on_cpu_when_the_driver_environment_names_an_accele
     address = ray_cluster.get_runtime_context().gcs_address
     pythonpath = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
     env = {**os.environ, "JAX_PLATFORMS": "cuda", "PYTHONPATH": pythonpath}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # the session's, without its 8 fake devices
+    env["XLA_FLAGS"] = one_device_xla_flags
     run = subprocess.run(
         [sys.executable, "-c", DRIVER, json.dumps(config), address, pythonpath],
         env=env,

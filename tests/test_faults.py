@@ -513,7 +513,9 @@ def test_a_stopped_worker_is_reported_within_a_minute(ray_cluster):
 
 @pytest.mark.ray
 def test_a_call_past_its_deadline_is_reported_and_a_busy_worker_is_not(ray_cluster):
-    liveness = LivenessConfig(heartbeat_s=0.5, silent_after_s=2.0, deadline_s={"nap": 3.0})
+    # 4 s of silence (8 heartbeats) before a worker counts as hung: 2 s was seen to flag a worker starting up on a
+    # loaded 2-core machine
+    liveness = LivenessConfig(heartbeat_s=0.5, silent_after_s=4.0, deadline_s={"nap": 3.0})
     group = RayWorkerGroup(ResourcePool([1, 1]), Napper, liveness=liveness)
     try:
         assert min(group.spin(6.0)) > 0  # 6 s busy in Python: heartbeats still answered, nothing reported

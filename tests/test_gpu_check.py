@@ -17,13 +17,12 @@ EXPECTED_CHECKS = {"environment", "parity tests", "generation vs transformers", 
 
 
 @pytest.mark.slow
-def test_tiny_gpu_check_reports_every_check_ok(tmp_path):
+def test_tiny_gpu_check_reports_every_check_ok(tmp_path, one_device_xla_flags):
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # this interpreter as `python`
     env["PYTHON"] = sys.executable
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # the test session's 8 fake devices: the check's processes use one
-    env["HFJAX_COMPILATION_CACHE"] = str(tmp_path / "xla-cache")
+    env["XLA_FLAGS"] = one_device_xla_flags  # the check's processes use one device (and the session's cache)
     out_dir = tmp_path / "gpu_check"
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--tiny", "--block-ray", "--out-dir", str(out_dir)],
