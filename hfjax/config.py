@@ -289,6 +289,9 @@ class AsyncConfig:
     # `check_every` decode steps); the samples not yet ended continue under them, re-prefilled with their tokens so far
     partial_rollout: bool = False
     check_every: int = 8
+    # how the rollout group switches to new weights: `atomic` places them beside the old ones first (two copies on
+    # the devices); `in_place` keeps them on the host and replaces one parameter at a time (weights + one parameter)
+    weight_swap: Literal["atomic", "in_place"] = "atomic"
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:

@@ -21,6 +21,7 @@ from hfjax.controller import WorkerError
 from hfjax.models.hf import param_plan, read_config
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.rl import RLTrainer
+from hfjax.trainer.rollout_stream import sync_weights
 from hfjax.typed_config import ConfigError, dump_yaml
 from hfjax.workers.weight_sync import WeightShards
 
@@ -133,8 +134,8 @@ def test_weight_sync_delivers_the_trainers_weights_and_a_failed_sync_keeps_the_o
         wrong_shape = WeightShards({path: ([n + 1 for n in shape], dtype)}, [])
         missing = WeightShards({}, [])  # nothing arrives for any parameter
         for bad, words in ((wrong_shape, "the rollout holds"), (missing, "no block of it arrived")):
-            with pytest.raises(WorkerError, match="keeps serving version 2") as err:
-                rollout.load_weights(3, bad)
+            with pytest.raises(WorkerError, match="keeps serving version 2 on every process") as err:
+                sync_weights(rollout, 3, [bad]).get()
             assert words in str(err.value)
             assert rollout.weights_version() == [2]
             for key, array in rollout.rollout_params()[0].items():

@@ -40,6 +40,7 @@ def role_workers(cfg: RLConfig) -> dict[str, functools.partial]:
             max_prompt_length=cfg.data.max_prompt_length,
             partial=cfg.async_.partial_rollout,
             check_every=cfg.async_.check_every,
+            weight_swap=cfg.async_.weight_swap,
         ),
         "critic": functools.partial(CriticWorker, cfg.critic, total_steps=steps),
         "reward_model": functools.partial(RewardModelWorker, cfg.reward.reward_model, output_key="rm_scores"),

@@ -4,16 +4,18 @@ bounded staleness: asynchronous RL.
 A policy *version* counts the actor updates behind a set of weights (the checkpoint is version 0, or the restored
 step). After every update the trainer's weights go to the rollout group (`sync`): the actor's blocks, cast to the
 rollout's dtype, pass from the trainer's processes to the rollout's through Ray's object store, never through the
-controller. `take(step)` returns the rollout of `step`, first starting generation for every step up to
-`step + max_staleness` whose prompts are not yet out. Calls on a group run in the order the controller made them,
-so a generation started after `sync(v)` runs with version `v`: the rollout of step `k`, started at step
-`k - max_staleness`, is exactly `max_staleness` versions old when step `k` updates on it (0: the synchronous loop).
-At most `max_staleness + 1` rollouts are in flight (the bounded buffer); when the trainer is slower the rollout group
-waits (back-pressure), when the rollout is slower the trainer waits in `take` (`timing_s/gen`).
-With `async.partial_rollout` the weights are not queued on the rollout group but published in a `WeightMailbox`
-(a Ray actor holding the newest version's block refs); the rollout takes the newest at the start of each generation
-and part way through it (`hfjax.workers.partial_rollout`), so a rollout is at most `max_staleness` versions old where
-it starts and newer after; the batch records each token's version (`rollout_versions`).
+controller, and switch in two phases on every rollout process or on none (`sync_weights`). `take(step)` returns the
+rollout of `step`, first starting generation for every step up to `step + max_staleness` whose prompts are not yet
+out. Calls on a group run in the order the controller made them, so a generation started after `sync(v)` runs with
+version `v`: the rollout of step `k`, started at step `k - max_staleness`, is exactly `max_staleness` versions old
+when step `k` updates on it (0: the synchronous loop). At most `max_staleness + 1` rollouts are in flight (the
+bounded buffer); when the trainer is slower the rollout group waits (back-pressure), when the rollout is slower the
+trainer waits in `take` (`timing_s/gen`).
+With `async.partial_rollout` the weights are not queued on the rollout group but published in a `WeightMailbox` (a
+Ray actor holding the newest version's block refs); the rollout takes the newest at the start of each generation and
+part way through it (`hfjax.workers.partial_rollout`), every process of the group at the same points of its
+generation (see `WeightMailbox`), so a rollout is at most `max_staleness` versions old where it starts and newer
+after; the batch records each token's version (`rollout_versions`).
 Imports `hfjax.config`, `hfjax.protocol` and this package's step and timeline.
 """
 
@@ -31,23 +33,118 @@ from hfjax.protocol import DataProto
 from hfjax.trainer.step import group_names, rollout_meta
 from hfjax.trainer.timeline import Timeline
 
+Point = tuple[int, int, int]  # (generation call, round, check) of a rollout process following a mailbox
+PASSED_ALL = 2**62  # the round of a process that ended its generation call: past every point of that call
+
+
+def sync_weights(rollout: Any, version: int, parts: list[Any]) -> Any:
+    """Queues a two-phase weight sync of the trainer's blocks (`parts`: the refs of the actor's
+    `weights_for_rollout`) on the `rollout` group as policy `version`; returns the future of phase two at once.
+    Every process stages the blocks while its old weights serve (`stage_weights`), then every process, given all
+    the stage reports (passed as refs between the group's own calls, never through the controller), switches to
+    `version`, or drops it and raises if any process failed (`commit_weights`). Later calls on the group run
+    after both."""
+    staged = rollout.stage_weights.submit(version, *parts)
+    return rollout.commit_weights.submit(version, *staged.parts)
+
+
+@dataclasses.dataclass
+class VersionSwitch:
+    """A switch to `version` (its blocks' refs `parts`) decided at `point`, with the stage error (or None) of each
+    process that reached it; `failed` once some process could not stage it."""
+
+    point: Point
+    version: int
+    parts: list[Any]
+    reports: dict[int, str | None] = dataclasses.field(default_factory=dict)
+    failed: bool = False
+
 
 class WeightMailbox:
-    """The newest published policy version and the object refs of its blocks (run as a Ray actor: the controller
-    publishes, the rollout processes poll `newest` and `take`). Holding the refs keeps the blocks alive until a newer
-    version replaces them."""
+    """The newest published policy version and its blocks' refs, and the versions the `processes` of one rollout
+    group switch to and where (run as a Ray actor: the controller publishes, the rollout processes ask).
 
-    def __init__(self) -> None:
+    Each process asks at every *point* of its generation: `(call, round, check)` counts its generation calls, the
+    weight switches within the call, and the checks since the last switch (one at the call's start, then one every
+    `check_every` decode steps), so the same point is the same place of the generation on every process, however
+    far apart in time. The processes run loops of their own (different rows, different lengths), so no collective
+    can stand in: one that finishes its rows early would never join it. Instead the first process to reach a point
+    beyond every point decided so far decides it (`decide`): a switch to the newest published version if it is
+    newer than the version in force there. A point at or behind that frontier gets the decision already taken, so
+    every process reaching a point gets the same answer. A switch is two-phase: each process at the point stages
+    the version and reports (`report`); the outcome (`outcome`) is known once every process has reported there or
+    passed the point without reaching it (it ended its call before: `finish`), and it is every process's: switch,
+    or drop if any failed. Switches every process has passed are forgotten (and their blocks released)."""
+
+    def __init__(self, processes: int = 1) -> None:
+        self.processes = processes
         self.version, self.parts = -1, []
+        self.frontier: Point | None = None  # the furthest point decided
+        self.switches: list[VersionSwitch] = []
+        self.settled = -1  # the version in force before the first switch still kept
+        self.positions: dict[int, Point] = {}  # each process's last point
 
     def publish(self, version: int, parts: list[Any]) -> None:
+        """The trainer's newest weights (`parts`: the refs of its processes' blocks) as policy `version`."""
         self.version, self.parts = version, parts
 
-    def newest(self) -> int:
-        return self.version
+    def decide(self, rank: int, point: Point, serving: int) -> tuple[Point, int, list[Any]] | None:
+        """Process `rank`, serving version `serving`, at `point`: the switch it must make there (the switch's
+        point, version and blocks' refs), or None."""
+        self.positions[rank] = point
+        if self.frontier is None or point > self.frontier:
+            self.frontier = point
+            if self.version > self._in_force(point):
+                self.switches.append(VersionSwitch(point, self.version, self.parts))
+        self._forget_passed()
+        switch = self._latest(point)
+        if switch is None or switch.version == serving:
+            if switch is not None and switch.point == point:
+                switch.reports[rank] = None  # already there: nothing to stage
+            return None
+        return switch.point, switch.version, switch.parts
 
-    def take(self) -> tuple[int, list[Any]]:
-        return self.version, self.parts
+    def report(self, rank: int, point: Point, error: str | None) -> list[str] | None:
+        """Process `rank` staged the switch of `point` (`error`: why not); returns `outcome(point)`."""
+        self._at(point).reports[rank] = error
+        return self.outcome(point)
+
+    def outcome(self, point: Point) -> list[str] | None:
+        """None while a process may still reach `point`; then the stage errors there (empty: every process that
+        reached it switches)."""
+        switch = self._at(point)
+        waiting = [
+            r for r in range(self.processes) if r not in switch.reports and self.positions.get(r, point) <= point
+        ]
+        if waiting:
+            return None
+        errors = [error for error in switch.reports.values() if error]
+        switch.failed = bool(errors)
+        return errors
+
+    def finish(self, rank: int, call: int) -> None:
+        """Process `rank` ended generation call `call`: it reaches no later point of it."""
+        self.positions[rank] = (call, PASSED_ALL, 0)
+
+    def _in_force(self, point: Point) -> int:
+        switch = self._latest(point)
+        return self.settled if switch is None else switch.version
+
+    def _latest(self, point: Point) -> VersionSwitch | None:
+        """The last switch at or before `point` that did not fail."""
+        return next((s for s in reversed(self.switches) if s.point <= point and not s.failed), None)
+
+    def _at(self, point: Point) -> VersionSwitch:
+        return next(s for s in self.switches if s.point == point)
+
+    def _forget_passed(self) -> None:
+        if len(self.positions) < self.processes:
+            return
+        lowest = min(self.positions.values())
+        while self.switches and self.switches[0].point < lowest:
+            switch = self.switches.pop(0)
+            if not switch.failed:
+                self.settled = switch.version
 
 
 def token_staleness(step: int, versions: np.ndarray, mask: np.ndarray) -> dict[str, float]:
@@ -138,7 +235,7 @@ class RolloutStream:
         if cfg.async_.partial_rollout:
             import ray
 
-            self.mailbox = ray.remote(num_cpus=0)(WeightMailbox).remote()
+            self.mailbox = ray.remote(num_cpus=0)(WeightMailbox).remote(roles["rollout"].world_size)
             roles["rollout"].follow(self.mailbox)
 
     def sync(self, version: int) -> None:
@@ -147,7 +244,7 @@ class RolloutStream:
         if self.mailbox is not None:  # the rollout takes it when it looks, even part way through a generation
             self.mailbox.publish.remote(version, shards.parts)
         else:
-            self.unchecked.append(self.roles["rollout"].load_weights.submit(version, *shards.parts))
+            self.unchecked.append(sync_weights(self.roles["rollout"], version, shards.parts))
         self.version = version
 
     def take(self, step: int) -> PendingRollout:

@@ -286,7 +286,7 @@ class ActorRolloutRefWorker(TrainedRole):
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def weights_for_rollout(self) -> WeightShards:
         """This process's blocks of the policy cast to the compute dtype, for a rollout group on other devices
-        (`RolloutWorker.load_weights`; non-blocking: the blocks stay in the cluster)."""
+        (`hfjax.trainer.rollout_stream.sync_weights`; non-blocking: the blocks stay in the cluster)."""
         return export_shards(self.params, self.cfg.dtype)
 
     @register(Dispatch.ONE_TO_ALL)

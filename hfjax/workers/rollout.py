@@ -1,10 +1,15 @@
 """`RolloutWorker`: generation on devices of its own (the disaggregated placement): the policy in the generation
 layout and compute dtype only (no master copy, no optimizer state, no HybridEngine), fed new weights by the trainer
-(`load_weights`) and answering `generate_sequences` exactly like the policy worker.
+(`stage_weights`, `commit_weights`, or a mailbox to `follow`) and answering `generate_sequences` exactly like the
+policy worker.
 
 Each process runs one continuous-batching loop over its own replicas of the generation layout (as the policy worker
-does). Weights arrive as the trainer processes' blocks (`hfjax.workers.weight_sync`); the new copy is placed beside
-the old one and swapped in only when complete, so a failed sync leaves the previous version serving.
+does). Weights arrive as the trainer processes' blocks (`hfjax.workers.weight_sync`) and switch in two phases on
+every process of the group together (`hfjax.workers.weight_swap`): each process stages them while the old weights
+keep serving, then all switch, or all keep the old version if any process failed. On the blocking path the
+controller queues `stage_weights` then `commit_weights` (`hfjax.trainer.rollout_stream.sync_weights`); following a
+mailbox (partial rollouts) the processes ask it at every check of their generation loops, identified by the same
+point on every process, and switch at the points it decides (`WeightMailbox`).
 Imports `hfjax.controller`, `hfjax.parallel`, `hfjax.rollout`, `hfjax.protocol` and this package.
 """
 
@@ -25,7 +30,10 @@ from hfjax.workers.config import ActorConfig, RolloutConfig
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, reports_seconds
 from hfjax.workers.partial_rollout import generate_across_versions
-from hfjax.workers.weight_sync import WeightShards, WeightSyncError, assemble, param_paths
+from hfjax.workers.weight_swap import WeightSwap
+from hfjax.workers.weight_sync import WeightShards, WeightSyncError, param_paths
+
+SWITCH_POLL_S = 0.005  # seconds between asks while other processes make their way to a switch point
 
 
 class RolloutWorker(Worker):
@@ -39,14 +47,18 @@ class RolloutWorker(Worker):
         max_prompt_length: int = 512,
         partial: bool = False,
         check_every: int = 8,
+        weight_swap: str = "atomic",
     ):
         """`partial`: samples may move to newer weights part way (`follow` a mailbox; prompts then reach the
         engine with the tokens so far, so it takes prompts of `max_prompt_length + response_length` tokens);
-        `check_every`: decode steps between looks for newer weights."""
+        `check_every`: decode steps between looks for newer weights; `weight_swap`: how a sync stages
+        (`hfjax.workers.weight_swap`)."""
         self.actor_cfg, self.rollout_cfg, self.max_prompt_length = actor, rollout, max_prompt_length
         self.partial, self.check_every = partial, check_every
-        self.version, self.mailbox = 0, None
+        self.version, self.mailbox, self.swap = 0, None, WeightSwap(weight_swap)
         self.loads: list[float] = []  # seconds of each load from the mailbox during the current generation
+        self.point = (0, 0, 0)  # following a mailbox: (generation call, round, check) of the next ask
+        self.due: tuple | None = None  # the switch the mailbox decided at the last ask
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict[str, Any]:
@@ -68,7 +80,6 @@ class RolloutWorker(Worker):
         )
         self.generator = OfflineGenerator(self.engine, None, progress=False)
         self.agent = agent_generator(self.generator, rollout)
-        self.expected = {path: (tuple(leaf.shape), leaf.dtype.name) for path, leaf in param_paths(self.policy.params)}
         return {
             "gen_layout": gen.describe(),
             "params": self.policy.config.num_params,
@@ -78,95 +89,124 @@ class RolloutWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     @reports_seconds
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """As `ActorRolloutRefWorker.generate_sequences`, with the weights of the last `load_weights` (or, following a
-        mailbox, the newest published, also part way: the batch then has `rollout_versions`, each token's policy
+        """As `ActorRolloutRefWorker.generate_sequences`, with the weights of the last sync (or, following a
+        mailbox, the version it decides, also part way: the batch then has `rollout_versions`, each token's policy
         version); the metrics add `weights_version` (the version at the start), `weight_loads` and
-        `weight_load_seconds` (loads from the mailbox during this call)."""
+        `weight_load_seconds` (switches while following the mailbox during this call)."""
+        if self.swap.incomplete:
+            raise WeightSyncError(self.swap.incomplete)
         sampling = sampling_params(self.rollout_cfg, prompts.meta_info)
-        run, self.loads = None, []
+        self.loads, run = [], None
         if self.mailbox is not None:
-            if self._newer():
-                self._load_newest()
-            start = self.version
-
-            def run(prompt_lists: list, request: Any, first: int) -> list:
-                return generate_across_versions(
-                    self.generator,
-                    prompt_lists,
-                    request,
-                    first,
-                    version=start,
-                    newer=self._newer,
-                    load_newest=self._load_newest,
-                    check_every=self.check_every,
-                )
-
-        version = self.version
-        self.generator.update_params(self.policy.params)
+            self.point, run = (self.point[0] + 1, 0, 0), self._generate_across_versions
         try:
-            batch, timing = generate_batch(self.generator, prompts, sampling, self.pad_id, run, self.agent)
+            if run is not None and self._switch_due():
+                self._switch()
+            version = self.version
+            self.generator.update_params(self.policy.params)
+            try:
+                batch, timing = generate_batch(self.generator, prompts, sampling, self.pad_id, run, self.agent)
+            finally:
+                self.generator.update_params(None)
         finally:
-            self.generator.update_params(None)
+            if self.mailbox is not None:  # no switch at a later point of this call waits for this process
+                self.mailbox.finish.remote(self.rank, self.point[0])
         timing["weights_version"] = version
         timing["weight_loads"], timing["weight_load_seconds"] = float(len(self.loads)), sum(self.loads)
         return DataProto.from_dict(batch, meta_info={"metrics": timing})
 
+    def _generate_across_versions(self, prompt_lists: list, request: Any, first: int) -> list:
+        return generate_across_versions(
+            self.generator,
+            prompt_lists,
+            request,
+            first,
+            version=self.version,
+            newer=self._switch_due,
+            load_newest=self._switch,
+            check_every=self.check_every,
+        )
+
     @register(Dispatch.ONE_TO_ALL)
     def follow(self, mailbox: Any) -> None:
-        """Partial rollouts: from now on generation takes the newest weights published in `mailbox` (a Ray actor
-        with `newest() -> version` and `take() -> (version, blocks refs)`), at its start and part way."""
+        """Partial rollouts: from now on generation takes the versions `mailbox` (a Ray actor running
+        `hfjax.trainer.rollout_stream.WeightMailbox`) decides, at its start and part way."""
         if not self.partial:
             raise RuntimeError("RolloutWorker.follow: this worker was built without partial=True")
         self.mailbox = mailbox
 
-    def _newer(self) -> bool:
+    def _switch_due(self) -> bool:
+        """Asks the mailbox whether to switch at this point of the generation: the start of each call, then every
+        `check_every` decode steps of each round (the same points on every process of the group)."""
         import ray
 
-        return ray.get(self.mailbox.newest.remote()) > self.version
+        call, round_, check = self.point
+        self.due = ray.get(self.mailbox.decide.remote(self.rank, self.point, self.version))
+        self.point = (call, round_, check + 1)
+        return self.due is not None
 
-    def _load_newest(self) -> int:
+    def _switch(self) -> int:
+        """Switches to the version the mailbox decided at the last ask, in two phases with the other processes at
+        that point (see `WeightMailbox`); returns it. Generation goes on in a new round."""
         import ray
 
         started = time.perf_counter()
-        version, refs = ray.get(self.mailbox.take.remote())
-        self._install(version, ray.get(refs))
+        point, version, refs = self.due
+        try:
+            parts = ray.get(list(refs))
+        except Exception as exc:  # reported as a failed stage: the other processes must not wait for this one
+            error = f"rank {self.rank}: the blocks of version {version} could not be fetched: {exc}"
+        else:
+            error = self._stage(version, parts)
+        errors = ray.get(self.mailbox.report.remote(self.rank, point, error))
+        while errors is None:  # other processes still on their way to `point`
+            time.sleep(SWITCH_POLL_S)
+            errors = ray.get(self.mailbox.outcome.remote(point))
+        self._settle(version, errors)
         self.generator.update_params(self.policy.params)
+        self.point = (self.point[0], self.point[1] + 1, 0)
         self.loads.append(time.perf_counter() - started)
         return version
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_weights(self, version: int, *parts: WeightShards) -> dict[str, float]:
-        """Replaces the weights by the trainer's blocks (`parts`: one `WeightShards` per trainer process) as policy
-        `version`. Checks every block before placing anything; the old weights serve until the new ones are all on
-        the devices. Returns the bytes received and the seconds spent here and in the trainer's export."""
+    def stage_weights(self, version: int, *parts: WeightShards) -> dict[str, Any]:
+        """Phase one of a sync (`hfjax.trainer.rollout_stream.sync_weights`): checks the trainer's blocks (`parts`:
+        one `WeightShards` per trainer process) and stages them as policy `version`, the old weights serving on.
+        Never raises: what failed is in `error`, for every process's `commit_weights` to see. Also returns the bytes
+        received and the seconds spent here and in the trainer's export."""
         started, started_at = time.perf_counter(), time.time()
-        self._install(version, parts)
+        error = self._stage(version, parts)
         return {
             "version": version,
+            "error": error,
             "bytes": float(sum(p.nbytes for p in parts)),
-            "receive_seconds": time.perf_counter() - started,
+            "stage_seconds": time.perf_counter() - started,
             "export_seconds": max((p.seconds for p in parts), default=0.0),
             "started_at": started_at,
-            "ended_at": time.time(),
         }
 
-    def _install(self, version: int, parts: list[WeightShards] | tuple[WeightShards, ...]) -> None:
-        """The blocks as the weights of `version`, swapped in once all are placed (see `load_weights`)."""
+    @register(Dispatch.ONE_TO_ALL)
+    def commit_weights(self, version: int, *staged: dict[str, Any]) -> dict[str, Any]:
+        """Phase two, given every process's `stage_weights` report (in rank order): switches to `version` where all
+        staged it; else drops it and raises `WeightSyncError` (every process keeps serving its version). Returns
+        this process's report with `receive_seconds` (both phases here) and `ended_at`."""
+        started = time.perf_counter()
+        self._settle(version, [report["error"] for report in staged if report["error"]])
+        own = staged[self.rank]
+        seconds = own["stage_seconds"] + time.perf_counter() - started
+        return {**own, "receive_seconds": seconds, "ended_at": time.time()}
+
+    def _stage(self, version: int, parts: Any) -> str | None:
+        """Stages `parts` as `version` (`WeightSwap.stage`); what failed, naming this process, or None."""
         try:
-            arrays = assemble(list(parts), self.expected)
-            leaves, treedef = jax.tree.flatten(self.policy.params)
-            placed = [
-                jax.device_put(arrays[path], leaf.sharding)
-                for (path, _), leaf in zip(param_paths(self.policy.params), leaves, strict=True)
-            ]
-            jax.block_until_ready(placed)
-        except Exception as exc:
-            raise WeightSyncError(
-                f"weight sync to version {version} failed; the rollout keeps serving version {self.version}: {exc}"
-            ) from exc
-        old, self.policy.params = leaves, jax.tree.unflatten(treedef, placed)
-        for leaf in old:
-            leaf.delete()
+            self.swap.stage(version, list(parts), self.policy.params)
+        except Exception as exc:  # every failure must reach phase two on every process, which drops the version
+            return f"rank {self.rank}: {exc}"
+        return None
+
+    def _settle(self, version: int, errors: list[str]) -> None:
+        """Phase two here (`WeightSwap.settle`): `version` serves from now on, or the error is raised."""
+        self.policy.params = self.swap.settle(version, self.version, self.policy.params, errors)
         self.version = version
 
     @register(Dispatch.ONE_TO_ALL)
