@@ -50,6 +50,9 @@ def pytest_collection_modifyitems(items: list) -> None:
     """With `pytest -n N` (pytest-xdist, `--dist loadgroup` as scripts/test.sh runs it) each file's tests stay on one
     worker, so a module's fixtures (tiny models, compiled programs) are built once. The Ray tests of different files
     may run on different workers, each starting its own session cluster (`ray_cluster`): one more cluster start-up is
-    cheaper than running every Ray test, the longest ones, on one worker while the other idles."""
+    cheaper than running every Ray test, the longest ones, on one worker while the other idles. A file whose tests
+    share nothing (`SPREAD_TESTS = True` in it: each runs a script in a process of its own) spreads its tests over
+    the workers."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        spread = getattr(getattr(item, "module", None), "SPREAD_TESTS", False)
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if spread else item.nodeid.split("::")[0]))

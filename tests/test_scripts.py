@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 REPORT_KEYS = {"title", "rows", "machine"}  # what `bench_common.report` writes
+SPREAD_TESTS = True  # each run is a process of its own: pytest-xdist may spread them over its workers (conftest.py)
 
 # script (relative to scripts/) -> (its arguments besides --out, the output file, the top-level keys it must hold)
 TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
@@ -23,8 +24,11 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
     "bench_generate.py": (["--tiny"], "out.json", REPORT_KEYS | {"decode_steps", "floor_step_ms"}),
     "bench_load.py": (["--tiny"], "out.json", REPORT_KEYS | {"checkpoint_bytes", "raw"}),
     "bench_packing.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_loss", "real_tokens", "sequences"}),
+    "bench_reshard.py": (["--tiny"], "out.json", REPORT_KEYS | {"memcpy_bytes_per_s", "rows_raw"}),
     "bench_sampler.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_tokens", "slots", "vocab"}),
+    "bench_transport.py": (["--tiny"], "out.json", {"rows", "floor", "params", "api"}),
     "peers/trl_grpo.py": (["--tiny"], "out.json", {"peer"}),
+    "peers/workload.py": (["--tiny"], "out.jsonl", {"data_source", "prompt", "reward_model", "extra_info"}),
 }
 # Scripts with no tiny run here, and why.
 NOT_RUN = {
@@ -34,16 +38,14 @@ NOT_RUN = {
     "make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
     "peers/compare_grpo.py": "tables two runs' summaries: no model, nothing to shrink",
     "peers/reward.py": "a library of the peer scripts, no command",
+    "bench_real_size.py": "--tiny takes ~100 s wall (~37 s CPU) on 2 shared cores: parity, GRPO and sync compiles",
     # --tiny written, but not yet a few seconds on 2 cores (Ray start-up, warm-up compiles): not in CI yet
     **dict.fromkeys(
         [
             "automap_cpu_check.py",
             "bench_agent.py",
-            "bench_reshard.py",
             "bench_rl_step.py",
-            "bench_transport.py",
             "bench_weight_sync.py",
-            "peers/workload.py",
         ],
         "--tiny exists but is not yet fast enough for CI",
     ),
@@ -72,6 +74,10 @@ def test_script_runs_tiny(script: str, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, f"{script} --tiny failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    if out.suffix == ".jsonl":  # a dataset: every row holds the keys
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert rows and all(keys <= row.keys() for row in rows), f"{script}: rows without {sorted(keys)}"
+        return
     written = json.loads(out.read_text())
     if isinstance(written, list):
         assert written and all({"size", "gpus", "kind", "verdict"} <= cell.keys() for cell in written)
