@@ -38,7 +38,7 @@ NOT_RUN = {
     "make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
     "peers/compare_grpo.py": "tables two runs' summaries: no model, nothing to shrink",
     "peers/reward.py": "a library of the peer scripts, no command",
-    "bench_real_size.py": "--tiny takes ~100 s wall (~37 s CPU) on 2 shared cores: parity, GRPO and sync compiles",
+    "bench_real_size.py": "--tiny takes ~45 s on 2 idle cores (~100 s beside a CI run): parity, GRPO, sync compiles",
     # --tiny written, but not yet a few seconds on 2 cores (Ray start-up, warm-up compiles): not in CI yet
     **dict.fromkeys(
         [
