@@ -260,7 +260,7 @@ def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tm
 
     returncode, stderr, _ = _signal_train(tmp_path / "run.yaml", due, signal.SIGKILL if kill else signal.SIGINT)
     if not kill:
-        assert returncode == 130
+        assert returncode == 130, stderr[-3000:]
         assert stderr.strip().splitlines()[-1].startswith("hfjax train: interrupted; the workers are stopped")
         assert "Traceback" not in stderr
     complete = sorted(int(p.name) for p in trainer.iterdir() if p.name.isdigit())
@@ -269,6 +269,29 @@ def test_a_driver_killed_or_interrupted_leaves_the_last_complete_step(inputs, tm
     assert len(resumed) == 1
     steps = [m["step"] for m in read_metrics(run_dir)]
     assert steps == list(range(1, complete[-1] + 2))
+
+
+def test_an_interrupt_stays_the_error_when_closing_the_run_also_fails(monkeypatch, caplog):
+    """Ctrl-C mid-step whose clean-up then fails (a save cut short, say): the run still ends as interrupted (the
+    command exits 130), and the clean-up's failure is logged rather than raised in its place."""
+    closed = []
+
+    class InterruptedTrainer:
+        def __init__(self, cfg, lock) -> None:
+            pass
+
+        def fit(self) -> None:
+            raise KeyboardInterrupt
+
+        def close(self) -> None:
+            closed.append(True)
+            raise CheckpointError("writing step 2 failed")
+
+    monkeypatch.setattr(launch, "RLTrainer", InterruptedTrainer)
+    with pytest.raises(KeyboardInterrupt):
+        launch._train(None, None)
+    assert closed == [True]
+    assert "closing the stopped run also failed: writing step 2 failed" in caplog.text
 
 
 def _signal_train(config: Path, due: Callable[[], bool], signum: int) -> tuple[int, str, float]:

@@ -103,13 +103,25 @@ def _train(cfg: RLConfig, lock: RunDirLock) -> list[dict[str, float]]:
     trainer = RLTrainer(cfg, lock)
     try:
         history = trainer.fit()
-    finally:
-        trainer.close()
+    except BaseException:
+        close_after_failure(trainer)
+        raise
+    trainer.close()
     if cfg.trainer.plot and "jsonl" in cfg.trainer.logger:
         from hfjax.plot import plot_finished_run
 
         plot_finished_run(cfg.trainer.run_dir)
     return history
+
+
+def close_after_failure(trainer: RLTrainer) -> None:
+    """Closes a run that stopped on an error, Ctrl-C or SIGTERM. A failure while closing (a checkpoint save cut
+    short by the interrupt, say) is logged, so that what stopped the run stays what the caller sees: Ctrl-C still
+    exits 130, not as a checkpoint error."""
+    try:
+        trainer.close()
+    except Exception as exc:
+        log.warning("closing the stopped run also failed: %s", exc)
 
 
 def export_run(run_dir: str | Path, step: int | None, out_dir: str | Path) -> int:
