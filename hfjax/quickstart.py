@@ -112,12 +112,12 @@ def sft_config(cfg: QuickstartConfig, base: Path, files: Mapping[str, Path]) -> 
     return load_config(SFTConfig, _merge(cfg.sft, paths))
 
 
-def rl_config(cfg: QuickstartConfig, model: Path, files: Mapping[str, Path]) -> RLConfig:
-    """The RL stage's config: `cfg.rl` with the model, the prompts and its run directory filled in."""
+def rl_config(cfg: QuickstartConfig, model: Path, files: Mapping[str, Path], part: str = "rl") -> RLConfig:
+    """The RL stage's config: `cfg.rl` with the model, the prompts and its run directory (`run_dir/part`) filled in."""
     paths: dict[str, Any] = {
         "model_path": str(model),
         "data": {"train_files": [str(files["train"])], "val_files": [str(files["test"])]},
-        "trainer": {"run_dir": str(Path(cfg.run_dir) / "rl"), "val_before_train": True, "resume": "never"},
+        "trainer": {"run_dir": str(Path(cfg.run_dir) / part), "val_before_train": True, "resume": "never"},
     }
     task = TASKS[cfg.task_type]
     rl = cfg.rl
@@ -163,7 +163,19 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
     """Runs the whole pipeline; returns accuracies and timings (also written to `run_dir/result.json`)."""
-    from hfjax.trainer.launch import run_rl
+    started = time.perf_counter()
+    files = fine_tune(cfg)
+    sft_s = time.perf_counter() - started
+    result, rl_cfg = reinforce(cfg, files)
+    result |= {"sft_seconds": sft_s, "total_seconds": time.perf_counter() - started}
+    (Path(cfg.run_dir) / "result.json").write_text(json.dumps(result, indent=2))
+    _print_table(result, rl_cfg)
+    return result
+
+
+def fine_tune(cfg: QuickstartConfig) -> dict[str, Path]:
+    """The pipeline up to RL: writes the task's data and the random base model into `run_dir` (which must hold no
+    earlier run), checks the SFT and RL runs, then fine-tunes into `run_dir/sft`. Returns the data files."""
     from hfjax.trainer.preflight import check_rl_run
     from hfjax.trainer.sft import run_sft
     from hfjax.trainer.supervised import check_supervised_run
@@ -175,31 +187,35 @@ def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
             f"run_dir: {run_dir} already holds a quickstart run ({' and '.join(earlier)}), which is never overwritten;"
             " expected a new or empty directory: pass run_dir=ANOTHER_DIR or remove that one"
         )
-    started = time.perf_counter()
     kind = TASKS[cfg.task_type]
     files = kind.write(kind.spec(**cfg.task), run_dir / "data")
-    tokenizer = kind.tokenizer()
-    base = build_base_model(run_dir / "base", cfg.model, tokenizer)
+    base = build_base_model(run_dir / "base", cfg.model, kind.tokenizer())
     sft_cfg = sft_config(cfg, base, files)
     check_supervised_run(sft_cfg)
     check_rl_run(rl_config(cfg, base, files))  # the SFT model has the base model's shape: the RL run fits it too
     run_sft(sft_cfg)
-    sft_s = time.perf_counter() - started
-    rl_cfg = rl_config(cfg, run_dir / "sft" / "hf", files)
+    return files
+
+
+def reinforce(cfg: QuickstartConfig, files: Mapping[str, Path], part: str = "rl") -> tuple[dict[str, Any], RLConfig]:
+    """RL from the fine-tuned model of `fine_tune` into `run_dir/part`; returns the held-out accuracy before and after
+    (and the gain in points, the algorithm, the RL seconds) and the RL config."""
+    from hfjax.trainer.launch import run_rl
+
+    started = time.perf_counter()
+    kind = TASKS[cfg.task_type]
+    rl_cfg = rl_config(cfg, Path(cfg.run_dir) / "sft" / "hf", files, part)
     history = run_rl(rl_cfg)
-    before = _first_validation(run_dir / "rl" / "metrics.jsonl", kind.accuracy_key)
+    before = _first_validation(Path(rl_cfg.trainer.run_dir) / "metrics.jsonl", kind.accuracy_key)
     after = history[-1][kind.accuracy_key]
     result = {
         "sft_accuracy": before,
         "rl_accuracy": after,
         "gain_points": 100 * (after - before),
-        "sft_seconds": sft_s,
-        "total_seconds": time.perf_counter() - started,
         "algorithm": rl_cfg.algorithm.name,
+        "rl_seconds": time.perf_counter() - started,
     }
-    (run_dir / "result.json").write_text(json.dumps(result, indent=2))
-    _print_table(result, rl_cfg)
-    return result
+    return result, rl_cfg
 
 
 def _first_validation(metrics_file: Path, key: str) -> float:

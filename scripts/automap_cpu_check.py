@@ -13,8 +13,10 @@ profile rank real PPO iterations of a small local model the way they measure, an
    rho >= 0.8 and chosen <= 1.15 x best.
 Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/automap_cpu_check.py`): concurrent load
 changes both the calibration and the measurements. Usage:
-    python scripts/automap_cpu_check.py [--mappings 7] [--steps 7] [--out runs/bench/automap_cpu.json] [--tiny]
-`--tiny` runs 2 mappings of a tiny model for 2 iterations each and reports without the pass/fail check.
+    python scripts/automap_cpu_check.py [--mappings 7] [--kind split] [--steps 7] [--out runs/bench/automap_cpu.json]
+        [--tiny]
+`--tiny` runs the best predicted `split` mapping (actor+ref | critic: two worker groups, the richer trainer path)
+of a tiny model for one iteration, on a Ray of one logical CPU, and reports without the pass/fail check.
 """
 
 from __future__ import annotations
@@ -29,14 +31,19 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICES = 8
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
+# the environment's XLA flags (the tests' compile-cheaply ones, say) with this check's fake devices last, so they win
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tempfile.gettempdir()) / "hfjax-automap-xla-cache"))
+os.environ.setdefault("HFJAX_COMPILATION_CACHE", str(Path(tempfile.gettempdir()) / "hfjax-automap-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
-from bench_common import parse_args, report  # noqa: E402
+from bench_common import parse_args, report, start_ray  # noqa: E402
+
+from hfjax.compile_cache import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache()  # before JAX is imported
 
 # Trainer timings (`timing_s/<name>`) per stage of the cost model.
 STAGE_TIMINGS = {
@@ -94,17 +101,21 @@ def base_config(inputs: dict[str, str], args: argparse.Namespace) -> dict[str, A
             "resume": "never",
             "logger": ["console", "jsonl"],
             "progress": False,
+            "plot": not args.tiny,  # a smoke run draws no PNGs
             "devices_per_host": DEVICES,
         },
     }
 
 
-def pick(ranked: list[Any], k: int) -> list[int]:
-    """`k` indices spread evenly over the predicted ranking (the first is the best), with the best of each
-    placement kind included."""
-    chosen = {round(i * (len(ranked) - 1) / (k - 1)) for i in range(k)}
-    for kind in {c.kind for c in ranked}:
-        chosen.add(next(i for i, c in enumerate(ranked) if c.kind == kind))
+def pick(ranked: list[Any], k: int, kind: str | None = None) -> list[int]:
+    """Indices into `ranked` of `k` mappings of placement `kind` (None: any) spread evenly over their predicted
+    ranking (the first is the best; `k` = 1: the best alone), with the best of each placement kind included."""
+    runnable = [i for i, c in enumerate(ranked) if kind in (None, c.kind)]
+    if not runnable:
+        raise SystemExit(f"--kind {kind}: none of the {len(ranked)} mappings the trainer runs is of that kind")
+    chosen = {runnable[round(j * (len(runnable) - 1) / max(k - 1, 1))] for j in range(k)}
+    for each in {ranked[i].kind for i in runnable}:
+        chosen.add(next(i for i in runnable if ranked[i].kind == each))
     return sorted(chosen)
 
 
@@ -144,10 +155,13 @@ def main() -> int:
     parser.add_argument(
         "--calibration-s", type=float, default=3.0, help="seconds the CPU profile measures (longer: less noise)"
     )
+    parser.add_argument(
+        "--kind", choices=["colocate", "split", "standalone"], help="run only mappings of this placement kind"
+    )
     parser.add_argument("--predict-only", action="store_true", help="print the predicted ranking, run nothing")
     parser.add_argument("--work-dir", type=Path, help="inputs, mapped configs and runs (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "automap_cpu.json")
-    tiny = {"mappings": 2, "steps": 2, "warmup": 1, "prompts": 4, "prompt_len": 16, "response_len": 4}
+    tiny = {"mappings": 1, "kind": "split", "steps": 1, "warmup": 0, "prompts": 4, "prompt_len": 16, "response_len": 4}
     tiny |= {"hidden": 32, "mlp": 64, "layers": 1, "heads": 2, "calibration_s": 0.2}
     args = parse_args(parser, tiny=tiny)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="hfjax-automap-cpu-"))
@@ -179,13 +193,14 @@ def main() -> int:
     if args.predict_only:
         from hfjax.mapping import print_candidates
 
-        print_candidates([ranked[i] for i in pick(ranked, args.mappings)], "picked mappings", args.mappings + 2)
+        picked = [ranked[i] for i in pick(ranked, args.mappings, args.kind)]
+        print_candidates(picked, "picked mappings", args.mappings + 2)
         print_candidates(searched.candidates, "search (all placements)", 5)
         return 0
-    ray.init(include_dashboard=False, _temp_dir=str(work / "ray"), log_to_driver=False)
+    start_ray(work / "ray", args.tiny)
     rows, results = [], []
     try:
-        for index in pick(ranked, args.mappings):
+        for index in pick(ranked, args.mappings, args.kind):
             candidate = ranked[index]
             config = run_config(candidate, base, cluster)
             config["trainer"]["run_dir"] = str(work / f"run-{index}")

@@ -20,16 +20,31 @@ REFERENCE_CKPT_DIRS = {False: "hfjax-reference-ckpt", True: "hfjax-reference-ckp
 
 def parse_args(parser: argparse.ArgumentParser, tiny: dict[str, Any]) -> argparse.Namespace:
     """Parses the command line with a `--tiny` flag added; with it, `tiny`'s values replace the parser's defaults
-    (options given on the command line still win)."""
+    (options given on the command line still win) and the run uses the persistent compilation cache as the `hfjax`
+    command line does (`HFJAX_COMPILATION_CACHE`, which CI sets; the scripts call this before importing JAX). Full
+    runs keep the environment's settings, so that their first-call timings include the compiles."""
     unknown = sorted(set(tiny) - {action.dest for action in parser._actions})
     if unknown:
         raise ValueError(f"tiny defaults {unknown}: {parser.prog} has no such options")
     parser.add_argument("--tiny", action="store_true", help=TINY_HELP)
     args = parser.parse_args()
     if args.tiny:
+        from hfjax.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache()
         parser.set_defaults(**tiny)
         args = parser.parse_args()
     return args
+
+
+def start_ray(temp_dir: Path, tiny: bool) -> None:
+    """Starts a Ray of this machine alone (no dashboard, workers' output kept off the console, its files under
+    `temp_dir`). `tiny`: one logical CPU and no idle workers started ahead (every worker group starts processes of its
+    own, with its devices in their environment), so that a smoke run on a small machine spends its CPU on the run."""
+    import ray
+
+    small = {"num_cpus": 1, "_system_config": {"prestart_worker_first_driver": False}} if tiny else {}
+    ray.init(include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir), **small)
 
 
 def reference_checkpoint(out_dir: Path, tiny: bool = False) -> Path:

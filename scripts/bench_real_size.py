@@ -1,41 +1,58 @@
 """A real-size run on CPU (issue 40, item 6): a Qwen2.5-0.5B-shaped checkpoint (random weights, the real config:
 vocabulary 151,936, tied embeddings, hidden 896, MLP 4864, 24 layers, 14 heads / 2 KV heads, rope theta 1e6, 32,768
-positions) built locally with transformers, then, in one process:
+positions) built locally with transformers, then:
 1. greedy parity: `load_hf` + `OfflineGenerator` greedy against transformers' greedy `generate` on a few prompts
    (token-exact, else the first divergence and transformers' top-2 logit margin there);
-2. `--steps` GRPO steps end to end through `run_rl` (backend `local`, one device, KL loss so a reference pass runs),
-   with the time per stage, tokens/s and the peak RSS of the run beside the cost model's memory estimate
-   (`hfjax.trainer.preflight.predict_memory`: per-device peak of the run's group, plus the KV cache of its slots);
+2. `--steps` GRPO steps end to end through `run_rl` (backend `local` in a process of one device, KL loss so a
+   reference pass runs), with the time per stage, tokens/s and the peak RSS of the run beside the cost model's
+   memory estimate (`hfjax.trainer.preflight.predict_memory`: per-device peak of the run's group, plus the KV cache
+   of its slots);
 3. a weight sync of a Qwen2.5-1.5B-shaped model (0.5B where under `--sync-min-free-gib` of memory is available):
    random float32 parameters under fsdp over fake devices 0-3 exported in bfloat16 (`weight_sync.export_shards`),
    checked and built straight into a generation layout on devices 4-7 (`check_blocks`, `place_param`), no Ray, no
-   optimizer state; seconds and host peak against the memcpy floor (`bench_common.copy_times`: one copy out of the
-   trainer's devices plus one per full copy the generation layout keeps).
+   optimizer state, in a child process of 8 fake devices (`--parts sync` alone runs in this one); seconds and host
+   peak against the memcpy floor (`bench_common.copy_times`: one copy out of the trainer's devices plus one per full
+   copy the generation layout keeps).
 The tokenizer is the small addition-task BPE (`hfjax.data.synthetic`): its ids are valid model ids, and the ids it
 does not know decode to nothing. Peak RSS is the process's high-water mark since each part began (reset through
-/proc/self/clear_refs where the kernel allows it). Measured host memory: the GRPO part at 4 prompts x 4 x 64 tokens
-passed 19 GiB of RSS in its first step (the cost model says 10.9 GiB), so it needs a machine of 32 GiB; the 1.5B sync
-peaks at 15 GiB. `--parts` runs a subset. Usage:
+/proc/self/clear_refs where the kernel allows it). The GRPO part runs on one device: fake CPU devices share the
+host's RAM, so 8 of them hold 8 sets of each program's buffers (an earlier version ran it on 8 and its RSS was twice
+the cost model's one-device estimate). `--parts` runs a subset. Usage:
     python scripts/bench_real_size.py [--parts parity,grpo,sync] [--prompts 8] [--samples 4] [--response-length 128]
         [--sync-size 1.5b] [--out runs/bench/real_size.json] [--tiny]
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 import argparse
 import dataclasses
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+
+def _parts_from_argv(argv: list[str]) -> set[str]:
+    """The `--parts` value of the command line, read before JAX starts (it decides the process's device count)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--parts="):
+            return set(arg.split("=", 1)[1].split(","))
+        if arg == "--parts" and i + 1 < len(argv):
+            return set(argv[i + 1].split(","))
+    return {"parity", "grpo", "sync"}
+
+
+SYNC_DEVICES = 8  # the sync runs alone in its process: trainer on devices 0-3, generation on 4-7
+DEVICES = SYNC_DEVICES if _parts_from_argv(sys.argv) == {"sync"} else 1
+# the last count given wins
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
@@ -383,6 +400,17 @@ def table_rows(parity: dict | None, grpo: dict | None, sync: dict | None, args: 
     return rows
 
 
+def sync_in_child(args: argparse.Namespace) -> dict[str, Any]:
+    """The sync part run by this script in a process of its own (`SYNC_DEVICES` fake devices); its JSON's result."""
+    out = Path(tempfile.mkdtemp(prefix="hfjax-real-size-sync-")) / "sync.json"
+    command = [sys.executable, __file__, "--parts", "sync", "--out", str(out), "--sync-size", args.sync_size]
+    command += ["--gen-mesh", args.gen_mesh, "--sync-repeats", str(args.sync_repeats)]
+    command += ["--sync-min-free-gib", str(args.sync_min_free_gib)] + (["--tiny"] if args.tiny else [])
+    log("weight sync: in a child process of 8 devices")
+    subprocess.run(command, check=True)
+    return json.loads(out.read_text())["weight_sync"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(CHECKPOINT_SHAPES), default="qwen2.5-0.5b")
@@ -406,7 +434,7 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a remark stored in the JSON (e.g. a shared machine)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/real_size.json"))
     tiny = {"shape": "tiny", "vocab": 2048, "parity_tokens": 4, "prompts": 2, "samples": 2, "response_length": 8}
-    args = parse_args(parser, tiny=tiny | {"micro_batch": 4, "sync_repeats": 1, "sync_min_free_gib": 0.0})
+    args = parse_args(parser, tiny=tiny | {"micro_batch": 4, "steps": 1, "sync_repeats": 1, "sync_min_free_gib": 0.0})
     gen_mesh = {axis: int(size) for axis, size in (item.split("=") for item in args.gen_mesh.split(","))}
 
     import psutil
@@ -439,7 +467,9 @@ def main() -> None:
         )
         grpo = grpo_run(ckpt, args)
         gc.collect()
-    if "sync" in parts:
+    if "sync" in parts and DEVICES != SYNC_DEVICES:
+        sync = sync_in_child(args)
+    elif "sync" in parts:
         available = psutil.virtual_memory().available / GIB
         need = sync_host_gib(sync_model(args.sync_size, args.tiny), gen_mesh)
         size = args.sync_size if available >= max(need, args.sync_min_free_gib) else "0.5b"

@@ -78,6 +78,7 @@ def config(
             "backend": "ray" if args.hosts or name == "disaggregated" else args.backend,
             "resume": "never",
             "logger": ["console", "jsonl"],
+            "plot": not args.tiny,  # a smoke run draws no PNGs
             "hosts": hosts,
             "devices_per_host": args.devices // hosts,
         },
@@ -119,7 +120,9 @@ def main() -> None:
     )
     parser.add_argument("--response-length", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/rl_step.json"))
-    args = parse_args(parser, tiny={"prompts": 2, "micro_batch": 8, "response_length": 8})
+    # tiny: one GRPO step (the script runs every algorithm alike; its config holds the critic's keys either way)
+    tiny = {"prompts": 2, "micro_batch": 8, "response_length": 8, "steps": 1, "algorithms": "grpo"}
+    args = parse_args(parser, tiny=tiny)
     args.devices = args.devices or (8 if args.hosts else 1)
     host_counts = [int(h) for h in args.hosts.split(",")] if args.hosts else [1]
     if args.hosts:

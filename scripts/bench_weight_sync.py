@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
-from bench_common import copy_times, default_checkpoint, parse_args, report, workload_dir  # noqa: E402
+from bench_common import copy_times, default_checkpoint, parse_args, report, start_ray, workload_dir  # noqa: E402
 
 
 def sync_times(trainer, repeats: int) -> tuple[list[float], list[dict]]:
@@ -66,7 +66,7 @@ def main() -> None:
     from hfjax.trainer.rl import RLTrainer
 
     pin_controller_to_cpu()
-    ray.init(include_dashboard=False, log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="hfjax-ray-"))
+    start_ray(Path(tempfile.mkdtemp(prefix="hfjax-ray-")), args.tiny)
     workload = write_workload(ckpt, workload_dir(args) / "workload.parquet", n=args.prompts)
     rows, runs = [], {}
     runs_of = [

@@ -18,17 +18,23 @@ SPREAD_TESTS = True  # each run is a process of its own: pytest-xdist may spread
 
 # script (relative to scripts/) -> (its arguments besides --out, the output file, the top-level keys it must hold)
 TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
+    "automap_cpu_check.py": (["--tiny"], "out.json", REPORT_KEYS | {"spearman", "chosen_over_best", "profile"}),
     "automap_paper_check.py": (["--tiny"], "out.json", set()),  # a JSON list of cells, checked below
+    "bench_agent.py": (["--tiny"], "out.json", REPORT_KEYS | {"speedup_extend_vs_reprefill", "medians", "runs"}),
     "bench_controller.py": (["--tiny"], "out.json", REPORT_KEYS | {"repeats", "workers"}),
     "bench_forward.py": (["--tiny"], "out.json", REPORT_KEYS | {"relative_error", "params"}),
     "bench_generate.py": (["--tiny"], "out.json", REPORT_KEYS | {"decode_steps", "floor_step_ms"}),
     "bench_load.py": (["--tiny"], "out.json", REPORT_KEYS | {"checkpoint_bytes", "raw"}),
     "bench_packing.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_loss", "real_tokens", "sequences"}),
+    "bench_real_size.py": (["--tiny"], "out.json", REPORT_KEYS | {"parity", "grpo", "weight_sync"}),
     "bench_reshard.py": (["--tiny"], "out.json", REPORT_KEYS | {"memcpy_bytes_per_s", "rows_raw"}),
+    "bench_rl_step.py": (["--tiny"], "out.json", REPORT_KEYS | {"summaries", "peak_host_gib", "backend"}),
     "bench_sampler.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_tokens", "slots", "vocab"}),
     "bench_transport.py": (["--tiny"], "out.json", {"rows", "floor", "params", "api"}),
+    "bench_weight_sync.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs"}),
     "peers/trl_grpo.py": (["--tiny"], "out.json", {"peer"}),
     "peers/workload.py": (["--tiny"], "out.jsonl", {"data_source", "prompt", "reward_model", "extra_info"}),
+    "quickstart_seeds.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs", "gain_spread"}),
 }
 # Scripts with no tiny run here, and why.
 NOT_RUN = {
@@ -38,17 +44,6 @@ NOT_RUN = {
     "make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
     "peers/compare_grpo.py": "tables two runs' summaries: no model, nothing to shrink",
     "peers/reward.py": "a library of the peer scripts, no command",
-    "bench_real_size.py": "--tiny takes ~45 s on 2 idle cores (~100 s beside a CI run): parity, GRPO, sync compiles",
-    # --tiny written, but not yet a few seconds on 2 cores (Ray start-up, warm-up compiles): not in CI yet
-    **dict.fromkeys(
-        [
-            "automap_cpu_check.py",
-            "bench_agent.py",
-            "bench_rl_step.py",
-            "bench_weight_sync.py",
-        ],
-        "--tiny exists but is not yet fast enough for CI",
-    ),
 }
 
 

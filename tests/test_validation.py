@@ -317,6 +317,10 @@ def test_a_valid_run_passes_the_preflight(inputs, tmp_path):
             r"devices, which needs trainer.backend=ray",
         ),
         (["data.train_batch_size=33"], r"data.train_batch_size=33: expected at most the 32 rows of data.train_files"),
+        (  # the 8 fake devices of this process: 2 would be counted by the memory check, 8 used
+            ["trainer.devices_per_host=2"],
+            r"trainer.devices_per_host=2, but backend local runs on every device of this process and it has 8 \(cpu\)",
+        ),
     ],
 )
 def test_device_placement_and_batch_errors_name_the_field_before_ray_starts(

@@ -17,6 +17,7 @@ from hfjax.config import RLConfig, load_rl_config
 from hfjax.trainer.preflight import check_rl_run, resolve_hub_models
 from hfjax.trainer.rl import RLTrainer
 from hfjax.training.run_dir import RunDirLock
+from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 log = logging.getLogger(__name__)
@@ -91,12 +92,30 @@ def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
     CPU (`pin_controller_to_cpu`)."""
     cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
     check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
+    if cfg.trainer.backend == "local":
+        check_local_devices(cfg.trainer.devices_per_host)
     with RunDirLock(cfg.trainer.run_dir) as lock:  # before Ray: a second run on the directory starts nothing
         if cfg.trainer.backend != "ray":
             return _train(cfg, lock)
         pin_controller_to_cpu()
         with ray_session(cfg):
             return _train(cfg, lock)
+
+
+def check_local_devices(devices_per_host: int) -> None:
+    """`backend: local` runs every role in this process, over all of its devices: they must be the
+    `trainer.devices_per_host` that the memory check and the default layouts counted (8 fake CPU devices under a
+    config of 1 would hold 8 replicas of every program's buffers in one host's RAM)."""
+    import jax
+
+    found = jax.local_device_count()
+    if found != devices_per_host:
+        raise ConfigError(
+            f"trainer.devices_per_host={devices_per_host}, but backend local runs on every device of this process"
+            f" and it has {found} ({jax.default_backend()}): set trainer.devices_per_host={found}, or start the"
+            " process with that many devices (CUDA_VISIBLE_DEVICES, TPU_VISIBLE_CHIPS, or"
+            " XLA_FLAGS=--xla_force_host_platform_device_count for CPU)"
+        )
 
 
 def _train(cfg: RLConfig, lock: RunDirLock) -> list[dict[str, float]]:

@@ -1,0 +1,113 @@
+"""The quickstart's learning claim over seeds: for each seed s, the addition quickstart with `task.seed=s` and
+`model.seed=s` (another training set, held-out split and random base model), fine-tuned once, then RL from that SFT
+checkpoint with each algorithm (GRPO and PPO by default). Prints held-out greedy accuracy after SFT and after RL per
+seed and algorithm, and the smallest, median and largest gain per algorithm; writes them as JSON. Usage:
+    python scripts/quickstart_seeds.py [--seeds 0,1,2,3,4] [--algorithms grpo,ppo] [--config configs/quickstart.yaml]
+        [--run-root runs/quickstart-seeds] [--out runs/bench/quickstart_seeds.json] [--tiny] [key=value ...]
+The trailing `key=value` overrides reach every seed's quickstart config, as on the `hfjax quickstart` command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_common import parse_args, report  # noqa: E402
+
+# --tiny: a few problems, a smaller model, a few SFT steps and one RL step, in this process (no Ray)
+TINY_OVERRIDES = [
+    "task.num_train=64",
+    "task.num_test=16",
+    "task.num_sft=64",
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_layers=1",
+    "sft.trainer.total_steps=4",
+    "rl.trainer.total_steps=1",
+    "rl.trainer.test_freq=1",
+    "rl.data.train_batch_size=8",
+    "rl.data.val_batch_size=16",
+    "rl.rollout.slots=16",
+    "rl.actor.ppo_mini_batch_size=64",
+    "rl.actor.micro_batch_size=64",
+    "rl.critic.ppo_mini_batch_size=64",
+    "rl.critic.micro_batch_size=64",
+    "rl.trainer.backend=local",
+]
+
+
+def seed_config(config: str, run_dir: Path, seed: int, overrides: list[str]) -> Any:
+    from hfjax.packaged import config_path
+    from hfjax.quickstart import QuickstartConfig
+    from hfjax.typed_config import load_config
+
+    return load_config(
+        QuickstartConfig,
+        str(config_path(config)),
+        [f"run_dir={run_dir}", f"task.seed={seed}", f"model.seed={seed}", *overrides],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--algorithms", default="grpo,ppo")
+    parser.add_argument(
+        "--config", default="configs/quickstart.yaml", help="a quickstart config (packaged name or path)"
+    )
+    parser.add_argument("--run-root", type=Path, default=None, help="default: a new temporary directory")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/quickstart_seeds.json"))
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart config")
+    args = parse_args(parser, tiny={"seeds": "0"})
+    overrides = list(args.overrides)
+    if args.tiny:
+        import jax
+
+        overrides = [*TINY_OVERRIDES, f"rl.trainer.devices_per_host={jax.local_device_count()}", *overrides]
+
+    from hfjax.quickstart import fine_tune, reinforce
+
+    root = args.run_root or Path(tempfile.mkdtemp(prefix="hfjax-quickstart-seeds-"))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    algorithms = args.algorithms.split(",")
+    runs: list[dict[str, Any]] = []
+    for seed in seeds:
+        cfg = seed_config(args.config, root / f"seed{seed}", seed, overrides)
+        files = fine_tune(cfg)
+        for algorithm in algorithms:
+            algo_cfg = seed_config(
+                args.config, root / f"seed{seed}", seed, [*overrides, f"rl.algorithm.name={algorithm}"]
+            )
+            result, _ = reinforce(algo_cfg, files, part=f"rl-{algorithm}")
+            runs.append({"seed": seed, **result})
+            print(f"seed {seed} {algorithm}: {100 * result['sft_accuracy']:.1f}% -> {100 * result['rl_accuracy']:.1f}%")
+
+    rows = [
+        [r["seed"], r["algorithm"], f"{100 * r['sft_accuracy']:.1f}%", f"{100 * r['rl_accuracy']:.1f}%",
+         f"{r['gain_points']:+.1f}", f"{r['rl_seconds']:.0f}"]
+        for r in runs
+    ]  # fmt: skip
+    spread = {}
+    for algorithm in algorithms:
+        gains = [r["gain_points"] for r in runs if r["algorithm"] == algorithm]
+        spread[algorithm] = {"min": min(gains), "median": statistics.median(gains), "max": max(gains)}
+        rows.append(
+            ["all", algorithm, "", "", f"{min(gains):+.1f} / {statistics.median(gains):+.1f} / {max(gains):+.1f}", ""]
+        )
+    report(
+        f"quickstart over seeds {args.seeds} ({args.config}); last rows: smallest / median / largest gain",
+        ["seed", "algorithm", "after SFT", "after RL", "gain (points)", "RL seconds"],
+        rows,
+        args.out,
+        {"runs": runs, "gain_spread": spread, "overrides": overrides, "run_root": str(root)},
+    )
+
+
+if __name__ == "__main__":
+    main()
