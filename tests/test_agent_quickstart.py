@@ -16,6 +16,7 @@ from hfjax.envs.examples.calculator import CalculatorEnv
 from hfjax.quickstart import QuickstartConfig, run_quickstart
 from hfjax.typed_config import load_config
 
+AGENT_CLAIM_STEPS = 20  # of the config's 60; a validation step (test_freq: 10)
 SMOKE = [*QUICKSTART_SMOKE, "sft.data.batch_size=16", "sft.data.micro_batch_size=16"]  # 64 demonstrations
 
 
@@ -66,7 +67,10 @@ def test_agent_quickstart_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_agent_quickstart_learns_to_use_the_calculator(tmp_path):
-    result = run_quickstart(load_config(QuickstartConfig, "configs/agent_quickstart.yaml", [f"run_dir={tmp_path}"]))
+    """The claim after the first 20 of the config's 60 RL steps (the gain is most of the way there by step 10: 6.6%
+    to 71.9% in the run of docs/benchmarks.md), so that CI spends a third of the RL steps on it."""
+    overrides = [f"run_dir={tmp_path}", f"rl.trainer.total_steps={AGENT_CLAIM_STEPS}"]
+    result = run_quickstart(load_config(QuickstartConfig, "configs/agent_quickstart.yaml", overrides))
     assert result["gain_points"] >= 20, result
     steps = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     calls = [s["agent/tool_calls_mean"] for s in steps if "agent/tool_calls_mean" in s]
