@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=TURNS, help="model turns per trajectory")
     parser.add_argument("--turn-tokens", type=int, default=TURN_TOKENS, help="tokens per model turn")
     parser.add_argument("--obs-tokens", type=int, default=OBS_TOKENS, help="tokens per observation")
-    args = parse_args(parser, tiny={"repeats": 1, "trajectories": 4, "turns": 2, "turn_tokens": 8, "obs_tokens": 4})
+    args = parse_args(parser, tiny={"repeats": 1, "trajectories": 2, "turns": 2, "turn_tokens": 8, "obs_tokens": 4})
     ckpt = default_checkpoint(args.ckpt, args.tiny)
     trajectories, turns, turn_tokens, obs_tokens = args.trajectories, args.turns, args.turn_tokens, args.obs_tokens
     max_tokens = turns * turn_tokens + (turns - 1) * obs_tokens
@@ -225,11 +225,13 @@ def main() -> None:
     }
     runners = {name: agent(mode, sleep_s, workers) for name, (mode, sleep_s, workers) in configs.items()}
     first_call_s, first_compiles = {}, {}
-    extends: set[tuple[int, int]] = set()  # (padded width, end of the longest row) of each warm-up `engine.extend`
+    # (padded width, end of the longest row past its slot's prompt) of each warm-up `engine.extend`
+    extends: set[tuple[int, int]] = set()
     timed_extend = engines["extend"].extend
 
     def seen_extend(*args: Any, **kwargs: Any) -> Any:
-        ends = np.asarray(kwargs["starts"]) + np.asarray(kwargs["true_length"])
+        prompts = engines["extend"].pool.prompt_lengths[np.asarray(kwargs["slots"])]  # in the shared prompt pool
+        ends = np.asarray(kwargs["starts"]) + np.asarray(kwargs["true_length"]) - prompts
         extends.add((np.shape(kwargs["padded_tokens"])[-1], int(ends.max())))
         return timed_extend(*args, **kwargs)
 
@@ -256,7 +258,7 @@ def main() -> None:
                     slots=np.arange(count),
                     padded_tokens=np.zeros((count, width), np.int32),
                     true_length=np.full(count, width),
-                    starts=np.full(count, end - width),
+                    starts=np.full(count, max(0, end - width)),  # empty slots: no prompt, own positions
                     steps=np.zeros(count),
                     kind=SamplerKind.of(sampling),
                 )

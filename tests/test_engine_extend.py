@@ -146,8 +146,9 @@ PROMPT_LENGTHS = (9, 20, 37, 60)  # one prompt per slot of a 4-slot engine: exte
 
 
 def _tiny_engine(model, **kwargs) -> JaxEngine:
-    """4 slots and 384 positions (8 blocks of 48): room for a 300-token observation after a 60-token prompt."""
-    return JaxEngine(model, max_concurrent_decodes=4, max_prefill_length=64, max_new_tokens=320, **kwargs)
+    """4 slots with 384 positions of their own each (6 blocks of 64, past the prompts in the shared pool): room for a
+    60-token prompt and a 300-token observation written by extends from position 0 of an empty slot."""
+    return JaxEngine(model, max_concurrent_decodes=4, max_prefill_length=64, max_new_tokens=384, **kwargs)
 
 
 def _agent_like_calls(seed: int, calls: int = 64) -> list[list[tuple[int, np.ndarray]]]:

@@ -114,11 +114,12 @@ def test_no_kv_cache_outlives_generation(tmp_path):
     (info,) = group.init_model()
     worker = group.worker
     engine = worker.engine
-    cache_shapes = {engine._key_shape, engine._value_shape}
+    cache = engine.cache  # each slot's own blocks and the shared prompt pool
+    cache_shapes = {cache.key_shape, cache.value_shape, cache.pool_key_shape, cache.pool_value_shape}
     probe = engine.init_decode_state()
     blocks = [x for x in jax.tree.leaves(probe) if x.shape in cache_shapes]
-    assert len(blocks) == 2 * engine.blocks * engine.config.num_layers
-    assert sum(x.nbytes for x in blocks) // 8 == engine.kv_cache_bytes_per_device()  # slots split over 8 devices
+    assert len(blocks) == 2 * (engine.blocks + 1) * engine.config.num_layers
+    assert sum(x.nbytes for x in blocks) // 8 == engine.kv_cache_bytes_per_device()  # slots, pool over 8 devices
     del probe, blocks
     data = PromptDataset(cfg.data.train_files, load_tokenizer(inputs["policy"]), max_prompt_length=16)
     batch = next(iter(BatchLoader(data, 4, shuffle=False)))

@@ -72,8 +72,9 @@ def test_greedy_equals_transformers(tmp_path, family, sharded):
         expected = ref[0, len(prompt) :].tolist()
         assert out.tokens.tolist() == expected
         assert out.finish_reason == ("stop" if expected[-1] == EOS else "length")
-    assert generator.engine.blocks == 2  # capacity 48 in 32-position blocks: short contexts skip the second block
-    assert generator.engine.compiles["generate"] == 2  # one step per count of blocks in use
+    # 32-position blocks: every prompt in one shared prompt block, every response in one own block
+    assert (generator.engine.prompt_blocks, generator.engine.blocks) == (1, 1)
+    assert generator.engine.compiles["generate"] == 1  # one step per pair of block counts in use
 
 
 def test_logprobs_equal_teacher_forced_forward(llama):

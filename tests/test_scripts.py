@@ -26,6 +26,7 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
     "bench_generate.py": (["--tiny"], "out.json", REPORT_KEYS | {"decode_steps", "floor_step_ms"}),
     "bench_load.py": (["--tiny"], "out.json", REPORT_KEYS | {"checkpoint_bytes", "raw"}),
     "bench_packing.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_loss", "real_tokens", "sequences"}),
+    "bench_prompt_kv.py": (["--tiny"], "out.json", REPORT_KEYS | {"block", "copied_kv_bytes"}),
     "bench_real_size.py": (["--tiny"], "out.json", REPORT_KEYS | {"parity", "grpo", "weight_sync"}),
     "bench_reshard.py": (["--tiny"], "out.json", REPORT_KEYS | {"memcpy_bytes_per_s", "rows_raw"}),
     "bench_rl_step.py": (["--tiny"], "out.json", REPORT_KEYS | {"summaries", "peak_host_gib", "backend"}),

@@ -305,6 +305,7 @@ def engine_programs(
         max_concurrent_decodes=rollout.slots,
         max_prefill_length=cfg.data.max_prompt_length,
         max_new_tokens=rollout.response_length,
+        prompt_cache_tokens=rollout.prompt_cache_tokens,
     )
     state = engine.abstract_decode_state()
     sampling = sampling_params(rollout, {})
@@ -316,9 +317,11 @@ def engine_programs(
         return jax.ShapeDtypeStruct(shape, dtype)
 
     sampling_args = (ints(rows), ints(rows), ints(rows, dtype=jnp.float32), ints(rows), ints(rows, dtype=jnp.float32))
+    placement = engine.abstract_placement(rows, length, rows)
     traced = engine._prefill_insert.trace(
-        params, state, ints(rows, length), ints(rows), *sampling_args, ints(rows), ints(rows), ints(rows), kind=kind
-    )
+        params, state, ints(rows, length), ints(rows), *sampling_args, ints(rows), ints(rows), ints(rows), placement,
+        kind=kind,
+    )  # fmt: skip
     yield ProgramTrace("rollout", f"prefill {rows} x {length}", traced, resident)
     traced = engine._generate.trace(params, state, kind=kind, live=engine.blocks)
     yield ProgramTrace("rollout", f"decode {rollout.slots} slots", traced, resident)

@@ -248,13 +248,47 @@ def causal_attention(
     return dot_product_attention(q, k, v, mask if mask is not None else attention_mask(valid, index, index, window))
 
 
-def decode_mask(lengths: jax.Array, positions: int, window: int | None) -> jax.Array:
-    """Boolean [slots, positions]: the cache positions a query at position `lengths` [slots] sees."""
-    key_index = jnp.arange(positions, dtype=jnp.int32)
-    allowed = key_index[None, :] <= lengths[:, None]
+def decode_key_positions(
+    own_positions: int, prompt_lengths: jax.Array | None = None, prompt_positions: int = 0
+) -> tuple[jax.Array, jax.Array]:
+    """The absolute positions [slots, prompt_positions + own_positions] of the keys of decode blocks laid out as a
+    slot's shared-prompt blocks (`prompt_positions` of them, key j at position j, real below `prompt_lengths` [slots])
+    then its own blocks (key i at position prompt length + i), and which of them are real (a bool of that shape).
+    Without `prompt_lengths` there are no prompt blocks: own key i is at position i."""
+    own = jnp.arange(own_positions, dtype=jnp.int32)[None, :]
+    if prompt_lengths is None:
+        return own, jnp.ones_like(own, dtype=bool)
+    prompt = jnp.arange(prompt_positions, dtype=jnp.int32)[None, :]
+    lengths = prompt_lengths.astype(jnp.int32)[:, None]
+    positions = jnp.concatenate([jnp.broadcast_to(prompt, (len(lengths), prompt_positions)), lengths + own], axis=1)
+    real = jnp.concatenate([prompt < lengths, jnp.ones((len(lengths), own_positions), bool)], axis=1)
+    return positions, real
+
+
+def visible_keys(
+    query_positions: jax.Array, key_positions: jax.Array, real: jax.Array, window: int | None
+) -> jax.Array:
+    """Boolean [rows, queries, keys]: which keys (absolute `key_positions` [rows or 1, keys], `real` likewise) each
+    query at `query_positions` [rows, queries] sees: real keys at or before it, within `window` when set."""
+    keys, queries = key_positions[:, None, :], query_positions[:, :, None]
+    allowed = real[:, None, :] & (keys <= queries)
     if window is not None:
-        allowed &= lengths[:, None] - key_index[None, :] < window
+        allowed &= queries - keys < window
     return allowed
+
+
+def decode_mask(
+    lengths: jax.Array,
+    positions: int,
+    window: int | None,
+    *,
+    prompt_lengths: jax.Array | None = None,
+    prompt_positions: int = 0,
+) -> jax.Array:
+    """Boolean [slots, prompt_positions + positions]: the keys a query at position `lengths` [slots] sees among its
+    shared-prompt blocks and its own blocks (`decode_key_positions`)."""
+    key_positions, real = decode_key_positions(positions, prompt_lengths, prompt_positions)
+    return visible_keys(lengths[:, None], key_positions, real, window)[:, 0]
 
 
 def attend_blocks(
@@ -283,20 +317,24 @@ def extend_blocks_attention(
     value_blocks: Sequence[jax.Array],
     starts: jax.Array,
     window: int | None = None,
+    *,
+    prompt_lengths: jax.Array | None = None,
+    prompt_blocks: int = 0,
 ) -> jax.Array:
     """`extend_attention` over decode-layout cache blocks that already hold the new keys: queries q [R, T, heads, d]
-    at positions `starts` [R] + 0..T-1; key blocks [R, kv_heads, d, B], value blocks [R, kv_heads, B, d] (block i
-    holds positions i*B..); each query sees the positions up to its own (within `window`). Scores in float32."""
+    at positions `starts` [R] + 0..T-1; key blocks [R, kv_heads, d, B], value blocks [R, kv_heads, B, d]: the first
+    `prompt_blocks` are the rows' shared-prompt blocks (real below `prompt_lengths` [R]), the others their own blocks
+    (`decode_key_positions`; without prompt lengths block i holds positions i*B..); each query sees the positions up
+    to its own (within `window`). Scores in float32."""
     rows, length, heads, d = q.shape
     kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[-1]
     q = q.reshape(rows, length, kv_heads, heads // kv_heads, d)
     scores = [jnp.einsum("rtkgd,rkdb->rkgtb", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
     scores = jnp.concatenate(scores, axis=-1) * (d**-0.5)
     query_index = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
-    key_index = jnp.arange(block * len(key_blocks), dtype=jnp.int32)
-    allowed = key_index[None, None, :] <= query_index[:, :, None]
-    if window is not None:
-        allowed &= query_index[:, :, None] - key_index[None, None, :] < window
+    own_positions = block * (len(key_blocks) - prompt_blocks)
+    key_index, real = decode_key_positions(own_positions, prompt_lengths, block * prompt_blocks)
+    allowed = visible_keys(query_index, key_index, real, window)
     scores = jnp.where(allowed[:, None, None], scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
     parts = [
@@ -312,22 +350,34 @@ def decode_attention(
     lengths: jax.Array,
     window: int | None = None,
     *,
+    prompt_lengths: jax.Array | None = None,
+    prompt_blocks: int = 0,
     implementation: str | None = None,
 ) -> jax.Array:
-    """One query per slot at position `lengths` [S] over the slot's cache blocks (block i holds positions
-    i*B .. i*B+B-1): q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d]
-    -> [S, 1, heads, d]. A slot sees positions <= its length (and within `window`). Under an `program_layout` of
-    several devices the Pallas kernel runs per shard (xla where the operands do not split by the layout)."""
+    """One query per slot at position `lengths` [S] over the slot's cache blocks: q [S, 1, heads, d]; key blocks
+    [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]. The first `prompt_blocks` blocks are
+    the slot's shared-prompt blocks (prompt block j holds positions j*B.., real below `prompt_lengths` [S]), the
+    others its own (own block i holds positions prompt length + i*B..; without prompt lengths, i*B..). A slot sees
+    the real positions <= its length (and within `window`). Under an `program_layout` of several devices the Pallas
+    kernel runs per shard (xla where the operands do not split by the layout)."""
     name = resolve_implementation(implementation)
     if name in PALLAS:
         from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
-        kernel = functools.partial(
-            attention_pallas.decode_attention, window=window, interpret=name == "pallas_interpret"
-        )
-        operands = (q, tuple(key_blocks), tuple(value_blocks), lengths)
+        def kernel(q, keys, values, lengths, prompt_lengths) -> jax.Array:  # the operands split by DECODE_AXES
+            interpret = name == "pallas_interpret"
+            return attention_pallas.decode_attention(
+                q, keys, values, lengths, window, prompt_lengths, prompt_blocks=prompt_blocks, interpret=interpret
+            )
+
+        starts = jnp.zeros_like(lengths) if prompt_lengths is None else prompt_lengths
+        operands = (q, tuple(key_blocks), tuple(value_blocks), lengths, starts)
         out = attention_pallas.per_shard(kernel, operands, attention_pallas.DECODE_AXES, current_layout())
         if out is not None:
             return out
-    positions = key_blocks[0].shape[-1] * len(key_blocks)
-    return attend_blocks(q, key_blocks, value_blocks, decode_mask(lengths, positions, window))
+    block = key_blocks[0].shape[-1]
+    own_positions = block * (len(key_blocks) - prompt_blocks)
+    allowed = decode_mask(
+        lengths, own_positions, window, prompt_lengths=prompt_lengths, prompt_positions=block * prompt_blocks
+    )
+    return attend_blocks(q, key_blocks, value_blocks, allowed)

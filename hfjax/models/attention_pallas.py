@@ -7,7 +7,8 @@ so real queries see only real keys, and padding queries see padding keys (at lea
 Its sequence blocks are multiples of the TPU's 128 lanes, so the sequence is padded up to one (extra positions are
 padding, after every real query, and are cut from the output).
 The decode kernel runs one program per (slot, kv head): the query heads of that kv head against each cache block in
-turn with an online softmax in float32, skipping the blocks that hold no position the slot may see.
+turn (the slot's shared-prompt blocks, then its own, placed by its prompt length) with an online softmax in float32,
+skipping the blocks that hold no position the slot may see.
 XLA cannot partition a Pallas (Mosaic) kernel over devices, so over a layout of several devices `per_shard` gives each
 device whole batch rows (split over the mesh axes of the layout's `batch` rule) and whole groups of query heads with
 their kv head (split over those of its `heads` and `kv_heads` rules: the tensor axis in the presets), so that no shard
@@ -44,7 +45,7 @@ QUERY_AXES: Axes = ("batch", None, "heads", None)  # q [b, t, heads, d] and the 
 KV_AXES: Axes = ("batch", None, "kv_heads", None)  # k, v [b, t, kv_heads, d]
 BLOCK_AXES: Axes = ("batch", "kv_heads", None, None)  # keys [S, kv_heads, d, B] and values [S, kv_heads, B, d]
 CAUSAL_AXES = (QUERY_AXES, KV_AXES, KV_AXES, ("batch", None))  # q, k, v, valid
-DECODE_AXES = (QUERY_AXES, BLOCK_AXES, BLOCK_AXES, ("batch",))  # q, key blocks, value blocks, lengths
+DECODE_AXES = (QUERY_AXES, BLOCK_AXES, BLOCK_AXES, ("batch",), ("batch",))  # q, blocks, lengths, prompt lengths
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,29 +95,38 @@ def splash_causal_attention(
 
 
 def _decode_kernel(
-    lengths_ref: jax.Array, q_ref: jax.Array, *refs: jax.Array, blocks: int, block: int, window: int | None
+    lengths_ref: jax.Array,
+    prompt_ref: jax.Array,
+    q_ref: jax.Array,
+    *refs: jax.Array,
+    blocks: int,
+    block: int,
+    prompt_blocks: int,
+    window: int | None,
 ) -> None:
     keys, values = refs[:blocks], refs[blocks : 2 * blocks]
     out_ref, max_ref, sum_ref, acc_ref = refs[2 * blocks :]
-    length = lengths_ref[pl.program_id(0)]
+    length, prompt = lengths_ref[pl.program_id(0)], prompt_ref[pl.program_id(0)]
     max_ref[...] = jnp.full(max_ref.shape, MASKED_SCORE, jnp.float32)
     sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
     q = q_ref[...]  # [group, d]
     scale = q.shape[-1] ** -0.5
     for i in range(blocks):
-        start = i * block
-        # The block holds a visible position: one <= length, and (with a window) one > length - window.
-        seen = start <= length
+        # prompt block i holds positions i*block.. (real below the prompt length); own block i - prompt_blocks
+        # holds positions prompt + (i - prompt_blocks)*block.. (real up to the slot's length)
+        start = i * block if i < prompt_blocks else prompt + (i - prompt_blocks) * block
+        end = prompt if i < prompt_blocks else length + 1  # the first position past the block's visible ones
+        seen = start < end  # the block holds a visible position (and, with a window, one > length - window)
         if window is not None:
             seen &= length - (start + block - 1) < window
 
         @pl.when(seen)
-        def _(i: int = i, start: int = start) -> None:
+        def _(i: int = i, start: jax.Array = start, end: jax.Array = end) -> None:
             key = keys[i][...].astype(q.dtype)  # exact: a float32 query only widens the products
             scores = jnp.dot(q, key, preferred_element_type=jnp.float32) * scale  # [group, block]
             position = start + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-            allowed = position <= length
+            allowed = position < end
             if window is not None:
                 allowed &= length - position < window
             scores = jnp.where(allowed, scores, MASKED_SCORE)
@@ -141,24 +151,29 @@ def decode_attention(
     value_blocks: Sequence[jax.Array],
     lengths: jax.Array,
     window: int | None,
+    prompt_lengths: jax.Array | None = None,
     *,
+    prompt_blocks: int = 0,
     interpret: bool,
 ) -> jax.Array:
     """One query per slot at position `lengths` [S] over its cache blocks, scores and softmax in float32:
-    q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]."""
+    q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]. The
+    first `prompt_blocks` blocks are the slot's shared-prompt blocks (real below `prompt_lengths` [S]), the others
+    its own, from position prompt length on (`hfjax.models.attention.decode_key_positions`)."""
     slots, _, heads, d = q.shape
     kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[3]
     group, count = heads // kv_heads, len(key_blocks)
+    prompt_lengths = jnp.zeros_like(lengths) if prompt_lengths is None else prompt_lengths
 
     def spec(*shape: int | None) -> pl.BlockSpec:
-        return pl.BlockSpec((None, *shape), lambda slot, head, lengths: (slot, head, 0, 0))
+        return pl.BlockSpec((None, *shape), lambda slot, head, lengths, prompts: (slot, head, 0, 0))
 
     if group % 8:  # as JAX's paged attention does: a [.., 1, d] float32 query, else XLA tiles it 8 rows deep
         queries, query_spec = q.reshape(slots, heads, 1, d).astype(jnp.float32), spec(group, None, d)
     else:
         queries, query_spec = q.reshape(slots, kv_heads, group, d), spec(None, group, d)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(slots, kv_heads),
         in_specs=[query_spec, *[spec(None, d, block)] * count, *[spec(None, block, d)] * count],
         out_specs=query_spec,
@@ -168,13 +183,14 @@ def decode_attention(
             pltpu.VMEM((group, d), jnp.float32),
         ],
     )
+    kernel = functools.partial(_decode_kernel, blocks=count, block=block, prompt_blocks=prompt_blocks, window=window)
     out = pl.pallas_call(
-        functools.partial(_decode_kernel, blocks=count, block=block, window=window),
+        kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(queries.shape, queries.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
-    )(lengths.astype(jnp.int32), queries, *key_blocks, *value_blocks)
+    )(lengths.astype(jnp.int32), prompt_lengths.astype(jnp.int32), queries, *key_blocks, *value_blocks)
     return out.reshape(slots, 1, heads, d).astype(value_blocks[0].dtype)
 
 

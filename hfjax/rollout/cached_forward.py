@@ -1,7 +1,9 @@
 """Causal-LM forwards with a KV cache: the prefill of a batch of prompts and one decode step over all slots.
 
 A slot's cache is left-aligned with no padding inside it: the prompt's token i sits at cache position i and has rope
-position i, and decoding writes the next token at position `lengths[slot]`. The decode cache of a layer is a tuple of
+position i, and decoding writes the next token at position `lengths[slot]`. In the decode caches a slot's prompt sits
+in blocks of a shared prompt pool (`PromptBlocks`: the samples of one prompt read the same blocks) and the positions
+from its prompt length on in the slot's own blocks. The decode cache of a layer is a tuple of
 blocks of consecutive positions, so that a step attends only over the blocks its longest slot has reached (a block
 is its own array: slicing one big cache array would copy it on CPU). Blocks keep positions as the last axis of the
 keys ([slots, kv_heads, head_dim, block]) and the next-to-last of the values ([slots, kv_heads, block, head_dim]):
@@ -13,7 +15,7 @@ the attention step replaced by the model's attention functions (`causal_attentio
 only the new tokens run through the model, attending over the cached history, so a turn costs its own tokens, not a
 re-prefill of everything before it.
 Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
-(slots x positions x kv heads x head_dim x 2 per layer).
+(slots x positions x kv heads x head_dim x 2 per layer; a slot's prompt blocks are gathered from the pool first).
 Imports `hfjax.models` only.
 """
 
@@ -104,6 +106,28 @@ def extend_forward(
     return Prefix(tuple(keys), tuple(values), starts + counts, logits)
 
 
+class PromptBlocks(NamedTuple):
+    """The shared-prompt part of the decode caches: per layer the prompt pool's keys [parts, pool blocks, kv_heads,
+    head_dim, B] and values [parts, pool blocks, kv_heads, B, head_dim] (each part of the batch mesh axes holds its
+    own pool, for its own slots), each slot's `table` [S, n] of block ids in its part's pool (prompt block j holds
+    positions j*B..) and its prompt length [S]; a slot's own blocks hold the positions from its prompt length on."""
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    table: jax.Array
+    lengths: jax.Array
+
+
+def gather_prompt_blocks(pool: jax.Array, table: jax.Array) -> list[jax.Array]:
+    """The prompt blocks [S, ...] of every slot (`table` [S, n], slots in the order of the pool's parts) from a
+    layer's `pool` [parts, pool blocks, ...]: n arrays, one per table column, each a block of the decode layout.
+    Vmapped over the parts, so a part reads only its own pool (a parts-sharded pool is gathered shard by shard)."""
+    parts, slots = pool.shape[0], table.shape[0]
+    local = table.reshape(parts, slots // parts, table.shape[1])
+    take = jax.vmap(lambda part_pool, ids: part_pool[ids])
+    return [take(pool, local[..., j]).reshape(slots, *pool.shape[2:]) for j in range(table.shape[1])]
+
+
 def extend_slots_forward(
     model: CausalLM,
     tokens: jax.Array,
@@ -113,23 +137,38 @@ def extend_slots_forward(
     cache_keys: tuple[tuple[jax.Array, ...], ...],
     cache_values: tuple[tuple[jax.Array, ...], ...],
     live: int,
+    prompt: PromptBlocks,
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], ...], tuple[tuple[jax.Array, ...], ...]]:
     """`extend_forward` onto running decode slots: row i's tokens go to slot `slots[i]` (out of range: computed,
-    never written) at positions `starts[i]`.., in place in the decode caches' blocks (per layer; the first `live`
-    blocks hold every position the rows reach). Only the new positions are written and only the rows' live blocks
-    are read, so a call costs the new tokens' forward and one read of their history. Returns (logits at each row's
-    last real token, new key blocks, new value blocks)."""
+    never written) at positions `starts[i]`.. (at or past the slot's prompt length), in place in the slot's own
+    cache blocks (per layer; the first `live` own blocks hold every position the rows reach). They attend over the
+    slot's shared-prompt blocks and its own. Only the new positions are written and only the rows' blocks are read,
+    so a call costs the new tokens' forward and one read of their history. Returns (logits at each row's last real
+    token, new own key blocks, new own value blocks)."""
     block = cache_keys[0][0].shape[-1]
     rows = jnp.minimum(slots, cache_keys[0][0].shape[0] - 1)
+    prompt_lengths = prompt.lengths[rows]
     new_keys, new_values = [], []
 
     def attend_of(index: int, layer: Any, positions: jax.Array) -> Any:
+        own = positions - prompt_lengths[:, None]
+
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            kb = [_write_block(cache_keys[index][i], k, slots, positions - i * block, 3) for i in range(live)]
-            vb = [_write_block(cache_values[index][i], v, slots, positions - i * block, 2) for i in range(live)]
+            kb = [_write_block(cache_keys[index][i], k, slots, own - i * block, 3) for i in range(live)]
+            vb = [_write_block(cache_values[index][i], v, slots, own - i * block, 2) for i in range(live)]
             new_keys.append((*kb, *cache_keys[index][live:]))
             new_values.append((*vb, *cache_values[index][live:]))
-            return extend_blocks_attention(q, [b[rows] for b in kb], [b[rows] for b in vb], starts, layer.window)
+            pk = gather_prompt_blocks(prompt.keys[index], prompt.table)
+            pv = gather_prompt_blocks(prompt.values[index], prompt.table)
+            return extend_blocks_attention(
+                q,
+                [b[rows] for b in (*pk, *kb)],
+                [b[rows] for b in (*pv, *vb)],
+                starts,
+                layer.window,
+                prompt_lengths=prompt_lengths,
+                prompt_blocks=len(pk),
+            )
 
         return attend
 
@@ -146,11 +185,6 @@ def _write_block(block: jax.Array, update: jax.Array, slots: jax.Array, position
     where = jnp.broadcast_to(slots[:, None], positions.shape)
     index = (where, slice(None), slice(None), positions) if axis == 3 else (where, slice(None), positions, slice(None))
     return block.at[index].set(update.astype(block.dtype), mode="drop")
-
-
-def to_decode_layout(keys: jax.Array, values: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Prefill-layout keys and values [B, P, kv_heads, head_dim] in the decode caches' layout."""
-    return keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)
 
 
 def write_positions(cache: jax.Array, update: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
@@ -173,26 +207,36 @@ def decode_forward(
     lengths: jax.Array,
     cache_keys: tuple[tuple[jax.Array, ...], ...],
     cache_values: tuple[tuple[jax.Array, ...], ...],
+    prompt: PromptBlocks,
 ) -> tuple[jax.Array, tuple[tuple[jax.Array, ...], ...], tuple[tuple[jax.Array, ...], ...]]:
-    """One token per slot: tokens [S] at positions `lengths` [S]; per layer, the first cache blocks in the decode
-    layout (keys [S, kv_heads, head_dim, B], values [S, kv_heads, B, head_dim]), enough to hold position
-    `max(lengths)`. Writes each slot's key and value at its position (dropped past the blocks given) and attends over
-    the blocks. Returns (logits [S, vocab] float32, new key blocks, new value blocks)."""
+    """One token per slot: tokens [S] at positions `lengths` [S]; per layer, the first of each slot's own cache
+    blocks in the decode layout (keys [S, kv_heads, head_dim, B], values [S, kv_heads, B, head_dim]; own position i
+    is position prompt length + i), enough to hold every slot's position, and its shared-prompt blocks (`prompt`).
+    Writes each slot's key and value in its own blocks (dropped past the blocks given) and attends over the prompt
+    blocks and its own in one softmax. Returns (logits [S, vocab] float32, new own key blocks, new own value
+    blocks)."""
     block = cache_keys[0][0].shape[-1]
     decoder = model.model
-    positions = lengths[:, None]
-    cos, sin = decoder.rotary(positions)
+    own = lengths - prompt.lengths
+    cos, sin = decoder.rotary(lengths[:, None])
     x = decoder.embed(tokens[:, None])
     new_keys, new_values = [], []
-    for layer, key_blocks, value_blocks in zip(decoder.layers, cache_keys, cache_values, strict=True):
+    for index, (layer, key_blocks, value_blocks) in enumerate(
+        zip(decoder.layers, cache_keys, cache_values, strict=True)
+    ):
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb=key_blocks, vb=value_blocks, window=layer.window):
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb=key_blocks, vb=value_blocks, index=index,
+                   window=layer.window):  # fmt: skip
             starts = [i * block for i in range(len(kb))]
-            kb = tuple(write_positions(c, k[:, 0], lengths - s, axis=3) for c, s in zip(kb, starts, strict=True))
-            vb = tuple(write_positions(c, v[:, 0], lengths - s, axis=2) for c, s in zip(vb, starts, strict=True))
+            kb = tuple(write_positions(c, k[:, 0], own - s, axis=3) for c, s in zip(kb, starts, strict=True))
+            vb = tuple(write_positions(c, v[:, 0], own - s, axis=2) for c, s in zip(vb, starts, strict=True))
             new_keys.append(kb)
             new_values.append(vb)
-            return decode_attention(q, kb, vb, lengths, window)
+            pk = gather_prompt_blocks(prompt.keys[index], prompt.table)
+            pv = gather_prompt_blocks(prompt.values[index], prompt.table)
+            return decode_attention(
+                q, (*pk, *kb), (*pv, *vb), lengths, window, prompt_lengths=prompt.lengths, prompt_blocks=len(pk)
+            )
 
         x = layer.block(x, cos, sin, attend)
     logits = model.logits(decoder.norm(x[:, 0]))

@@ -1,46 +1,51 @@
 """`Engine`, the generation interface shaped after JetStream's, and `JaxEngine`, its implementation for hfjax causal LMs
 over a generation `Layout`.
 
-The decode state holds a KV cache of `max_concurrent_decodes` slots, sharded with slots over the layout's batch axes
-and kv heads over its tensor axis, in at most `MAX_KV_BLOCKS` blocks of positions per layer. `prefill` runs a batch of
-right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so compiles stay few; rows split over
-the layout's batch axes, so each data shard prefills its own), or appends them to an `existing_prefix`; `insert` copies
-prefilled prompts into slots (gathering their keys and values to the slots' shards) and samples each sample's first
-token (the token `prefill` returns is sample 0's: both draw it with the same key); `extend` appends
-tokens to running slots (a multi-turn observation) without re-prefilling their history, at shapes bucketed and capped
-by `ExtendShapes` (a bounded number of compiled programs, `max_extend_programs`); `generate` advances every slot
-by one token, attending only over the blocks that the longest slot has reached when told its length (one compiled step
-per block count). The jitted steps donate the decode state, trace attention under the layout (`program_layout`: Pallas
-kernels run per shard), and `compiles` counts traces. Parameters are passed on every call (JetStream's convention), so
-new weights of the same shapes and shardings never recompile. `prefill_insert` fuses `prefill` and `insert` into one
-compiled call (what `OfflineGenerator` runs); it gives the tokens of the two calls made one after the other.
-Imports `hfjax.models`, `hfjax.parallel` and this package's interface, sampling, extend shapes and cached forwards.
+The decode state (`CacheLayout`) holds `max_concurrent_decodes` slots, sharded with slots over the layout's batch axes
+and kv heads over its tensor axis: each slot's own blocks of positions (the response) and a shared prompt pool.
+`prefill` runs a batch of right-padded prompts (lengths bucketed to powers of two and 1.5x powers of two, so compiles
+stay few; rows split over the layout's batch axes, so each data shard prefills its own), or appends them to an
+`existing_prefix`; `insert` writes each prefilled prompt once per data shard into pool blocks that the host's
+`PromptPool` allocates, points its samples' slots at them (the samples of a prompt share its keys and values; a
+sample's own tokens go to its own blocks) and samples each sample's first token (the token `prefill` returns is
+sample 0's: both draw it with the same key). Inserting into a slot releases the prompt it read; `release` does so for
+finished slots, and `init_decode_state` starts a new, empty pool. `extend` appends tokens to running slots (a
+multi-turn observation) without re-prefilling their history, at shapes bucketed and capped by `ExtendShapes` (a
+bounded number of compiled programs, `max_extend_programs`); `generate` advances every slot by one token, attending
+over the prompt blocks of the longest prompt held and the own blocks that the longest response has reached when told
+its length (one compiled step per pair of block counts). The jitted steps donate the decode state, trace attention
+under the layout (`program_layout`: Pallas kernels run per shard), and `compiles` counts traces. Parameters are
+passed on every call (JetStream's convention), so new weights of the same shapes and shardings never recompile.
+`prefill_insert` fuses `prefill` and `insert` into one compiled call (what `OfflineGenerator` runs); it gives the
+tokens of the two calls made one after the other.
+Imports `hfjax.models`, `hfjax.parallel` and this package's interface, sampling, extend shapes, cache layout, prompt
+pool and cached forwards.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.program import constrain, program_layout
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
+from hfjax.rollout.cache_layout import CacheLayout, batch_sharded
 from hfjax.rollout.cached_forward import (
     Prefix,
+    PromptBlocks,
     decode_forward,
     extend_forward,
     extend_slots_forward,
     prefill_forward,
-    to_decode_layout,
 )
 from hfjax.rollout.extend_shapes import ExtendShapes, pad_extend
 from hfjax.rollout.interface import (
@@ -48,25 +53,10 @@ from hfjax.rollout.interface import (
     DecodeState,
     PrefillResult,
     ResultTokens,
-    kv_block_size,
     prefill_buckets,
 )
+from hfjax.rollout.prompt_pool import Placement, PromptPool, prefix_blocks, write_pool
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
-
-
-def _batch_sharded(layout: Layout, shape: tuple[int, ...], logical: tuple[str | None, ...]) -> NamedSharding:
-    """Sharding by `layout` of each dimension that divides evenly; a dimension that does not is replicated."""
-    entries = []
-    used: set[str] = set()
-    for size, axis in zip(shape, logical, strict=True):
-        mesh_axes = tuple(a for a in dict(layout.rules).get(axis, ()) if a not in used and layout.axis_size(a) > 1)
-        parts = int(np.prod([layout.axis_size(a) for a in mesh_axes])) if mesh_axes else 1
-        if not mesh_axes or size % parts:
-            entries.append(None)
-            continue
-        used.update(mesh_axes)
-        entries.append(mesh_axes if len(mesh_axes) > 1 else mesh_axes[0])
-    return NamedSharding(layout.mesh, PartitionSpec(*entries))
 
 
 def _split_rows(*arrays: jax.Array) -> list[jax.Array]:
@@ -95,6 +85,7 @@ class JaxEngine:
         max_prefill_length: int = 512,
         max_new_tokens: int = 512,
         max_extend_programs: int = 16,
+        prompt_cache_tokens: int | None = None,
     ):
         for name, value in (
             ("max_concurrent_decodes", max_concurrent_decodes),
@@ -108,33 +99,26 @@ class JaxEngine:
         self.layout = layout or Layout.from_config({"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]})
         self._slots = max_concurrent_decodes
         self._max_prefill = max_prefill_length
-        self.capacity = max_prefill_length + max_new_tokens
-        self.block = kv_block_size(self.capacity, self.layout.platform)
-        self.blocks = -(-self.capacity // self.block)
+        self.capacity = max_prefill_length + max_new_tokens  # the longest sequence: a prompt and its response
+        self.cache = CacheLayout(
+            cfg,
+            self.layout,
+            model.dtype,
+            slots=max_concurrent_decodes,
+            max_prefill_length=max_prefill_length,
+            max_new_tokens=max_new_tokens,
+            prompt_cache_tokens=prompt_cache_tokens,
+        )
+        self.block, self.blocks, self.prompt_blocks = self.cache.block, self.cache.blocks, self.cache.prompt_blocks
+        self.pool = PromptPool(
+            parts=self.cache.pool_parts, blocks_per_part=self.cache.pool_blocks, slots=self._slots, block=self.block
+        )
         self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
         self.compiles: collections.Counter[str] = collections.Counter()
         self.extend_shapes = ExtendShapes(
-            slots=self._slots, capacity=self.capacity, blocks=self.blocks, max_programs=max_extend_programs
+            slots=self._slots, capacity=self.cache.own_capacity, blocks=self.blocks, max_programs=max_extend_programs
         )
-        self._key_shape = (self._slots, cfg.num_kv_heads, cfg.head_dim, self.block)
-        self._value_shape = (self._slots, cfg.num_kv_heads, self.block, cfg.head_dim)
-        self._cache_dtype = jnp.dtype(model.dtype)
-        key_cache = _batch_sharded(self.layout, self._key_shape, ("batch", "kv_heads", "head_dim", "length"))
-        value_cache = _batch_sharded(self.layout, self._value_shape, ("batch", "kv_heads", "length", "head_dim"))
-        per_slot = _batch_sharded(self.layout, (self._slots,), ("batch",))
-        rng = _batch_sharded(self.layout, (self._slots, 2), ("batch", None))
-        layers = cfg.num_layers
-        self.state_sharding = DecodeState(
-            ((key_cache,) * self.blocks,) * layers,
-            ((value_cache,) * self.blocks,) * layers,
-            per_slot,
-            per_slot,
-            rng,
-            per_slot,
-            per_slot,
-            per_slot,
-            per_slot,
-        )
+        self.state_sharding = self.cache.sharding
         self._prefill = self._jit("prefill", self._prefill_fn)
         self._prefill_extend = self._jit("prefill", self._prefill_extend_fn)
         self._extend = self._jit(
@@ -144,7 +128,7 @@ class JaxEngine:
         self._generate = self._jit(
             "generate",
             self._generate_fn,
-            ("kind", "live"),
+            ("kind", "live", "prompt_live"),
             donate_argnums=1,
             out_shardings=(self.state_sharding, None),
         )
@@ -186,45 +170,36 @@ class JaxEngine:
     def get_prefix_destination_sharding(self) -> NamedSharding:
         """Where a prefix's rows live: split over the layout's batch mesh axes (each part prefills its own rows; a
         prefill whose rows do not divide them keeps the rows that don't on every part)."""
-        return _batch_sharded(self.layout, (self.batch_parts,), ("batch",))
+        return batch_sharded(self.layout, (self.batch_parts,), ("batch",))
 
     def init_decode_state(self) -> DecodeState:
-        """Empty slots: zero caches and lengths (an empty slot computes harmlessly until something is inserted)."""
-        return jax.device_put(self._empty_state(), self.state_sharding)
+        """Empty slots: zero caches and lengths (an empty slot computes harmlessly until something is inserted), and
+        an empty prompt pool: the engine's `pool` allocates for this state from now on."""
+        self.pool.reset()
+        return jax.device_put(self.cache.empty(), self.state_sharding)
 
     def abstract_decode_state(self) -> DecodeState:
         """`init_decode_state` as `jax.ShapeDtypeStruct`s with its shardings: allocates nothing (to lower and compile
         the engine's programs for devices this process does not run on)."""
-        shapes = jax.eval_shape(self._empty_state)
+        shapes = jax.eval_shape(self.cache.empty)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, self.state_sharding
         )
 
-    def _empty_state(self) -> DecodeState:
-        layers, blocks = self.config.num_layers, range(self.blocks)
-        return DecodeState(
-            tuple(tuple(jnp.zeros(self._key_shape, self._cache_dtype) for _ in blocks) for _ in range(layers)),
-            tuple(tuple(jnp.zeros(self._value_shape, self._cache_dtype) for _ in blocks) for _ in range(layers)),
-            jnp.zeros(self._slots, jnp.int32),
-            jnp.zeros(self._slots, jnp.int32),
-            jnp.zeros((self._slots, 2), jnp.uint32),
-            jnp.zeros(self._slots, jnp.int32),
-            jnp.zeros(self._slots, jnp.float32),
-            jnp.zeros(self._slots, jnp.int32),
-            jnp.ones(self._slots, jnp.float32),
-        )
+    def abstract_placement(self, rows: int, length: int, samples: int) -> Placement:
+        """The placement arrays of a `prefill_insert` of `rows` prefill rows padded to `length` into `samples` slots,
+        as `jax.ShapeDtypeStruct`s."""
+        parts, blocks = self.cache.pool_parts, -(-length // self.block)
+        shapes = ((parts, rows), (parts, rows, blocks), (samples, self.prompt_blocks))
+        return Placement(*(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes))
 
     def kv_cache_bytes_per_device(self) -> int:
-        """Bytes of the decode state's KV cache on each device (its largest shard per block, summed)."""
-        layers = self.config.num_layers * self.blocks
-        per_block = sum(
-            math.prod(sharding.shard_shape(shape)) * self._cache_dtype.itemsize
-            for sharding, shape in (
-                (self.state_sharding.keys[0][0], self._key_shape),
-                (self.state_sharding.values[0][0], self._value_shape),
-            )
-        )
-        return layers * per_block
+        """Bytes of the decode state's KV caches (own blocks and prompt pool) on each device."""
+        return self.cache.bytes_per_device()
+
+    def release(self, slots: Any) -> None:
+        """Finished slots let go of their prompts (a prompt's pool blocks are free once no slot reads them)."""
+        self.pool.release(np.atleast_1d(np.asarray(slots, np.int32)))
 
     def bucket(self, length: int) -> int:
         """The padded prefill length for a prompt of `length` tokens."""
@@ -294,18 +269,24 @@ class JaxEngine:
         which also advances while it waits; a caller that knows each sample's token count passes it, so the draws do
         not depend on what else ran); returns the state (lengths `starts + true_length`) and those tokens. The call
         runs padded to a shape of `extend_shapes` (rows, width, cache blocks): row i of the result is row i's token,
-        the rows past R are padding."""
+        the rows past R are padding. A row's tokens go to its slot's own blocks, so `starts[i]` must be at least the
+        slot's prompt length, and the positions past the prompt must fit the slot's own blocks."""
         tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
         lengths = np.atleast_1d(np.asarray(true_length, np.int32))
         starts = np.atleast_1d(np.asarray(starts, np.int32))
-        if lengths.min() < 1 or (starts + lengths).max() > self.capacity:
-            raise SamplingError(
-                f"extend: tokens at positions {int(starts.min())}..{int((starts + lengths).max())}, expected at least"
-                f" one token per row within the engine's capacity of {self.capacity} positions"
-            )
         slot_ids = np.atleast_1d(np.asarray(slots, np.int32))
+        real = (slot_ids >= 0) & (slot_ids < self._slots)
+        prompts = np.where(real, self.pool.prompt_lengths[np.clip(slot_ids, 0, self._slots - 1)], 0)
+        own_end = np.where(real, starts + lengths - prompts, 1)
+        if lengths.min() < 1 or (starts < prompts).any() or own_end.max() > self.cache.own_capacity:
+            rows = np.stack([slot_ids, starts, lengths, prompts], axis=1).tolist()
+            raise SamplingError(
+                f"extend: rows [slot, start, tokens, prompt length] {rows}; expected at least one token per row, a"
+                f" start at or past the slot's prompt and at most {self.cache.own_capacity} positions past it (the"
+                " slot's own blocks)"
+            )
         steps = np.full(len(slot_ids), -1, np.int32) if steps is None else np.atleast_1d(np.asarray(steps, np.int32))
-        reach = -(-int((starts + lengths).max()) // self.block)  # blocks the rows reach
+        reach = -(-int(own_end.max()) // self.block)  # own blocks the rows reach
         shape = self.extend_shapes.choose(len(slot_ids), int(lengths.max()), reach, kind)
         arrays = pad_extend(shape, self._slots, slot_ids, tokens, lengths, starts, steps)
         return self._extend(params, decode_state, *arrays, kind=kind, live=shape.live)
@@ -313,7 +294,8 @@ class JaxEngine:
     def insert(
         self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None
     ) -> DecodeState:
-        """Copies prefix rows (default: row i to slot[i]) into slots, sample `sample_ids` of each (default 0)."""
+        """Inserts prefix rows (default: row i into slot[i]) into slots, sample `sample_ids` of each (default 0): the
+        slots read the rows' prompts from the pool (one copy per row and data shard, shared by its slots)."""
         state, _ = self.insert_samples(prefix, decode_state, slot, rows, sample_ids)
         return state
 
@@ -324,16 +306,20 @@ class JaxEngine:
         slots = np.atleast_1d(np.asarray(slot, np.int32))
         rows = np.arange(len(slots), dtype=np.int32) if rows is None else np.asarray(rows, np.int32)
         samples = np.zeros(len(slots), np.int32) if sample_ids is None else np.asarray(sample_ids, np.int32)
-        return self._insert(prefix, decode_state, slots, rows, samples, kind=ALL_FILTERS)
+        width = prefix.cache.keys[0].shape[1]
+        placement = self._placement(np.asarray(prefix.cache.lengths), slots, rows, width)
+        return self._insert(prefix, decode_state, slots, rows, samples, placement, kind=ALL_FILTERS)
 
     def generate(
         self, params: Any, decode_state: DecodeState, kind: SamplerKind = ALL_FILTERS, context: int | None = None
     ) -> tuple[DecodeState, ResultTokens]:
         """One token for every slot (`kind` leaves filters that no slot uses out of the compiled step). `context`, when
-        given, bounds every active slot's cache length after this step: only the blocks up to it are attended over
-        (empty slots may compute garbage)."""
+        given, bounds every active slot's positions past its prompt after this step (its whole length bounds them
+        too): only the own blocks up to it are attended over, and only the prompt blocks of the longest prompt that
+        a slot holds (empty and released slots may compute garbage)."""
         live = self.blocks if context is None else min(self.blocks, max(1, -(-context // self.block)))
-        return self._generate(params, decode_state, kind=kind, live=live)
+        prompt_live = min(self.prompt_blocks, -(-int(self.pool.prompt_lengths.max()) // self.block))
+        return self._generate(params, decode_state, kind=kind, live=live, prompt_live=prompt_live)
 
     def prefill_insert(
         self,
@@ -349,9 +335,15 @@ class JaxEngine:
     ) -> tuple[DecodeState, ResultTokens]:
         """`prefill` then `insert` in one compiled call (what `OfflineGenerator` uses)."""
         arrays = self._sampling_arrays(sampling, request_ids)
+        placement = self._placement(lengths, slots, rows, tokens.shape[1])
         return self._prefill_insert(
-            params, decode_state, tokens, lengths, *arrays, slots, rows, sample_ids, kind=SamplerKind.of(sampling)
-        )
+            params, decode_state, tokens, lengths, *arrays, slots, rows, sample_ids, placement,
+            kind=SamplerKind.of(sampling),
+        )  # fmt: skip
+
+    def _placement(self, lengths: np.ndarray, slots: np.ndarray, rows: np.ndarray, width: int) -> Placement:
+        """The pool blocks of an insert of prefill rows padded to `width` (`PromptPool.placement`)."""
+        return self.pool.placement(lengths, slots, rows, -(-width // self.block), self.prompt_blocks)
 
     # ----------------------------------------------------------------------------------------------- traced
     def _model(self, params: Any) -> CausalLM:
@@ -393,45 +385,50 @@ class JaxEngine:
         first = sample_tokens(cache.last_logits, _sample_rng(keys, zeros), zeros, temperature, top_k, top_p, kind)
         return prefix, ResultTokens(*first)
 
-    def _insert_fn(self, prefix: PrefillResult, state: DecodeState, slots, rows, samples, *, kind):
+    def _insert_fn(self, prefix: PrefillResult, state: DecodeState, slots, rows, samples, placement: Placement, *,
+                   kind):  # fmt: skip
         rng = _sample_rng(prefix.keys[rows], samples)
         zeros = jnp.zeros_like(slots)
         temperature, top_k, top_p = prefix.temperature[rows], prefix.top_k[rows], prefix.top_p[rows]
         first = sample_tokens(prefix.cache.last_logits[rows], rng, zeros, temperature, top_k, top_p, kind)
-        width, block = prefix.cache.keys[0].shape[1], self.block
-        layers = [
-            to_decode_layout(k[rows], v[rows]) for k, v in zip(prefix.cache.keys, prefix.cache.values, strict=True)
-        ]
-
-        def put_blocks(blocks: tuple[jax.Array, ...], rows: jax.Array, axis: int) -> tuple[jax.Array, ...]:
-            """`blocks` with the prefix `rows` (positions along `axis`) written into the slots' first positions."""
-            out = []
-            for i, cache in enumerate(blocks):
-                part = jax.lax.slice_in_dim(rows, min(width, i * block), min(width, (i + 1) * block), axis=axis)
-                index = (slots,) + (slice(None),) * (axis - 1) + (slice(0, part.shape[axis]),)
-                out.append(cache.at[index].set(part.astype(cache.dtype), mode="drop") if part.size else cache)
-            return tuple(out)
+        count = placement.dest.shape[-1]
+        pool_keys, pool_values = [], []
+        for keys, values, pool_k, pool_v in zip(
+            prefix.cache.keys, prefix.cache.values, state.pool_keys, state.pool_values, strict=True
+        ):
+            key_blocks, value_blocks = prefix_blocks(keys, values, count, self.block)
+            pool_keys.append(write_pool(pool_k, key_blocks, placement.rows, placement.dest))
+            pool_values.append(write_pool(pool_v, value_blocks, placement.rows, placement.dest))
 
         def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
             return current.at[slots].set(value, mode="drop")
 
-        state = DecodeState(
-            tuple(put_blocks(c, k, 3) for c, (k, _) in zip(state.keys, layers, strict=True)),
-            tuple(put_blocks(c, v, 2) for c, (_, v) in zip(state.values, layers, strict=True)),
-            set_slots(state.lengths, prefix.cache.lengths[rows]),
-            set_slots(state.tokens, first[0]),
-            set_slots(state.rng, rng),
-            set_slots(state.steps, jnp.ones_like(slots)),
-            set_slots(state.temperature, temperature),
-            set_slots(state.top_k, top_k),
-            set_slots(state.top_p, top_p),
+        state = state._replace(
+            pool_keys=tuple(pool_keys),
+            pool_values=tuple(pool_values),
+            prompt_table=set_slots(state.prompt_table, placement.tables),
+            prompt_lengths=set_slots(state.prompt_lengths, prefix.cache.lengths[rows]),
+            lengths=set_slots(state.lengths, prefix.cache.lengths[rows]),
+            tokens=set_slots(state.tokens, first[0]),
+            rng=set_slots(state.rng, rng),
+            steps=set_slots(state.steps, jnp.ones_like(slots)),
+            temperature=set_slots(state.temperature, temperature),
+            top_k=set_slots(state.top_k, top_k),
+            top_p=set_slots(state.top_p, top_p),
         )
         return state, ResultTokens(*first)
 
-    def _generate_fn(self, params, state: DecodeState, *, kind, live):
+    @staticmethod
+    def _prompt(state: DecodeState, blocks: int) -> PromptBlocks:
+        """The state's prompt pool with each slot's first `blocks` prompt blocks."""
+        table = state.prompt_table[:, :blocks]
+        return PromptBlocks(state.pool_keys, state.pool_values, table, state.prompt_lengths)
+
+    def _generate_fn(self, params, state: DecodeState, *, kind, live, prompt_live=None):
         model = self._model(params)
         live_keys, live_values = tuple(k[:live] for k in state.keys), tuple(v[:live] for v in state.values)
-        logits, keys, values = decode_forward(model, state.tokens, state.lengths, live_keys, live_values)
+        prompt = self._prompt(state, self.prompt_blocks if prompt_live is None else prompt_live)
+        logits, keys, values = decode_forward(model, state.tokens, state.lengths, live_keys, live_values, prompt)
         keys = tuple(new + old[live:] for new, old in zip(keys, state.keys, strict=True))
         values = tuple(new + old[live:] for new, old in zip(values, state.values, strict=True))
         tokens, logprobs = sample_tokens(
@@ -445,8 +442,9 @@ class JaxEngine:
     def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
         rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
         logits, keys, values = extend_slots_forward(
-            self._model(params), tokens, starts, counts, slots, state.keys, state.values, live
-        )
+            self._model(params), tokens, starts, counts, slots, state.keys, state.values, live,
+            self._prompt(state, self.prompt_blocks),
+        )  # fmt: skip
         steps = jnp.where(steps < 0, state.steps[rows], steps)
         first = sample_tokens(
             logits, state.rng[rows], steps, state.temperature[rows], state.top_k[rows], state.top_p[rows], kind
@@ -465,6 +463,6 @@ class JaxEngine:
         return state, ResultTokens(*first)
 
     def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
-                           samples, *, kind):  # fmt: skip
+                           samples, placement, *, kind):  # fmt: skip
         prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
-        return self._insert_fn(prefix, state, slots, rows, samples, kind=kind)
+        return self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)

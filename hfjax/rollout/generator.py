@@ -1,13 +1,18 @@
 """`OfflineGenerator`: continuous batching of many prompts over an engine's slots.
 
-A finished sample frees its slot at once; freed slots are refilled in groups of at least `refill_batch` (or whatever is
-left), each group one compiled prefill+insert per prompt-length bucket (short prompts are not padded to the group's
-longest). A bucket's rows run as the largest power of two that fits plus the rest, each padded to a power of two (at
-least the layout's batch parts, so each part prefills rows of its own), so compiles stay few and fewer than a quarter
-of the rows are padding. Each decode step attends over the cache blocks that the longest running sample has reached,
-and is dispatched before the previous step's tokens are read (one step in flight), so the host's bookkeeping runs while
-the device computes. Outputs come back in request order, `n` samples per
-prompt, each with its tokens, logprobs and finish reason. The KV cache lives only inside `generate`: allocated when it
+A prompt's samples (up to the slot count at once) are admitted together, when there are free slots for all of them
+and free blocks in the engine's shared prompt pool for one copy of the prompt in each data shard they land in (they
+go to as few shards as the free slots allow); the samples then read that one copy (`JaxEngine.insert`). A finished
+sample frees its slot and its reference to the prompt at once (the prompt's blocks are free when its last sample
+ends); freed slots are refilled in groups of at least `refill_batch` samples (or whatever is left), each group one
+compiled prefill+insert per prompt-length bucket (short prompts are not padded to the group's longest) that prefills
+each distinct prompt once. A bucket's samples run as the largest power of two that fits plus the rest (whole prompts
+in each), their prompts' rows padded to a power of two (at least the layout's batch parts, so each part prefills rows
+of its own) and the samples to another, so compiles stay few and little of the rows are padding. Each decode step
+attends over the prompt blocks of the longest prompt running and the own blocks that the longest response has
+reached, and is dispatched before the previous step's tokens are read (one step in flight), so the host's bookkeeping
+runs while the device computes. Outputs come back in request order, `n` samples per prompt, each with its tokens,
+logprobs and finish reason. The KV cache lives only inside `generate`: allocated when it
 starts, freed when it returns (or fails), so it never sits beside the training step's memory.
 Imports this package's engine and sampling only.
 """
@@ -66,11 +71,22 @@ def _no_tokens() -> tuple[np.ndarray, np.ndarray]:
     return np.zeros(0, np.int32), np.zeros(0, np.float32)
 
 
-def _row_chunks(members: list[int]) -> list[list[int]]:
-    """`members` cut into at most two calls whose row counts pad to powers of two with little waste: the largest
-    power of two that fits, then the rest (35 rows run as 32 + 4, not 64)."""
+def _row_chunks(members: list[int], prompts: list[int]) -> list[list[int]]:
+    """`members` (samples of `prompts[j]` each) cut into at most two calls whose row counts pad to powers of two with
+    little waste: whole prompts' samples that fill at most the largest power of two that fits, then the rest (35
+    samples of one prompt each run as 32 + 4, not 64). A prompt's samples stay in one call, which writes one copy of
+    the prompt per data shard."""
     head = 1 << (len(members).bit_length() - 1)
-    return [members[:head], members[head:]] if head < len(members) else [members]
+    if head == len(members):
+        return [members]
+    by_prompt: dict[int, list[int]] = {}
+    for j in members:
+        by_prompt.setdefault(prompts[j], []).append(j)
+    first: list[int] = []
+    rest: list[int] = []
+    for samples in by_prompt.values():
+        (first if len(first) + len(samples) <= head else rest).extend(samples)
+    return [chunk for chunk in (first, rest) if chunk]
 
 
 class OfflineGenerator:
@@ -92,6 +108,7 @@ class OfflineGenerator:
         self.refill_batch = refill_batch or max(1, engine.max_concurrent_decodes // 8)
         self.progress = progress
         self.last_stats: dict[str, float] = {}
+        self._pool_peak = 0  # the most prompt pool blocks in use during the last `generate`
 
     def update_params(self, params: Any) -> None:
         """New weights for the next `generate`; same shapes and shardings never recompile."""
@@ -127,14 +144,15 @@ class OfflineGenerator:
             )
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         results: dict[tuple[int, int], SampleOutput] = {}
-        queue: deque[tuple[int, int]] = deque()
+        queue: deque[tuple[int, list[int]]] = deque()  # (request, samples): admitted together
+        group = self.engine.max_concurrent_decodes
         for r, prompt in enumerate(prompts):
             error = self.check_prompt(prompt)
-            for i in range(sampling.n):
-                if error is None:
-                    queue.append((r, i))
-                else:
+            if error is not None:
+                for i in range(sampling.n):
                     results[r, i] = SampleOutput(r, i, *_no_tokens(), FINISH_REJECTED, error)
+                continue
+            queue.extend((r, list(range(i, min(i + group, sampling.n)))) for i in range(0, sampling.n, group))
         if isinstance(first_request, int):
             request_ids = np.arange(first_request, first_request + len(prompts), dtype=np.int64)
         else:
@@ -147,13 +165,41 @@ class OfflineGenerator:
             "seconds": seconds,
             "response_tokens": sum(len(o.tokens) for o in ordered),
             "kv_cache_bytes_per_device": self.engine.kv_cache_bytes_per_device(),
+            "prompt_pool_blocks_peak": self._pool_peak,
         }
         return ordered
+
+    def _admit(self, prompts: list[np.ndarray], queue: deque[tuple[int, list[int]]], free: list[int]
+               ) -> tuple[list[tuple[int, int]], list[int], int]:  # fmt: skip
+        """The groups at the head of `queue` that fit now, in order: (request, sample) pairs, their slots (a group's
+        in as few data shards as the free slots allow) and how many groups. A group fits when there are free slots
+        for all its samples and free pool blocks for its prompt in each shard they land in."""
+        pool = self.engine.pool
+        spare = [pool.free_blocks(part) for part in range(pool.parts)]
+        open_slots: dict[int, list[int]] = {part: [] for part in range(pool.parts)}
+        for slot in free:
+            open_slots[pool.part_of(slot)].append(slot)
+        batch: list[tuple[int, int]] = []
+        targets: list[int] = []
+        for groups, (r, samples) in enumerate(queue):
+            chosen: list[int] = []
+            for part in sorted(open_slots, key=lambda p: -len(open_slots[p])):
+                chosen += open_slots[part][: len(samples) - len(chosen)]
+            need, parts = pool.blocks_for(len(prompts[r])), {pool.part_of(slot) for slot in chosen}
+            if len(chosen) < len(samples) or any(spare[part] < need for part in parts):
+                return batch, targets, groups
+            for part in parts:
+                spare[part] -= need
+            for slot in chosen:
+                open_slots[pool.part_of(slot)].remove(slot)
+            batch += [(r, i) for i in samples]
+            targets += chosen
+        return batch, targets, len(queue)
 
     def _run(
         self,
         prompts: list[np.ndarray],
-        queue: deque[tuple[int, int]],
+        queue: deque[tuple[int, list[int]]],
         results: dict[tuple[int, int], SampleOutput],
         sampling: SamplingParams,
         request_index: np.ndarray,
@@ -168,7 +214,14 @@ class OfflineGenerator:
         running: dict[int, _Running] = {}
         kind = SamplerKind.of(sampling)
         steps, started = 0, time.perf_counter()
-        bar = tqdm(total=len(queue), desc="generate", unit="sample", disable=not self.progress, leave=False)
+        self._pool_peak = 0
+        bar = tqdm(
+            total=sum(len(samples) for _, samples in queue),
+            desc="generate",
+            unit="sample",
+            disable=not self.progress,
+            leave=False,
+        )
 
         def finish(slot: int, reason: str) -> None:
             run = running.pop(slot)
@@ -176,6 +229,7 @@ class OfflineGenerator:
                 run.request, run.sample, np.array(run.tokens, np.int32), np.array(run.logprobs, np.float32), reason
             )
             free.append(slot)
+            self.engine.release([slot])
             bar.update(1)
 
         def record(slot: int, token: int, logprob: float) -> None:
@@ -198,21 +252,28 @@ class OfflineGenerator:
                     if interrupt():
                         for slot in list(running):
                             finish(slot, FINISH_INTERRUPTED)
-                        for r, i in queue:
-                            results[r, i] = SampleOutput(r, i, *_no_tokens(), FINISH_INTERRUPTED)
+                        for r, samples in queue:
+                            for i in samples:
+                                results[r, i] = SampleOutput(r, i, *_no_tokens(), FINISH_INTERRUPTED)
                         break
-                if queue and free and (len(free) >= self.refill_batch or not running or len(queue) <= len(free)):
-                    batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-                    targets = [free.pop(0) for _ in batch]
+                batch, targets, groups = self._admit(prompts, queue, free) if queue and free else ([], [], 0)
+                if batch and (len(batch) >= self.refill_batch or not running or groups == len(queue)):
+                    for _ in range(groups):
+                        queue.popleft()
+                    for slot in targets:
+                        free.remove(slot)
                     state, first = self.fill(state, prompts, batch, targets, sampling, request_index)
+                    self._pool_peak = max(self._pool_peak, self.engine.pool.used_blocks)
                     for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
                         running[slot] = _Running(r, i, [], [])
                         record(slot, int(token), float(logprob))
+                elif queue and not running:  # an empty engine holds any one group: only a broken pool gets here
+                    raise SamplingError(f"generate: request {queue[0][0]} fits no free slots and prompt pool blocks")
                 ahead = int(pending is not None)
                 if not check and any(len(run.tokens) + ahead < sampling.max_new_tokens for run in running.values()):
                     # dispatched before the step in flight is read, so host bookkeeping overlaps device work; a slot
                     # that finishes in the step in flight computes one discarded token here
-                    context = max(len(prompts[run.request]) + len(run.tokens) for run in running.values()) + ahead
+                    context = max(len(run.tokens) for run in running.values()) + ahead  # positions past the prompts
                     state, out = self.engine.generate(self.params, state, kind, context)
                     steps, since_check = steps + 1, since_check + 1
                     dispatched = (out, dict(running))
@@ -248,7 +309,7 @@ class OfflineGenerator:
             groups.setdefault(self.engine.bucket(len(prompts[r])), []).append(j)
         tokens, logprobs = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.float32)
         for length, members in sorted(groups.items()):
-            for chunk in _row_chunks(members):
+            for chunk in _row_chunks(members, [r for r, _ in batch]):
                 group = [batch[j] for j in chunk]
                 slots = [targets[j] for j in chunk]
                 state, first = self._fill_bucket(state, prompts, group, slots, length, sampling, request_index)
@@ -265,12 +326,13 @@ class OfflineGenerator:
         sampling: SamplingParams,
         request_index: np.ndarray,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
-        """`fill` for samples whose prompts all pad to `length`; rows bucketed to a power of two, at least the
-        engine's `batch_parts` (so that each part of the batch mesh axes prefills rows of its own)."""
+        """`fill` for samples whose prompts all pad to `length`: one prefill row per distinct prompt (the samples
+        share it), rows bucketed to a power of two, at least the engine's `batch_parts` (so that each part of the batch
+        mesh axes prefills rows of its own), and the samples bucketed to a power of two."""
         requests = list(dict.fromkeys(r for r, _ in batch))
         rows_of = {r: row for row, r in enumerate(requests)}
         parts = self.engine.batch_parts
-        width = -(-power_of_two_at_least(len(batch)) // parts) * parts
+        width = -(-power_of_two_at_least(len(requests)) // parts) * parts
         tokens = np.zeros((width, length), np.int32)
         lengths = np.ones(width, np.int32)
         request_ids = np.zeros(width, np.int32)
@@ -278,9 +340,10 @@ class OfflineGenerator:
             tokens[row, : len(prompts[r])] = prompts[r]
             lengths[row] = len(prompts[r])
             request_ids[row] = request_index[r]
-        slot_ids = np.full(width, self.engine.max_concurrent_decodes, np.int32)  # out of range: dropped
-        rows = np.zeros(width, np.int32)
-        sample_ids = np.zeros(width, np.int32)
+        samples = power_of_two_at_least(len(batch))
+        slot_ids = np.full(samples, self.engine.max_concurrent_decodes, np.int32)  # out of range: dropped
+        rows = np.zeros(samples, np.int32)
+        sample_ids = np.zeros(samples, np.int32)
         for j, ((r, i), slot) in enumerate(zip(batch, targets, strict=True)):
             slot_ids[j], rows[j], sample_ids[j] = slot, rows_of[r], i
         state, first = self.engine.prefill_insert(

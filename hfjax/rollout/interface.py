@@ -32,12 +32,19 @@ class PrefillResult(NamedTuple):
 
 
 class DecodeState(NamedTuple):
-    """All slots: per layer, the cache blocks of consecutive positions (keys [slots, kv_heads, head_dim, block],
-    values [slots, kv_heads, block, head_dim]); the tokens in each slot's cache (`lengths`), the next input token,
-    each sample's key and token count (`steps`), and its sampling values."""
+    """All slots: per layer, each slot's own cache blocks of consecutive positions from its prompt length on (keys
+    [slots, kv_heads, head_dim, block], values [slots, kv_heads, block, head_dim]) and the shared prompt pool (keys
+    [parts, pool blocks, kv_heads, head_dim, block], values [parts, pool blocks, kv_heads, block, head_dim]: each
+    part of the batch mesh axes holds its own slots' prompts); each slot's prompt blocks (`prompt_table` [slots,
+    prompt blocks], ids in its part's pool) and prompt length; the tokens in each slot's cache (`lengths`, prompt
+    included), the next input token, each sample's key and token count (`steps`), and its sampling values."""
 
     keys: tuple[tuple[jax.Array, ...], ...]
     values: tuple[tuple[jax.Array, ...], ...]
+    pool_keys: tuple[jax.Array, ...]
+    pool_values: tuple[jax.Array, ...]
+    prompt_table: jax.Array
+    prompt_lengths: jax.Array
     lengths: jax.Array
     tokens: jax.Array
     rng: jax.Array

@@ -314,9 +314,10 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
         actor_cost = roles["actor"]
         resident = actor_cost.static_bytes + actor_cost.memory.get("gen_extra_params", 0.0)
         resident += roles["ref"].static_bytes if "ref" in roles else 0.0
-    tokens = cfg.data.max_prompt_length + cfg.rollout.response_length
     itemsize = ITEMSIZE[cfg.actor.dtype]
     slots = cfg.rollout.slots
+    pool = cfg.rollout.prompt_cache_tokens or slots * cfg.data.max_prompt_length  # the shared prompt KV pool
+    tokens = cfg.rollout.response_length + -(-pool // slots)  # per slot: its response and its share of the pool
     kv = kv_cache_bytes(actor, slots, tokens, itemsize) / per_host  # one engine per process (host), sharded
     if resident + kv > usable:
         raise ConfigError(

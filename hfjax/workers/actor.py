@@ -174,6 +174,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 max_concurrent_decodes=rollout.slots,
                 max_prefill_length=self.max_prompt_length,
                 max_new_tokens=rollout.response_length,
+                prompt_cache_tokens=rollout.prompt_cache_tokens,
             )
             self.generator = OfflineGenerator(self.engine, None, progress=False)
             self.agent = agent_generator(self.generator, rollout)

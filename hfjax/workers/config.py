@@ -107,6 +107,10 @@ class RolloutConfig:
     top_p: float = 1.0
     response_length: int = 128
     slots: int = 64
+    # positions of the shared prompt KV pool per host (the samples of a prompt share one copy; all data shards
+    # together); null: a max_prompt_length prompt per slot (the memory of one copy per sample); GRPO with n samples
+    # needs about slots / n prompts' worth; multi-turn (agent) rollouts need null
+    prompt_cache_tokens: int | None = None
     seed: int = 0
     ignore_eos: bool = False  # benchmarks: every response runs to response_length
     gen_layout: dict[str, Any] | None = None
@@ -123,12 +127,18 @@ class RolloutConfig:
             n=AT_LEAST_1,
             response_length=AT_LEAST_1,
             slots=AT_LEAST_1,
+            prompt_cache_tokens=(lambda v: v is None or v >= 1, "null or >= 1 (positions of the prompt pool)"),
             seed=NON_NEGATIVE,
             # log probs are computed at this temperature (logits / temperature): 0 is no distribution
             temperature=(lambda v: 0 < v < float("inf"), "> 0 (finite; the log probs are taken at it)"),
             top_k=(lambda v: v >= 0, ">= 0 (0 = off)"),
             top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
         )
+        if self.agent.env and self.prompt_cache_tokens is not None:
+            raise ValueError(
+                f"prompt_cache_tokens: expected null with agent.env set, got {self.prompt_cache_tokens} (multi-turn"
+                " rollouts start trajectories one at a time, each may hold a prompt of its own)"
+            )
         budget = self.agent.max_tokens_per_trajectory
         if budget > self.response_length:
             raise ValueError(
