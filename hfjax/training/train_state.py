@@ -137,15 +137,16 @@ def _apply_gradients(
     norm = optax.tree.norm(grads)
     scale = jnp.float32(1.0) if grad_clip == 0 else grad_clip / jnp.maximum(norm, grad_clip)
 
-    def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-        p, state, g = operands
-        updates, state = optimizer.update(jax.tree.map(lambda x: x * scale.astype(x.dtype), g), state, p)
-        return optax.apply_updates(p, updates), state
-
-    def skip(operands: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-        return operands[0], operands[1]
-
-    new = jax.lax.cond(jnp.isfinite(norm), apply, skip, (params, opt_state, grads))
+    # A non-finite step keeps the old values, chosen element by element: the select fuses into the update, which then
+    # writes its donated buffers in place (a `lax.cond` returns new buffers: three float32 copies of the parameters,
+    # the step's largest temporaries).
+    finite = jnp.isfinite(norm)
+    updates, state = optimizer.update(jax.tree.map(lambda x: x * scale.astype(x.dtype), grads), opt_state, params)
+    new = jax.tree.map(
+        lambda updated, old: jnp.where(finite, updated, old),
+        (optax.apply_updates(params, updates), state),
+        (params, opt_state),
+    )
     new_params, new_state = jax.lax.with_sharding_constraint(new, shardings.tree())
     lr = current_learning_rate(new_state)
     return new_params, new_state, norm, jnp.float32(jnp.nan) if lr is None else lr
