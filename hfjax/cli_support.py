@@ -1,7 +1,6 @@
 """What every `hfjax` subcommand shares: hfjax's own errors turned into one line and exit code 2 (`--debug` or
 `HFJAX_DEBUG=1` shows the traceback instead), Ctrl-C turned into a message and exit code 130, INFO logging of hfjax's
-loggers on the console (above any progress bar), and the installed version. Imports the standard library and tqdm;
-the error classes are imported when a command fails."""
+loggers on the console (above any progress bar), and the installed version."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ the reference checkpoint, the first `generate` call of 64 prompts x 128 tokens t
 as its own environment variables, so they must be in place before JAX is imported (Ray worker processes started
 later inherit them); a `JAX_*` variable the user set already wins. The size is bounded (least recently used entries
 are evicted), and eviction makes JAX lock the directory while it writes, so concurrent processes share it safely.
-Imports nothing from hfjax.
 """
 
 from __future__ import annotations

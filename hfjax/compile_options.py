@@ -14,7 +14,7 @@ and of the log-probs), so neither set allows them. With dots only, a 256-slot de
   two runs) against 5.23 s and 5.91 s with `DOT`, faster in 10 of 12 pairs; 256 slots (64 prompts x 4 samples) took
   21.7 s against 22.8 s; a 32 x 176 forward took 2.39-2.47 s against 2.53-2.60 s.
 Without the library, dots run about 2x slower here. These are fields of XLA's debug options that only its CPU compiler
-reads. Imports nothing.
+reads.
 """
 
 from __future__ import annotations

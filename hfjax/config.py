@@ -5,7 +5,6 @@ before any worker starts (an unknown key, a number out of its range, an unknown 
 fit together name the full path and what was expected). What needs files (checkpoints, datasets, the reward
 function) and the device memory is checked by `hfjax.trainer.preflight.check_rl_run`. `model_path`
 at the top is the default checkpoint of every role that does not name its own.
-Imports `hfjax.typed_config` and the role sections of `hfjax.workers.config`.
 """
 
 from __future__ import annotations

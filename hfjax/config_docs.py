@@ -3,7 +3,7 @@ drift: every key with its type, its default and its description — the comment 
 source, else a note of `NOTES` below — one table per section, each headed by its dataclass's docstring.
 
 `python -m hfjax.config_docs > docs/configuration.md` regenerates the page; `tests/test_docs.py` fails when the
-page differs from `render()`. Imports the config dataclasses (no JAX work) and the standard library.
+page differs from `render()`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ with `HF_HUB_OFFLINE=1` the cache only), and dataset repositories for `hfjax dat
 
 A run resolves its ids once, on the controller, before any worker starts; a run over several hosts needs the cache
 (`HF_HOME` / `HF_HUB_CACHE`) on storage every host sees, or the model downloaded to the same path on each.
-Imports huggingface_hub (when an id is resolved), `hfjax.typed_config` and the standard library.
 """
 
 from __future__ import annotations

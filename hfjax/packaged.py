@@ -1,6 +1,6 @@
 """Files shipped inside the package: the example configs (`hfjax/configs`, also the repository's `configs/`), found
 through `importlib.resources` so that `hfjax quickstart` and the other commands work from any directory of an
-installed wheel. Imports the standard library only."""
+installed wheel."""
 
 from __future__ import annotations
 

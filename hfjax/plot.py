@@ -3,8 +3,7 @@ number, ...}` with verl's metric names) and writes PNG panels (reward/score, KL,
 validation) plus an overview of all of them; `compare_runs` overlays one metric of several runs (hfjax vs a peer);
 `plot_timeline` draws a run's `timeline.jsonl` (spans of work per worker group, `hfjax.trainer.timeline`) as a Gantt
 chart.
-Backs `hfjax plot RUN_DIR [--out DIR]`. Renders with matplotlib's Agg canvas (no pyplot, no global backend state).
-Imports matplotlib, numpy and the standard library only: never JAX or other hfjax modules."""
+Backs `hfjax plot RUN_DIR [--out DIR]`. Renders with matplotlib's Agg canvas (no pyplot, no global backend state)."""
 
 from __future__ import annotations
 

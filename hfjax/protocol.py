@@ -4,7 +4,6 @@ A `DataProto` holds `batch` (numeric numpy arrays sharing the first dimension), 
 usually of dtype object, for strings and dicts, with the same first dimension) and `meta_info` (a plain dict).
 Row operations return views where numpy can (`select`, `chunk`, `split`, slicing), so dispatching a batch makes no
 copy; it pickles as a dataclass of numpy arrays, which Ray sends as zero-copy pickle-5 buffers.
-Imports numpy only: nothing from the rest of hfjax, no jax, no ray.
 """
 
 from __future__ import annotations

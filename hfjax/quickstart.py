@@ -7,7 +7,6 @@ multiplication with a calculator tool, SFT on demonstrations of the tool-call fo
 
 `hfjax quickstart [CONFIG] [key=value ...]` (default config: configs/quickstart.yaml; the agent one:
 configs/agent_quickstart.yaml).
-Imports the trainers, data and models; the top layer beside `hfjax.cli`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ object can be called as hfjax will call it.
 A file is executed once per version (its path and modification time), so a config check, the controller and a worker
 thread of one process share one module. Other processes (Ray workers) load the file themselves: pass them the spec
 made absolute by `absolute_spec`, since their working directory may differ. Every error is a `UserCodeError` naming
-what the object is for and the spec. Imports only the standard library.
+what the object is for and the spec.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """RL math as pure functions of arrays: masked statistics, advantage estimators, KL penalties and controllers, policy
 and value losses, loss aggregation, off-policy rollout correction, PF-PPO resampling. Estimators and policy losses
 are chosen by registered name (verl's names included) or as user code `path/to/file.py:function`; importing this
-package registers every built-in one. Imports `hfjax.user_code` and `hfjax.typed_config` (for the registries) and
-nothing else from hfjax outside this package."""
+package registers every built-in one."""
 
 from hfjax.algos.advantages import (
     ADVANTAGE_ESTIMATORS,

@@ -7,8 +7,7 @@ add verl's other estimators to the same registry.
 `remax`) are pure `jax.numpy` and run under `jax.jit`. Estimators that group responses by prompt (`grpo`, `rloo`,
 `reinforce_plus_plus_baseline`, `opo`) take `index`, one hashable id per row (a numpy int or object array, a list),
 and turn it into dense group ids with Python on the host; the arithmetic after that is `jax.numpy`. Call those on
-the controller, outside `jit`. All return `(advantages, returns)` of shape (bs, T) as jax arrays. Imports
-`hfjax.algos.masked` and `.registry`; must not import workers, trainer or models.
+the controller, outside `jit`. All return `(advantages, returns)` of shape (bs, T) as jax arrays.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ The off-policy correction is computed inside the loss between the current policy
 gradient) and the rollout policy mu (`old_log_prob`), by `hfjax.algos.rollout_correction`; then `loss_type`
 "ppo_clip" runs dual-clip PPO on the ratio pi / mu over the tokens rejection keeps (no IS weights: the ratio already
 is one), and "reinforce" runs the plain policy gradient -w A logp with the truncated IS weights w. The correction's
-metrics are not returned (a policy loss returns four scalars). Imports `hfjax.algos.losses` and
-`.rollout_correction`; must not import workers, trainer or models.
+metrics are not returned (a policy loss returns four scalars).
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ Both score each valid token by the covariance term (A - mean A) * (logp - mean l
 tokens and treat a small share of tokens differently: Clip-Cov takes a random subset of tokens whose covariance
 lies in (clip_cov_lb, clip_cov_ub) out of the gradient; KL-Cov adds a |log ratio| penalty to the tokens of largest
 covariance. The ratio r = exp(logp - old_logp) is not clamped (as in verl). The signature is that of the built-in
-losses (`hfjax.algos.losses`). Pure `jax.numpy`, differentiable; the token selection carries no gradient. Imports
-`hfjax.algos.losses` and `.masked`; must not import workers, trainer or models.
+losses (`hfjax.algos.losses`). Pure `jax.numpy`, differentiable; the token selection carries no gradient.
 """
 
 from __future__ import annotations

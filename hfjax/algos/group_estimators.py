@@ -2,7 +2,6 @@
 
 Like GRPO they score a row by its summed token rewards, group rows by `index` on the host, and give every valid
 token of a row the row's scalar advantage (returns = advantages); call them on the controller, outside `jit`.
-Imports `hfjax.algos.advantages` and `.masked`; must not import workers, trainer or models.
 """
 
 from __future__ import annotations

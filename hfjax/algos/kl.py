@@ -2,8 +2,7 @@
 and the KL coefficient controllers.
 
 `kl_penalty` is pure `jax.numpy` (runs in jitted steps and on numpy arrays); the controllers are small host-side
-objects whose state is a dict of floats (`state_dict` / `load_state_dict`) for checkpoints. Imports only jax and
-numpy; must not import workers, trainer or models.
+objects whose state is a dict of floats (`state_dict` / `load_state_dict`) for checkpoints.
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ the mini-batch loss (and gradient). The token-mean metrics (clip fractions, ppo_
 mini-batch's (whatever the micro-batch size). Policy losses take optional per-token `token_weights` (e.g.
 rollout-correction importance weights) that scale the token losses before aggregation. A policy loss is a registered
 name or user code `path/to/file.py:function`; the actor calls it with `ACTOR_ARGUMENTS` and the `ACTOR_OPTIONS` it
-takes (`check_actor_policy_loss`, `actor_options`). Imports `hfjax.algos.masked` and `.registry`; must not import
-workers, trainer or models.
+takes (`check_actor_policy_loss`, `actor_options`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ with verl's conventions.
 Pure `jax.numpy` functions: they run inside jitted training steps and on numpy arrays on the controller. A mask may be
 bool, integer or float; positions where it is 0 never reach a result, even when they hold NaN or inf. A mean over
 no valid element is 0 (verl's formula, `sum / (count + 1e-8)`, gives 0 too; verl's losses divide by the bare count
-and give NaN there). Imports only jax and numpy; must not import any other hfjax package.
+and give NaN there).
 """
 
 from __future__ import annotations

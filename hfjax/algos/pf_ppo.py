@@ -2,7 +2,7 @@
 resampled, with replacement and to its own size, with probabilities that favour responses of reliable scores.
 
 Host-side numpy on the controller: `pf_ppo_indices` gives the rows to gather (every per-row array of the batch, as
-verl gathers the whole `DataProto`). Imports numpy only; must not import workers, trainer or models.
+verl gathers the whole `DataProto`).
 """
 
 from __future__ import annotations

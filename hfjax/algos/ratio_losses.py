@@ -4,8 +4,7 @@ regions), GMPO (`geo_mean`) and DRO, registered under verl's names.
 Each has the signature of the built-in losses (`hfjax.algos.losses`): the four (bs, T) arrays, then keyword-only
 `loss_agg_mode`, the mini-batch counts (`global_tokens`, `global_seqs`, `norm_length`), its own settings with verl's
 defaults, and `token_weights`; it returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower), the metrics being
-`token_share`s (0 where verl reports none). Pure `jax.numpy`, differentiable. Imports `hfjax.algos.losses` and
-`.masked`; must not import workers, trainer or models.
+`token_share`s (0 where verl reports none). Pure `jax.numpy`, differentiable.
 """
 
 from __future__ import annotations

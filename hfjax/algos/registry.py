@@ -2,7 +2,7 @@
 wherever a registered name is accepted, so is `path/to/file.py:function` (loaded through `hfjax.user_code`).
 
 Owns registration, lookup, the signature check a table applies to every function it serves, and the config-load
-validation of a name or spec (`resolve`). Imports `hfjax.user_code` and `hfjax.typed_config.check_name` only.
+validation of a name or spec (`resolve`).
 """
 
 from __future__ import annotations

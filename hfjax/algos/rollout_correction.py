@@ -8,8 +8,7 @@ min(weight, u); "lower_upper": IcePop, weights outside [lower, upper] become 0. 
 them by their mean over the batch's valid tokens (per sequence: over its sequences).
 
 Pure `jax.numpy` (options parsed in Python: static under `jit`); the weights and mask are constants of the loss (no
-gradient flows through them). Imports `hfjax.algos.masked` and `hfjax.algos.rollout_rejection` only; must not
-import losses, workers, trainer or models.
+gradient flows through them).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ k3 options keep statistic <= upper. Several options, comma-separated, must all p
 Thresholds (`rollout_rs_threshold`): one per option, comma-separated, or one for all. For k1, "lower_upper" (e.g.
 "0.5_2.0") or a single upper bound u (lower 1 / u); for k2 and k3 a single positive upper bound.
 
-Pure `jax.numpy` (the options are parsed in Python, so they are static under `jit`). Imports `hfjax.algos.masked`.
+Pure `jax.numpy` (the options are parsed in Python, so they are static under `jit`).
 """
 
 from __future__ import annotations

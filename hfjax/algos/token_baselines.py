@@ -10,8 +10,7 @@ group is strictly the longest, its baseline is 0 past the second-longest row's l
 
 `optimal_token_baseline` lines rows up by column; `tir_optimal_token_baseline` (multi-turn, tool-integrated) lines
 them up by valid-token count, skipping the observation tokens between turns, and leaves rows without a valid token
-out of their group. Both group rows by `index` on the host: call them on the controller, outside `jit`. Imports
-`hfjax.algos.advantages`; must not import workers, trainer or models.
+out of their group. Both group rows by `index` on the host: call them on the controller, outside `jit`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ Each program comes as a `ProgramTrace` (the traced program): `measure` compiles 
 `ProgramMemory` holds what the compiler says (arguments, outputs, aliased outputs, temporaries: bytes per device) and
 what the run keeps on the device outside the program while it runs (`resident`: the optimizer state during a
 gradient program, the reference weights, the master copy during generation, ...). `peak` adds them up.
-Imports `hfjax.models`, `hfjax.parallel`, `hfjax.rollout`, `hfjax.training`, `hfjax.workers` and `hfjax.config`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ device's usable memory, and the cost model's prediction of the group's peak besi
 
 A run fits when every program's peak is at most `FIT_FRACTION` of the usable memory (on a GPU, JAX's preallocated
 fraction). When one does not, the report names the program and the config knob that shrinks it.
-Imports `hfjax.compiled`, `hfjax.config`, `hfjax.mapping`, `hfjax.models` and `hfjax.trainer.automap_run`.
 """
 
 from __future__ import annotations

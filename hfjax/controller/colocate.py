@@ -2,7 +2,7 @@
 
 `colocate({"actor_rollout": A, "critic": functools.partial(C, config)})` describes a `ColocatedWorker` holding one
 worker per role; `.spawn(pool)` starts it as one group and returns a `RoleGroup` per role, whose methods are that
-role's `@register` methods. Imports the controller modules below it; no jax.
+role's `@register` methods.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `Dispatch` names the built-in modes; `register_dispatch_mode` adds user modes. A dispatch function maps
 `(world_size, args, kwargs)` to per-rank arguments (`Dispatched`); a collect function maps the list of per-rank
 outputs to the call's result. Arguments may be `DataProtoFuture`s: they are split or merged as refs, never
-fetched here. Imports protocol and controller.future only (no ray, no jax).
+fetched here.
 """
 
 from __future__ import annotations

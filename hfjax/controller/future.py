@@ -4,7 +4,6 @@ It holds one part per executing rank (Ray `ObjectRef`s, or plain values for `Loc
 collect function and the padding its dispatch added. Another group's method can take it as an argument: row chunks
 go straight to the ranks when the world sizes match (Ray resolves the refs on the worker side); otherwise a zero-CPU
 Ray task merges and re-chunks them inside the cluster. The controller fetches data only in `get()`.
-Imports protocol only; ray is imported lazily, where a future is Ray-backed.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 With one process per host, each process holds the chunk of the batch its group call received; `to_global` builds
 the global arrays (`jax.make_array_from_process_local_data`, no cross-process traffic) and `to_local` copies this
 process's block of each global array back to numpy; `process_reduce` sums or maxes small host values over the
-group's processes (loss normalisers, agreed micro-batch widths). Imports jax and numpy only.
+group's processes (loss normalisers, agreed micro-batch widths).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ runs on a thread of its own beside the worker's method). A rank whose process an
 `silent_after_s` (stopped with SIGSTOP, frozen, swapped out, or its Python interpreter deadlocked) raises
 `WorkerHungError`; a call that runs past its method's deadline (`deadline_s`, e.g. a collective that waits forever for
 a peer, or a reward tool that never returns) raises it too. The messages name the method, the rank and how long it
-has been silent or running. Imports the standard library and (in `Watchdog`) ray.
+has been silent or running.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ on its node and the controller hands `ip:port` to every rank, which joins jax.di
 worker. Calls: arguments shared by several ranks are put in the object store once; per-rank chunks travel as
 Ray's zero-copy pickle-5 buffers. Results are gathered as they finish, so the first failing rank is reported at
 once (with its traceback), even while other ranks still wait in a collective for the dead one.
-Imports ray, protocol and the controller modules below it; must not import jax (worker processes do, after start).
 """
 
 from __future__ import annotations

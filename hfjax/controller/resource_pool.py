@@ -4,7 +4,6 @@ On Ray a pool reserves one placement-group bundle per host process (when a group
 process only its devices: on CPU `--xla_force_host_platform_device_count` fake devices, on GPU `num_gpus` (Ray sets
 `CUDA_VISIBLE_DEVICES`), on TPU the `TPU` resource (Ray sets `TPU_VISIBLE_CHIPS` and the chip bounds).
 Pools are values: `split` and `merge` describe new pools, each reserving its own bundles when first used.
-Imports nothing from hfjax; ray is imported where a reservation is made.
 """
 
 from __future__ import annotations

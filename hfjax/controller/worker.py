@@ -2,7 +2,7 @@
 
 A worker process belongs to one group; when the group has more than one process, `start_worker` first calls
 `jax.distributed.initialize` with rank 0's address (gloo collectives on CPU), then builds the worker with its
-rank known before `__init__` runs. Imports controller.dispatch only; jax is imported inside functions, so that a
+rank known before `__init__` runs. JAX is imported inside functions, so that a
 worker process imports it after its environment (device visibility, XLA flags) is set. Must not import ray.
 """
 

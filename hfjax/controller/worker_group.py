@@ -1,7 +1,6 @@
 """`WorkerGroup`: binds a worker class's `@register` methods onto a group object (check arguments, dispatch,
 run on the ranks, collect); `LocalWorkerGroup` runs the worker in this process; `RoleGroup` is one role's view of a
 colocated group; `WorkerError` / `WorkerDiedError` carry a failing rank and its traceback to the controller.
-Imports protocol and controller.{dispatch, future, worker}; must not import ray (RayWorkerGroup lives apart).
 """
 
 from __future__ import annotations

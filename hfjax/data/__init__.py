@@ -1,6 +1,5 @@
 """Datasets for RLHF: RL prompts in verl's schema, SFT and preference data, resumable shuffled batching, GSM8K
-conversion and the quickstart's synthetic addition task. Imports numpy, pyarrow and the tokenizer passed in; only
-the synthetic task's tokenizer builder imports `hfjax.models` (lazily). Never imports JAX."""
+conversion and the quickstart's synthetic addition task. Never imports JAX."""
 
 from hfjax.data.gsm8k import convert_gsm8k
 from hfjax.data.loader import BatchLoader

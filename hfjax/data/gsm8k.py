@@ -1,6 +1,6 @@
 """GSM8K conversion: the public JSONL files (`train.jsonl`, `test.jsonl`, rows with `question` and `answer`, the
 answer ending in `#### <number>`) to verl's prompt schema in parquet, plus SFT files (prompt, full worked answer).
-Used by `hfjax data gsm8k`. Imports `hfjax.data.records` only."""
+Used by `hfjax data gsm8k`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Deterministic, resumable batching: `BatchLoader` shuffles a dataset's rows with a permutation drawn from
 (seed, epoch), cuts it into batches, and saves its position as a small dict so a resumed run sees exactly the batches
-an uninterrupted run would. Imports numpy and `hfjax.data` modules only."""
+an uninterrupted run would."""
 
 from __future__ import annotations
 

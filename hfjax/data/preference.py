@@ -1,6 +1,6 @@
 """Preference datasets for reward-model training: rows with `prompt` (chat messages or a string), `chosen` and
 `rejected` (each a response string or one assistant message), from parquet or JSONL. Each side is the templated
-prompt followed by the response and eos. Imports numpy and `hfjax.data` modules only."""
+prompt followed by the response and eos."""
 
 from __future__ import annotations
 

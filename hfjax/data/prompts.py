@@ -1,7 +1,7 @@
 """RL prompt datasets in verl's schema: rows with `data_source`, `prompt` (chat messages), optional `ability`,
 `reward_model` {style, ground_truth} and `extra_info`, read from parquet or JSONL. The chat template is applied with
 the tokenizer, over-long prompts are filtered, truncated or rejected, and `collate` left-pads rows into numpy batches
-with the non-tensor fields the reward functions need. Imports numpy and `hfjax.data` modules only."""
+with the non-tensor fields the reward functions need."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Dataset files and rows: reads and writes parquet or JSONL rows, and checks a row's fields so that a malformed row
 fails with its file, 1-based row number and field name. Owns `DataError`, `RowRef`, `read_rows`, `write_rows` and
-the field parsers. Imports pyarrow and the standard library only (nothing from hfjax)."""
+the field parsers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Supervised fine-tuning datasets: rows with `prompt` (chat messages or a string) and `response` (a string or one
 assistant message), from parquet or JSONL. Each example is the templated prompt followed by the response and eos;
-the loss mask covers the response tokens only. Imports numpy and `hfjax.data` modules only."""
+the loss mask covers the response tokens only."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The quickstart's synthetic task, generated in code: multi-digit addition ("12+345=" -> "357") with a fixed seed,
 written as disjoint RL train / held-out test prompt files in verl's schema plus an SFT file, and a small local BPE
-tokenizer that keeps every digit a token of its own. Imports numpy, `hfjax.data` modules and (lazily)
-`hfjax.models.local_tokenizer`."""
+tokenizer that keeps every digit a token of its own."""
 
 from __future__ import annotations
 

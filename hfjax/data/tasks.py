@@ -1,6 +1,6 @@
 """The built-in tasks `hfjax data NAME --out DIR` writes in the prompt schema: `gsm8k` (from a local copy, or the Hub
 dataset `openai/gsm8k` through the local cache or a download when online) and `addition` (the quickstart's synthetic
-task, built locally). Imports `hfjax.data`, `hfjax.hub` and the standard library."""
+task, built locally)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tokenization shared by the prompt, SFT and preference datasets: the chat template, the over-length policy
 (`error | filter | left | right`), padding to numpy batches with position ids, and the `Batch` they produce.
-Imports numpy and `hfjax.data.records` only; the tokenizer is any transformers tokenizer passed in."""
+The tokenizer is any transformers tokenizer passed in."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ model cannot do in its head but can with a calculator tool (`hfjax/envs/examples
 RL train / held-out test prompt files in verl's schema and an SFT file of demonstrations of the tool-call format
 (Hermes/Qwen `<tool_call>{"name": ..., "arguments": ...}</tool_call>`), with a small local tokenizer whose chat
 template closes each assistant turn with its stop token (so an observation appended after the model's stop token
-is exactly the template's rendering of the conversation) and keeps every digit a token of its own.
-Imports numpy, `hfjax.data` modules and (lazily) `hfjax.models.local_tokenizer`."""
+is exactly the template's rendering of the conversation) and keeps every digit a token of its own."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ counts them.
 `append="reprefill"` instead refills the slot with the whole history as a new prompt at every turn: the baseline that
 `scripts/bench_agent.py` measures against. Each re-prefilled turn samples with a key of its own (`turn_request`: a
 negative request id, which no sample's first turn uses), its steps counted from 0.
-Imports `hfjax.rollout`, `hfjax.envs.trajectory` and this package's environment API.
 """
 
 from __future__ import annotations

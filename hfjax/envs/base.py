@@ -1,7 +1,6 @@
 """The environment interface of multi-turn rollouts: `Environment` (what a researcher subclasses), `StepResult` (what
 its `step` returns), the `Observation` forms, loading an environment class from `path/to/file.py:ClassName`, and
-checking what user environments return. Every error is an `EnvError` naming the environment and what was expected.
-Imports the standard library, numpy and `hfjax.user_code`."""
+checking what user environments return. Every error is an `EnvError` naming the environment and what was expected."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Token ids of prompts and observations, from a Hugging Face tokenizer's chat template. A multi-turn trajectory is
 one token sequence (prompt, model turn, observation, model turn, ...) that grows by appending: the model's turns are
 its own sampled tokens, and `observation_tokens` gives what the chat template writes after a model turn, without
-re-rendering (or re-tokenizing) the turns before it. Imports the standard library and `hfjax.envs.base`; the
-tokenizer is passed in as an object."""
+re-rendering (or re-tokenizing) the turns before it."""
 
 from __future__ import annotations
 

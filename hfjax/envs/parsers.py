@@ -1,8 +1,7 @@
 """Tool-call formats of model families: parsing a model turn's text into its tool calls (`ParsedAction`) and
 turning tool results into the chat messages that the family's own chat template renders. `HermesParser` reads the
 Hermes/Qwen `<tool_call>{...}</tool_call>` blocks; `Llama3JsonParser` reads Llama 3.1/3.2 JSON tool calls. Malformed
-calls never raise: they are listed in `ParsedAction.errors` with their text. Imports the standard library and
-`hfjax.envs.base`, `hfjax.envs.tools`."""
+calls never raise: they are listed in `ParsedAction.errors` with their text."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 parsed for tool calls in the model family's format; calls are run through a `ToolRegistry` and their results (and
 one error message per malformed call) become the next observation, and a turn without calls is the final answer,
 scored by `score`. The parser is the one the environment names, else the model family's (`with_model_parser`, which
-the rollout applies). Imports the standard library and `hfjax.envs.base`, `hfjax.envs.tools`, `hfjax.envs.parsers`."""
+the rollout applies)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ accept), the `tool` decorator that derives the schema from a plain function's si
 checks a call's arguments against the schema and runs it with a timeout. A registry never raises on a bad call: an
 unknown tool, wrong arguments, a tool that raises, hangs or returns something other than text all become a
 `ToolResult` whose `content` is the error text shown to the model. Calls run on at most `MAX_TOOL_THREADS` threads
-per process, timed-out calls still running included (`abandoned_tool_calls`). Imports the standard library and
-`hfjax.envs.base`."""
+per process, timed-out calls still running included (`abandoned_tool_calls`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What a multi-turn rollout returns: `Trajectory` (one sample's model and environment tokens, rewards and why it
-ended), its finish reasons, and the turn metrics of a batch of them (`agent_columns`, `agent_metrics`). Imports numpy
-and `hfjax.rollout.generator`."""
+ended), its finish reasons, and the turn metrics of a batch of them (`agent_columns`, `agent_metrics`)."""
 
 from __future__ import annotations
 

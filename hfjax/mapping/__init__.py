@@ -1,5 +1,5 @@
 """Auto-mapping (HybridFlow §6): choose the placement of every model role, its devices and its layouts from a cost
-model of the cluster, the algorithm's dataflow and the workload. Imports `hfjax.models` and `hfjax.parallel` only."""
+model of the cluster, the algorithm's dataflow and the workload."""
 
 from hfjax.mapping.cluster import BUILTIN, ClusterSpec, DeviceProfile, calibrate_cpu, local_cpu
 from hfjax.mapping.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost, Sizes

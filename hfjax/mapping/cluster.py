@@ -3,7 +3,7 @@
 
 Built-in profiles carry datasheet peaks (sources below) plus two stated assumptions: the fraction of peak FLOP/s a
 large-model step reaches (`compute_efficiency`) and of peak memory/link bandwidth (`bandwidth_efficiency`). The CPU
-profile is measured on the spot (`calibrate_cpu`), so its efficiencies are 1. Imports nothing from hfjax.
+profile is measured on the spot (`calibrate_cpu`), so its efficiencies are 1.
 """
 
 from __future__ import annotations

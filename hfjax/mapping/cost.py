@@ -27,7 +27,6 @@ shard), and so is its KV cache; activations per token and layer, counted from wh
 backward in bf16 (`layer_activation_bytes`: 14 d + (10 d + 8 m) / t bytes, d the width and m the MLP width; the
 float32 norms, q/k/v, rotary, attention and the four SwiGLU tensors; 11% under the TPU compiler's figure for
 Qwen2.5-0.5B), each layer's input only with recomputation, and one chunk of the LM head's float32 logits.
-Imports `hfjax.parallel` and `hfjax.mapping.{cluster,dataflow}`.
 """
 
 from __future__ import annotations

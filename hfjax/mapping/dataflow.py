@@ -3,7 +3,6 @@ the shapes of the models (parameter counts, per-device shard sizes under a `Layo
 
 The stage table mirrors the trainer's programs (one RL iteration): generation (the actor's rollout), inference
 ("make experience": old log-probs, reference log-probs, values, rewards and costs) and training (the PPO updates).
-Imports `hfjax.models` and `hfjax.parallel.layout` only.
 """
 
 from __future__ import annotations

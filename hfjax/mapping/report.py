@@ -1,6 +1,5 @@
 """Presenting search results: a rich table of the top candidates and the per-role breakdown of one (the run
-config a mapping becomes is `hfjax.mapping.trainer_runs.run_config`). Imports `hfjax.mapping.{cluster,cost,search}`
-only.
+config a mapping becomes is `hfjax.mapping.trainer_runs.run_config`).
 """
 
 from __future__ import annotations

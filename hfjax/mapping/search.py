@@ -5,8 +5,7 @@ every allocation of the cluster's devices to the groups (device counts: powers o
 above; each group from its memory minimum upward; all devices used), and every layout of each role on its group
 (data x fsdp x tensor; the actor also its generation tensor size t_g dividing t), the predicted iteration is
 sum over stages of the max over groups of the sum of their roles' seconds. A group's best layouts are cached per
-(group, device count), each role's layout costs per (role, device count). Imports `hfjax.mapping.cost`,
-`hfjax.mapping.dataflow`, `hfjax.parallel.layout`.
+(group, device count), each role's layout costs per (role, device count).
 """
 
 from __future__ import annotations

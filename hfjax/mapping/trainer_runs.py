@@ -12,7 +12,6 @@ and predicts each with the cost model; `run_config` writes the chosen one into a
 `trainer.hosts`, `trainer.devices_per_host`, `actor.train_layout`, `rollout.gen_layout`, `critic.layout`,
 `reward.{reward_model,cost_model}.layout`; `trainer.backend: ray` for separate groups or several hosts), and
 `config_mapping` reads a run config's mapping back.
-Imports `hfjax.controller.resource_pool`, `hfjax.parallel` and `hfjax.mapping.{cluster,cost,dataflow,search}`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,6 @@ function (the engine's steps, a model role's row functions, the training program
 layout of several devices then runs per shard in a `jax.shard_map` over the layout's mesh (`attention_pallas.
 per_shard`: batch rows over the batch mesh axes, query and kv heads over the tensor axis), or, where the operands do
 not split so, as xla for that call. Outside any layout (a plain `model(...)` call) the kernels run unsplit.
-Imports `hfjax.models.config` (the masked score), `hfjax.models.program` (the program's layout and platform) and
-`hfjax.models.attention_pallas` (only when a Pallas implementation runs).
 """
 
 from __future__ import annotations

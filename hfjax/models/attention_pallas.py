@@ -15,8 +15,6 @@ their kv head (split over those of its `heads` and `kv_heads` rules: the tensor 
 needs another's data. Where a dimension does not divide, or query and kv heads would split differently, it declines
 (logged once per reason) and the caller runs xla.
 With `interpret=True` the kernels run on any backend in Pallas interpret mode (what CPU tests use).
-Imports `hfjax.models.config` (the masked score) and `hfjax.parallel.layout`; `hfjax.models.attention` imports this
-module only when a Pallas kernel is chosen.
 """
 
 from __future__ import annotations

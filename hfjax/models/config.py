@@ -2,7 +2,6 @@
 
 Owns the translation between HF config dicts (transformers 4 and 5 spellings) and the fields the Flax model reads.
 Every HF option that changes the numbers is either honoured here or rejected with an error that names it.
-Imports nothing from the rest of hfjax.
 """
 
 from __future__ import annotations

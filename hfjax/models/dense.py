@@ -13,7 +13,6 @@ and GPU/TPU compilers handle the plain product well. The backward casts the outp
 of a bf16 weight. On a 32 x 176 actor micro-batch of the
 reference model's loss-and-grad this took 6.28-6.68 s against 6.67-7.06 s (same process, interleaved). Values are
 those of autodiff's backward up to summation order.
-Imports `hfjax.models.program` only.
 """
 
 from __future__ import annotations

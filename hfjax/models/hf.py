@@ -5,7 +5,6 @@ reads one tensor at a time and puts it straight onto its `NamedSharding`. `save_
 writes safetensors (sharded above `max_shard_bytes`) plus `config.json` into a temporary directory that replaces
 the target only once complete. The embedding and LM head are read into the first `vocab_size` rows of their
 `padded_vocab_size` rows (the rest zero) and written back without the padding, so HF round trips are exact.
-Imports `hfjax.models.*`, `hfjax.parallel.layout` and `hfjax.parallel.transfer`.
 """
 
 from __future__ import annotations

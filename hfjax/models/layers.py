@@ -7,7 +7,6 @@ Compute runs in `dtype`; parameters are stored in `param_dtype`; norms and softm
 The attention step is `hfjax.models.attention.causal_attention`.
 Activations are pinned to their logical axes (`hfjax.models.program.constrain`: the residual stream, q/k/v, the
 attention output, the MLP hidden), so that the program's layout, not propagation from the weights, splits them.
-Imports `hfjax.models.attention`, `.config`, `.dense`, `.program` and the logical axis names of `hfjax.parallel.layout`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ measures about 8 T V + 4 V E (see tests/test_lm_head.py).
 Under a program layout (`hfjax.models.program`) the chunk's logits are constrained to rows over the batch axes and
 the vocabulary over `tensor`, so the memory above is divided by the tensor size, and `chunk_length` picks the chunk
 from a budget of tokens per device.
-Imports `hfjax.models.config` and `hfjax.models.program`.
 """
 
 from __future__ import annotations

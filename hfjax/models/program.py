@@ -14,7 +14,6 @@ residual stream along `embed` too, so every device computes every row and all-re
 make `fsdp` data parallel over rows with weights gathered per layer (ZeRO-3), and `tensor` Megatron-style.
 Jit caches a trace by the function and its static arguments, not by this context: enter it with a layout fixed for
 that function or given by one of its static arguments.
-Imports `hfjax.parallel.layout` only.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Reading seeks to one tensor and reads it into a fresh numpy buffer, so host memory holds one tensor, not a file.
 Writing takes tensors lazily from a callable, so a model is never gathered on the host whole.
-Corrupt files raise `CheckpointError` naming the file. Imports only `hfjax.parallel.transfer`.
+Corrupt files raise `CheckpointError` naming the file.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ holds their segment ids (1, 2, ... along the row, 0 on padding), each attends on
 restart at 0. Outputs are float32.
 The embedding and LM head have `padded_vocab_size` rows (zero beyond `vocab_size`); `CausalLM.logits` gives the
 padding columns `MASKED_SCORE`, so no softmax, sample or loss ever sees them, and `CausalLM.__call__` drops them.
-Imports `hfjax.models.attention`, `.config`, `.dense`, `.layers`, `.lm_head` and `.program`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ Such a device order exists exactly when the hosts can share the data axis (`data
 having as many devices): `check_per_host_generation` is that test, run before any worker starts (config preflight,
 automap), and `host_local_order` finds such an order (the HybridEngine's, keeping its shards contained where it can;
 `host_local_layout` for a rollout group of its own).
-Imports `hfjax.parallel.layout` only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Host allocator policy for CPU devices: keep freed memory in the process, so that each train <-> gen transition
 writes its new buffers into memory the previous one freed instead of into memory the kernel must map (and, on a
-VM, the hypervisor back) page by page. Imports nothing from the rest of hfjax.
+VM, the hypervisor back) page by page.
 
 glibc's malloc by default gives large blocks their own mappings and returns freed memory at the top of the heap to
 the kernel. Resharding on CPU frees and allocates the same few hundred MiB to GiB every transition. Measured on a

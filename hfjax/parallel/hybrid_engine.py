@@ -15,8 +15,7 @@ bytes.
 Mixed precision (`gen_dtype` below the parameters' dtype, e.g. float32 master weights and bfloat16 compute): `to_gen`
 casts each training shard where it lies, then moves the cast copy (half the bytes of float32), and the master copy
 stays in its training layout during generation (it cannot be cut back out of a rounded copy); `to_train` frees the
-generation copy and returns the master, with no traffic. Imports `hfjax.parallel.layout`, `shard_math`, `transfer`,
-`host_local` and `host_memory`.
+generation copy and returns the master, with no traffic.
 """
 
 from __future__ import annotations

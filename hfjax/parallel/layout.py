@@ -2,7 +2,6 @@
 
 Built from config such as `{"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"}`; turns the `logical_axes`
 metadata of model parameters into `NamedSharding`s. Meshes use `AxisType.Auto` (pjit-style propagation).
-Imports nothing from the rest of hfjax.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Shard arithmetic of a train -> gen transition: block indices, containment, bytes moved, and the device order of
 the generation mesh that puts every device's training shard inside its generation shard (HybridFlow §5).
 
-Works from `NamedSharding`s and shapes only; moves no data. Imports `hfjax.parallel.layout` and `.transfer`.
+Works from `NamedSharding`s and shapes only; moves no data.
 """
 
 from __future__ import annotations

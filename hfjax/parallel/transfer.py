@@ -4,7 +4,7 @@ GPU/TPU: one batched `jax.device_put` (collectives over NVLink/ICI, pipelined). 
 target block is assembled on the host from zero-copy views of the source shards, together with the copies for the
 devices that replicate it (CPU "devices" share host memory, and XLA's in-process CPU collectives spin on rendezvous,
 which on a few cores is slow and can deadlock with several resharding programs in flight). CPU, several processes:
-`jax.device_put` one array at a time, each finished before the next starts. Imports nothing from the rest of hfjax.
+`jax.device_put` one array at a time, each finished before the next starts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Rule rewards computed from response text: GSM8K answers, exact match, user functions from `file.py:name`, and
-verl-style dispatch by data source. Imports the standard library and `hfjax.user_code` (to load user functions)."""
+verl-style dispatch by data source."""
 
 from hfjax.rewards.dispatch import SCORERS, compute_score, make_reward_function, register_scorer
 from hfjax.rewards.errors import RewardError

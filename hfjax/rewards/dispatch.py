@@ -1,6 +1,6 @@
 """Rule-reward dispatch by `data_source`, as verl's default `compute_score`: a registry from data source names to
 scoring functions, with GSM8K and the synthetic addition task built in, and `make_reward_function` choosing between
-it and a user function. Imports only `hfjax.rewards` modules."""
+it and a user function."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The error type of the rule-reward package. Imports nothing."""
+"""The error type of the rule-reward package."""
 
 
 class RewardError(ValueError):

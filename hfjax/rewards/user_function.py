@@ -1,8 +1,7 @@
 """User reward functions given as `path/to/file.py:function_name`, loaded with importlib, called like verl's
 `compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)` (the signature is checked when
 the file loads), their result checked to be a finite number (or a dict with a "score"); whatever a call raises
-becomes a `RewardError` naming the function. Imports the standard library, `hfjax.rewards.errors` and
-`hfjax.user_code`."""
+becomes a `RewardError` naming the function."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ own blocks (max_new_tokens) and reads up to `prompt_blocks` pool blocks (max_pre
 the layout's batch mesh axes and kv heads over its tensor axis; the pool is split into as many parts as the slots
 (one when the slots do not divide), each part's pool sharded with its slots. The pool holds `prompt_cache_tokens`
 positions (all parts together; default: a prompt of max_prefill_length per slot, the copied layout's memory).
-Imports `hfjax.models.config`, `hfjax.parallel.layout` and this package's interface and sampling.
 """
 
 from __future__ import annotations

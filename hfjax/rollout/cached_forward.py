@@ -16,7 +16,6 @@ only the new tokens run through the model, attending over the cached history, so
 re-prefill of everything before it.
 Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
 (slots x positions x kv heads x head_dim x 2 per layer; a slot's prompt blocks are gathered from the pool first).
-Imports `hfjax.models` only.
 """
 
 from __future__ import annotations

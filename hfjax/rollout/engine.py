@@ -18,8 +18,6 @@ under the layout (`program_layout`: Pallas kernels run per shard), and `compiles
 passed on every call (JetStream's convention), so new weights of the same shapes and shardings never recompile.
 `prefill_insert` fuses `prefill` and `insert` into one compiled call (what `OfflineGenerator` runs); it gives the
 tokens of the two calls made one after the other.
-Imports `hfjax.models`, `hfjax.parallel` and this package's interface, sampling, extend shapes, cache layout, prompt
-pool and cached forwards.
 """
 
 from __future__ import annotations

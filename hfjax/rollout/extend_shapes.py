@@ -13,7 +13,7 @@ one sampler kind compiles at most `max_programs + len(row_sizes) + len(widths) +
 Padding changes no token or log prob: padding rows name no slot (written nowhere), padding tokens sit after each row's
 last real token (causal attention keeps them out of every real token's result; their cache writes land past the
 slot's new length, where no later step reads before overwriting), and extra live blocks hold positions past every
-real query, masked. Imports this package's interface and sampling only.
+real query, masked.
 """
 
 from __future__ import annotations

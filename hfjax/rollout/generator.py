@@ -14,7 +14,6 @@ reached, and is dispatched before the previous step's tokens are read (one step 
 runs while the device computes. Outputs come back in request order, `n` samples per prompt, each with its tokens,
 logprobs and finish reason. The KV cache lives only inside `generate`: allocated when it
 starts, freed when it returns (or fails), so it never sits beside the training step's memory.
-Imports this package's engine and sampling only.
 """
 
 from __future__ import annotations

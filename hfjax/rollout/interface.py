@@ -1,6 +1,5 @@
 """JetStream's engine interface as hfjax implements it: the `Engine` protocol, the values that pass through it
 (`PrefillResult`, `DecodeState`, `ResultTokens`) and the sizes of its buckets (prompt lengths, KV-cache blocks).
-Imports `jax`, `jax.sharding` and this package's sampling.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 A row is `{"prompt": "text"}` (sent through the chat template as one user message), `{"messages": [{role, content},
 ...]}` (chat template), `{"text": "..."}` (raw text, no template) or `{"input_ids": [ints]}`.
-Imports this package's generator only.
 """
 
 from __future__ import annotations

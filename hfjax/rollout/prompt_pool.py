@@ -7,7 +7,6 @@ slots that read it; `release` drops a slot's reference (inserting into a slot re
 prompt's blocks return to the free list when its last slot lets go. `placement` turns an insert into the arrays of
 the compiled call (`Placement`), and `prefix_blocks` / `write_pool` write a prefill's keys and values into the pool
 with a scatter vmapped over the parts, so each part writes only its own pool.
-Imports this package's sampling (errors) only.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Dataflow programs: the supervised trainers (`sft`, `rm`, sharing `supervised`) and the RL trainer (`rl`).
-Imports `hfjax.training`, `data`, `models`, `parallel`, `algos`, `typed_config` (the RL trainer also the workers
-and controller). Names load lazily, so importing one trainer module does not import the others."""
+Names load lazily, so importing one trainer module does not import the others."""
 
 from __future__ import annotations
 

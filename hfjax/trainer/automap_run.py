@@ -7,7 +7,6 @@ group on several hosts, one generation loop per host); the best is written as th
 placement, the cluster as `trainer.hosts` and `trainer.devices_per_host` (an old `trainer.devices` removed) and its
 layouts filled in, checked as `hfjax train` checks it, so `hfjax train MAPPED.yaml` runs it as is. `predict_run`
 predicts a config's own mapping instead (e.g. to check that it fits its hardware's memory).
-Imports `hfjax.config` and `hfjax.mapping`.
 """
 
 from __future__ import annotations

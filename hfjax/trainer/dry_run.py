@@ -1,7 +1,6 @@
 """`hfjax train --dry-run`: what a run would start, without starting it — the resolved config, the worker groups
 (roles, processes, devices), each role's layouts, and the cost model's memory per device of each group (master
 weights, optimizer state, gradients, generation copy, KV cache, activations) against the device's memory when known.
-Imports `hfjax.config`, `hfjax.mapping`, `hfjax.parallel.layout`, `hfjax.typed_config` and this package.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ Two signs, checked after every step from what the step logged:
 - every response of the batch scored alike in `trainer.health.max_flat_reward_steps` consecutive steps: advantages
   are then all zero (GRPO, RLOO) or carry no preference, so the policy cannot improve (a broken reward function, rows
   without the ground truth it needs, or a task already solved).
-Imports `hfjax.config` and numpy.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Running an RL config end to end: Ray start-up (when the backend is Ray and no cluster is connected), the
-trainer, a final summary, and exporting a checkpoint of a finished run as a Hugging Face model.
-Imports `hfjax.config`, `hfjax.workers` and this package."""
+trainer, a final summary, and exporting a checkpoint of a finished run as a Hugging Face model."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@ of devices, critic and score models on another), `standalone` (every role its ow
 (generation on a rollout group, every other role on a trainer group), on Ray or — for
 `colocate` — in this process (`backend: local`).
 
-Imports `hfjax.controller`, `hfjax.workers` and `hfjax.config`.
 """
 
 from __future__ import annotations

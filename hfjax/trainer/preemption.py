@@ -6,7 +6,7 @@ prints its message and exits with 143). A second SIGTERM, or the grace period (`
 out, raises `StepAbandoned` in the main thread at once: the step in flight is dropped and the previous checkpoint,
 written atomically, is the one a resumed run continues from. A grace of 0 abandons on the first SIGTERM. Should the
 main thread not get back to Python (stuck in native code), the process exits with 143 `HARD_EXIT_MARGIN_S` after the
-grace period. Imports the standard library only.
+grace period.
 """
 
 from __future__ import annotations

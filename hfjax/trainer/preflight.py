@@ -9,8 +9,6 @@ failure is one line naming the config field and what was expected.
 The device memory a run is checked against: `trainer.device_memory_gib` when set; on CPU (`trainer.device: cpu`, or
 `auto` with `JAX_PLATFORMS=cpu`) the host's RAM shared by its fake devices; unknown otherwise (the controller never
 opens an accelerator), and then only the model-position checks run.
-Imports `hfjax.config`, `hfjax.data`, `hfjax.mapping`, `hfjax.models.hf`, `hfjax.rewards`, `automap_run` and
-`prompt_lengths`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each program takes the step (`hfjax.trainer.step.Step`: the operations of its `P
 generate, [ReMax greedy baseline], rewards, old log probs, reference log probs, values, advantages (on the
 controller, by the run's estimator: `algorithm.adv_estimator`, else the algorithm's own), critic update, actor
 update. `PROGRAMS[name]` is the program of `algorithm.name`; `program_for` picks the run's, a user program
-(`algorithm.program`, written the same way) first. Imports `hfjax.user_code` (and the config and step types).
+(`algorithm.program`, written the same way) first.
 """
 
 from __future__ import annotations

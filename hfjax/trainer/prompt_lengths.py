@@ -6,7 +6,7 @@ Rows are tokenized a chunk at a time and the check stops as soon as the answer i
 prompts fit (one chunk, usually); with `left` or `right` (every prompt is kept) after the first chunk (its chat
 template renders); with `error` at the first longer prompt, or after `ERROR_CHECK_ROWS` rows, leaving the rest to the
 run (a dataset that passes is not tokenized twice in full). Only a `filter` dataset that the run cannot use is read
-to its end, which the run would have done before failing. Imports `hfjax.data` and `hfjax.config` only.
+to its end, which the run would have done before failing.
 """
 
 from __future__ import annotations

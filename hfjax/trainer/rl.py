@@ -4,8 +4,6 @@ metrics (verl's names, to console, JSONL and TensorBoard) and checkpoint/resume.
 Checkpoints: each role saves its own state under `run_dir/checkpoints/<role>` first; the trainer's state (step,
 data position, KL controller, Lagrange multiplier) is saved last and marks the step as complete, so a crash
 midway leaves the previous complete step as the one `resume: auto` continues from.
-Imports `hfjax.config`, `hfjax.data`, `hfjax.models`, `hfjax.training`, `hfjax.workers`, `hfjax.algos`,
-`hfjax.protocol` and this package.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """verl's per-step data metrics of a rollout batch: scores, rewards, advantages, returns, values, explained
-variance, response and prompt lengths. Imports `hfjax.protocol` and numpy only."""
+variance, response and prompt lengths."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ checkpoint gets a fresh score head; an RM checkpoint keeps its own) trained on p
 the step's pairs. Both sides of a pair run in one forward pass; the score is read at each side's last real token.
 Metrics: `train/accuracy` (r_chosen > r_rejected), `train/margin`; held out: `val/loss`, `val/accuracy`,
 `val/margin`, `val/chosen_score`, `val/rejected_score`. The loop, checkpoints and export are `supervised.py`'s.
-Imports `hfjax.data` and this package.
 """
 
 from __future__ import annotations

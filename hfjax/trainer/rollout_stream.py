@@ -16,7 +16,6 @@ Ray actor holding the newest version's block refs); the rollout takes the newest
 part way through it (`hfjax.workers.partial_rollout`), every process of the group at the same points of its
 generation (see `WeightMailbox`), so a rollout is at most `max_staleness` versions old where it starts and newer
 after; the batch records each token's version (`rollout_versions`).
-Imports `hfjax.config`, `hfjax.protocol` and this package's step and timeline.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 prompt/response pairs (`hfjax.data.SFTDataset`), token-mean over the whole step's response tokens (so micro-batch
 accumulation equals the whole batch), padded to `data.max_length`. Held-out metrics: `val/loss` (token-mean NLL)
 and `val/token_accuracy` (greedy next-token matches). The loop, checkpoints and export are `supervised.py`'s.
-Imports `hfjax.algos`, `hfjax.data` and this package.
 """
 
 from __future__ import annotations

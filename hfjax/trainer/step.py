@@ -5,7 +5,6 @@ The names in `PUBLIC_API` are the stable API that programs are written in, the b
 (`hfjax.trainer.programs`) and users' own (`algorithm.program`, docs/algorithms.md): their names, arguments and the
 batch keys each reads and writes (listed in its docstring) keep working across releases. Every other name is
 internal and may change.
-Imports `hfjax.algos`, `hfjax.protocol`, `hfjax.workers.sequences`, `hfjax.config` and this package's timeline.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ evaluation, orbax checkpoints with `trainer.resume: auto`, metrics, and the fina
 What differs between trainers is an `Objective`: the model head, the dataset, the loss (normalised by the whole
 step's counts, added to each batch by `normalisers`) and the evaluation sums. A checkpoint holds parameters,
 optimizer state, the step counters and the data position, so a resumed run repeats the uninterrupted run's steps.
-Imports `hfjax.training`, `hfjax.data`, `hfjax.models`, `hfjax.parallel`, `hfjax.typed_config` and the checks of
-`hfjax.trainer.preflight`; never workers.
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ measures derived from them (busy seconds as the union of a group's spans, idle f
 two or more groups were busy at once) as the `timeline/...` step metrics, and `truncate`, which cuts a timeline file
 back to a checkpointed step when a run resumes. `hfjax plot` draws the file as a Gantt chart (`hfjax.plot`).
 
-Imports the standard library and numpy only: nothing from hfjax.
 """
 
 from __future__ import annotations

@@ -10,8 +10,6 @@ earlier step re-saves the steps after it); an unreadable step found by `restore(
 `<step>.unreadable` (kept for inspection); a target whose tree or shapes differ from the saved ones is a caller error
 (named leaves, nothing set aside). A restore that fails lets orbax's other reads of the step end before their event
 loop closes (no asyncio tracebacks after the step's one warning).
-Imports orbax, jax, the standard library and `hfjax.models.config` (for its vocabulary padding rule, named in
-errors); must not import workers or trainers.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ TensorBoard scalars under `run_dir/tb` (tensorboardX), and a compact console lin
 
 A resumed run passes `start_step` (the restored step): records after it, from the interrupted run, are dropped from
 the JSONL file and hidden in TensorBoard, so the files read as one uninterrupted run.
-Imports tensorboardX, rich, tqdm and the standard library only; must not import workers or trainers.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 The learning rate is an injected hyperparameter (`optax.inject_hyperparams`), so the rate used by the last update
 can be read back from the optimizer state (`TrainState` logs it). Gradient clipping is not part of the
 transformation: `TrainState` clips by global norm itself, so it can log the norm and skip non-finite steps.
-Imports optax and jax only; must not import any other hfjax package.
 """
 
 from __future__ import annotations

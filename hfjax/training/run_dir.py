@@ -6,7 +6,6 @@ drops it when its process dies, however it dies (kill -9 included), so a lock le
 record it leaves is named in the log when a new run takes over. A second run on a held directory fails at once with
 `RunDirLockedError` naming the holder. `flock` does not guard one directory shared by two machines over a network file
 system that lacks it; there the recorded host tells the user who holds it.
-Imports `hfjax.typed_config` and the standard library.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ Precision: parameters are the master copy in their stored dtype (float32 by defa
 `dtype`), gradients arrive in that dtype, and the optimizer state is float32 whatever the parameters are.
 Memory: parameters and optimizer state are donated to the apply program (one copy, not two), so arrays taken from
 `params` or from the model passed in are invalid after an `update` (read `params` again), unless `donate=False`.
-Imports `hfjax.models.attention`, `hfjax.parallel` and `hfjax.training.optim`; must not import workers or trainers.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 
 W&B keeps one history per run and drops steps lower than the last one logged, so a resumed hfjax run, which logs again
 the steps after its checkpoint, starts a new W&B run in the same group, named after the step it resumed from.
-Imports wandb (when a sink is made) and the standard library.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ Generation: `HybridEngine.to_gen` moves the training parameters to the generatio
 master stays and the cast copy moves), the generator runs with a KV cache that lives only while it runs, and
 `to_train` brings the training parameters back (cut out locally, or the master kept).
 Log probs follow the engine's convention: log-softmax of logits / rollout temperature at the response tokens.
-Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.rollout`, `hfjax.parallel`, `hfjax.protocol`.
 """
 
 from __future__ import annotations

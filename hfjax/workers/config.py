@@ -7,7 +7,6 @@ loss given as user code `path/to/file.py:function` is loaded and its signature c
 absolute (the actor's workers load it again, from any working directory). Layouts
 stay dicts in `Layout.from_config` form; `None` means "all of this process's devices" (fsdp for training, data
 parallel for generation).
-Imports `hfjax.training.optim`, the registries of `hfjax.algos` and the checks of `hfjax.typed_config`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 A causal-LM checkpoint gets a fresh value head (`Critic`, saved as `*ForTokenClassification`). Values are read at
 the positions that predict each response token (the same positions as the policy's log probs).
-Imports `hfjax.controller`, `hfjax.algos`, `hfjax.training`, `hfjax.protocol` and this package.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ config, and one `generate` of a batch of prompts through an `OfflineGenerator` i
 responses, masks, the rollout's own log probs) with its timing metrics. Shared by the policy worker (generation on
 its own devices through the HybridEngine) and the rollout worker of a disaggregated placement. With `rollout.agent`
 each sample is a multi-turn trajectory of an environment (`hfjax.envs.AgentGenerator`), built here once per worker.
-Imports `hfjax.rollout`, `hfjax.envs`, `hfjax.protocol` and this package's sequences and config.
 """
 
 from __future__ import annotations

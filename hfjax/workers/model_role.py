@@ -2,7 +2,6 @@
 it, and running a jitted per-row function over fixed-size micro-batches placed on it (attention traced under the
 layout, `hfjax.models.program.program_layout`).
 
-Imports `hfjax.models`, `hfjax.parallel`, `hfjax.training` and this package's sequences.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ length), so the losses are the unpacked ones, term for term. The model's per-pos
 predict a response token (`PACKED_POSITIONS` [parts, T]: T response tokens per part, rounded), the LM head runs on
 those T tokens only (`PACKED_LABELS`), and `to_response_rows` puts the results back as [S, R'] (`RESPONSE_INDEX`).
 Shapes are rounded (widths to `prefill_buckets` lengths, sequence rows to powers of two), so few programs compile.
-Imports numpy, jax, `hfjax.controller.global_arrays`, `hfjax.rollout` and this package's sequences.
 """
 
 from __future__ import annotations

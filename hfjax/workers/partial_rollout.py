@@ -10,7 +10,6 @@ while a continuation's request id is negative and numbers its (sample, round) pa
 within a step or across steps. One call follows at most `CONTINUATION_ROUNDS` weight changes: its last round runs
 every sample to its end under the weights it has. The engine must take prompts as long as the prompt plus the
 response (`max_prefill_length`).
-Imports `hfjax.rollout` only.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """`RewardModelWorker`: a sequence-score model (reward or cost) read at each sequence's last real token.
 
 The score model shares the policy's tokenizer (the batch's `input_ids` are scored as they are).
-Imports `hfjax.controller`, `hfjax.protocol` and this package.
 """
 
 from __future__ import annotations

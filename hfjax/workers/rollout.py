@@ -10,7 +10,6 @@ keep serving, then all switch, or all keep the old version if any process failed
 controller queues `stage_weights` then `commit_weights` (`hfjax.trainer.rollout_stream.sync_weights`); following a
 mailbox (partial rollouts) the processes ask it at every check of their generation loops, identified by the same
 point on every process, and switch at the points it decides (`WeightMailbox`).
-Imports `hfjax.controller`, `hfjax.parallel`, `hfjax.rollout`, `hfjax.protocol` and this package.
 """
 
 from __future__ import annotations

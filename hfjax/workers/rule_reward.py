@@ -4,7 +4,6 @@ The scorer is `hfjax.rewards.compute_score` (dispatch by `data_source`) or a use
 The score goes on the last real response token (`token_level_scores`), as verl places it. A sample whose scorer
 raises or returns no finite number stops the run with a `RewardError` naming the row (`on_error="raise"`), or is
 scored 0 and counted in the metric `reward/errors` (`on_error="skip"`).
-Imports `hfjax.rewards`, `hfjax.protocol` and this package's sequences.
 """
 
 from __future__ import annotations

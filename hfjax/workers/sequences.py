@@ -4,7 +4,6 @@
 `response_mask` 1 on real response tokens. The logits that predict response token j sit at sequence index P - 1 + j,
 so every role reads `[:, -R - 1 : -1]` of its per-token outputs, whatever P and R are: a micro-batch may drop the
 columns that are padding in all of its rows (`trim_padding`) and still be read the same way.
-Imports numpy, `hfjax.controller.global_arrays`, `hfjax.data`, `hfjax.rollout` and `hfjax.training` only.
 """
 
 from __future__ import annotations

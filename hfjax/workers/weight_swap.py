@@ -19,7 +19,6 @@ on the partial-rollout path). Two ways to stage (`async.weight_swap`):
 
 Host memory on either path: the received blocks (the rollout copy's bytes, in the object store) plus at most one
 device shard of one parameter at a time.
-Imports jax, numpy and `hfjax.workers.weight_sync`.
 """
 
 from __future__ import annotations

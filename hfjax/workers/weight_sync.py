@@ -11,7 +11,6 @@ parameter on the host, at most one device shard beyond the received blocks at a 
 the shard's whole region (a view of it). Staging, switching and the two phases across a rollout group are in
 `hfjax.workers.weight_swap`. Cost: `bytes` = the rollout copy's size once; on one machine its floor is one host
 memory copy of those bytes (device to host, then host to device on an accelerator).
-Imports jax and numpy only.
 """
 
 from __future__ import annotations

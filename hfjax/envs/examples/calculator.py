@@ -1,7 +1,7 @@
 """A calculator tool and `CalculatorEnv`, a tool environment for arithmetic word problems scored against the row's
 `reward_model.ground_truth`. Use it as `hfjax/envs/examples/calculator.py:CalculatorEnv`. The tool evaluates integer
 arithmetic by walking the `ast` of the expression (nothing is `eval`ed), with sizes capped so that no expression can
-hang it. Imports the standard library and `hfjax.envs`."""
+hang it."""
 
 from __future__ import annotations
 
