@@ -27,10 +27,9 @@ from hfjax.controller import (
     colocate,
     register,
     register_dispatch_mode,
-    to_global,
-    to_local,
 )
 from hfjax.controller.dispatch import dispatch_mode
+from hfjax.parallel.global_arrays import to_global, to_local
 from hfjax.protocol import PADDING_ROWS, ROW_OFFSET, DataProto, unpad_outputs
 
 pytest_plugins = ["ray_cluster"]  # the session-scoped `ray_cluster` fixture

@@ -6,7 +6,6 @@ from typing import Any
 from hfjax.controller.colocate import ColocatedWorker, colocate
 from hfjax.controller.dispatch import Dispatch, Dispatched, register_dispatch_mode
 from hfjax.controller.future import DataProtoFuture
-from hfjax.controller.global_arrays import to_global, to_local
 from hfjax.controller.resource_pool import ResourcePool
 from hfjax.controller.worker import Execute, Worker, register
 from hfjax.controller.worker_group import LocalWorkerGroup, RoleGroup, WorkerDiedError, WorkerError, WorkerGroup
@@ -28,8 +27,6 @@ __all__ = [
     "colocate",
     "register",
     "register_dispatch_mode",
-    "to_global",
-    "to_local",
 ]
 
 

@@ -19,11 +19,11 @@ from flax import nnx
 from hfjax.algos import mask_counts
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
-from hfjax.controller.global_arrays import process_reduce, to_local
 from hfjax.models import load_hf
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
 from hfjax.parallel import Layout
+from hfjax.parallel.global_arrays import process_reduce, to_local
 from hfjax.protocol import PADDING_ROWS, ROW_IN_LOSS, DataProto
 from hfjax.training.checkpoint import CheckpointManager, UnreadableStepError
 from hfjax.training.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows

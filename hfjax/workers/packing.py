@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hfjax.controller.global_arrays import process_reduce
+from hfjax.parallel.global_arrays import process_reduce
 from hfjax.rollout import power_of_two_at_least
 from hfjax.workers.sequences import SEQUENCE_KEYS, content_lengths, padded_lengths, response_slice
 

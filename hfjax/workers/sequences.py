@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from hfjax.controller.global_arrays import process_reduce
 from hfjax.data.tokenize import position_ids
 from hfjax.envs.trajectory import AGENT_COLUMNS, agent_columns, agent_metrics
+from hfjax.parallel.global_arrays import process_reduce
 from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
 from hfjax.training.train_state import split_rows
