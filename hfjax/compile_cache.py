@@ -1,9 +1,8 @@
 """The persistent cache of compiled XLA programs that the `hfjax` command line turns on.
 
 A run compiles its programs (training steps, log-prob passes, the generation engine's prefill and decode steps) once
-per process; with the cache, a later run of the same programs on the same machine loads them from disk instead. On
-the reference checkpoint, the first `generate` call of 64 prompts x 128 tokens took 12.3 s with a warm cache against
-32.3 s with a cold one (4.7 s of it is the generation itself), with the same tokens.
+per process; with the cache, a later run of the same programs on the same machine loads them from disk instead
+(docs/benchmarks.md measures what that saves).
 `HFJAX_COMPILATION_CACHE` chooses the directory: unset means `$XDG_CACHE_HOME/hfjax/xla` (`~/.cache/hfjax/xla`);
 `off` (or `0`, `false`, `none`, empty) turns the cache off; any other value is the directory. The settings reach JAX
 as its own environment variables, so they must be in place before JAX is imported (Ray worker processes started

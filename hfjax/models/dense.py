@@ -10,9 +10,8 @@ are the same transpose; the predicate only has to be unknown when compiling. Onl
 `hfjax.models.program.program_platform`, not the tracing machine's): a GPU conditional reads its predicate on the host,
 and GPU/TPU compilers handle the plain product well. The backward casts the output gradient to the compute dtype
 (float32 logits' gradient to bf16 under a bf16 model) and accumulates in float32, so no matmul runs on a float32 copy
-of a bf16 weight. On a 32 x 176 actor micro-batch of the
-reference model's loss-and-grad this took 6.28-6.68 s against 6.67-7.06 s (same process, interleaved). Values are
-those of autodiff's backward up to summation order.
+of a bf16 weight (docs/benchmarks.md, "Other measured figures", has the time it saves). Values are those of
+autodiff's backward up to summation order.
 """
 
 from __future__ import annotations

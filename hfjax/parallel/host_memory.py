@@ -3,11 +3,10 @@ writes its new buffers into memory the previous one freed instead of into memory
 VM, the hypervisor back) page by page.
 
 glibc's malloc by default gives large blocks their own mappings and returns freed memory at the top of the heap to
-the kernel. Resharding on CPU frees and allocates the same few hundred MiB to GiB every transition. Measured on a
-2-core VM (bench_reshard's 207M-parameter bf16 model, median of 7 cycles), zero-redundancy `to_gen` took 207 ms
-(fsdp4 tp2 -> data4 tp2) and 337 ms (fsdp8 -> data8) under the default policy, with up to 34,000 page faults per
-transition, and 107 ms and 173 ms, with under 10 faults, once freed memory is kept. The price: the process's
-resident size does not shrink below its high-water mark, which an RL loop reaches every iteration anyway.
+the kernel. Resharding on CPU frees and allocates the same few hundred MiB to GiB every transition; kept, a
+transition runs about twice as fast with almost no page faults (docs/benchmarks.md, "Host memory policy"). The
+price: the process's resident size does not shrink below its high-water mark, which an RL loop reaches every
+iteration anyway.
 """
 
 from __future__ import annotations
