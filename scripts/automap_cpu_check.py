@@ -169,9 +169,9 @@ def main() -> int:
 
     import ray
 
+    from hfjax.automap import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
+    from hfjax.automap.trainer_runs import run_config, trainer_candidates
     from hfjax.config import load_rl_config
-    from hfjax.mapping import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
-    from hfjax.mapping.trainer_runs import run_config, trainer_candidates
     from hfjax.trainer.automap_run import run_models, run_workload
 
     inputs = build_inputs(work / "inputs", args)
@@ -191,7 +191,7 @@ def main() -> int:
     )
 
     if args.predict_only:
-        from hfjax.mapping import print_candidates
+        from hfjax.automap import print_candidates
 
         picked = [ranked[i] for i in pick(ranked, args.mappings, args.kind)]
         print_candidates(picked, "picked mappings", args.mappings + 2)

@@ -23,7 +23,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import parse_args
 
-from hfjax.mapping import ClusterSpec, CostModel, MappingSearch, Workload, dataflow, role_shapes
+from hfjax.automap import ClusterSpec, CostModel, MappingSearch, Workload, dataflow, role_shapes
 
 SIZES = ("llama2-7b", "llama2-13b", "codellama-34b", "llama2-70b")
 GPUS = (8, 16, 32, 64, 96, 128)

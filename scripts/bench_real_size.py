@@ -219,7 +219,7 @@ def cost_model_gib(cfg: Any) -> dict[str, Any]:
     preflight memory check adds it), in GiB; the reason instead where the model does not cover the run."""
     import psutil
 
-    from hfjax.mapping.cost import InfeasibleError
+    from hfjax.automap.cost import InfeasibleError
     from hfjax.models.hf import read_config
     from hfjax.trainer.preflight import ITEMSIZE, kv_cache_bytes, predict_memory
 

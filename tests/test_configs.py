@@ -10,8 +10,8 @@ import jax
 import pytest
 from flax import nnx
 
+from hfjax.automap import ClusterSpec
 from hfjax.config import load_rl_config
-from hfjax.mapping import ClusterSpec
 from hfjax.models.hf import abstract_model
 from hfjax.models.presets import named_config
 from hfjax.parallel import Layout

@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),
     ("rollout", "data"),
     ("envs", "controller", "algos", "rewards", "training"),
-    ("mapping",),
+    ("automap",),
     ("workers",),
     ("config",),
     ("trainer",),

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hfjax.automap.cluster import GIB, ClusterSpec
+from hfjax.automap.cost import InfeasibleError
 from hfjax.compiled.programs import (
     ProgramMemory,
     actor_programs,
@@ -26,8 +28,6 @@ from hfjax.compiled.programs import (
 )
 from hfjax.compiled.targets import Target, target_devices
 from hfjax.config import RLConfig
-from hfjax.mapping.cluster import GIB, ClusterSpec
-from hfjax.mapping.cost import InfeasibleError
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
 from hfjax.models.presets import NAMED_CONFIGS

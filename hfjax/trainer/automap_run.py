@@ -1,8 +1,8 @@
-"""`hfjax automap`: the auto-mapper (`hfjax.mapping`) applied to an RL run config.
+"""`hfjax automap`: the auto-mapper (`hfjax.automap`) applied to an RL run config.
 
 The run config (the one `hfjax train` reads) gives the algorithm, the models of each role and the workload (its own
 placement, hosts, devices and layouts are ignored: they may be another cluster's); the search covers the mappings
-the trainer runs on the cluster's hosts (`hfjax.mapping.trainer_runs.trainer_candidates`: whole hosts per worker
+the trainer runs on the cluster's hosts (`hfjax.automap.trainer_runs.trainer_candidates`: whole hosts per worker
 group on several hosts, one generation loop per host); the best is written as the same run config with its
 placement, the cluster as `trainer.hosts` and `trainer.devices_per_host` (an old `trainer.devices` removed) and its
 layouts filled in, checked as `hfjax train` checks it, so `hfjax train MAPPED.yaml` runs it as is. `predict_run`
@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
+from hfjax.automap import ClusterSpec, CostModel, CostOptions, Workload, dataflow, print_candidates, role_shapes
+from hfjax.automap.cost import Prediction
+from hfjax.automap.trainer_runs import config_mapping, run_config, trainer_candidates, without_mapping
 from hfjax.config import RLConfig, load_rl_config
-from hfjax.mapping import ClusterSpec, CostModel, CostOptions, Workload, dataflow, print_candidates, role_shapes
-from hfjax.mapping.cost import Prediction
-from hfjax.mapping.trainer_runs import config_mapping, run_config, trainer_candidates, without_mapping
 from hfjax.typed_config import to_dict
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import yaml
 
+from hfjax.automap.cluster import GIB
+from hfjax.automap.cost import InfeasibleError
 from hfjax.config import RLConfig
-from hfjax.mapping.cluster import GIB
-from hfjax.mapping.cost import InfeasibleError
 from hfjax.parallel.layout import Layout, LayoutError
 from hfjax.trainer.preflight import device_memory, predict_memory
 from hfjax.typed_config import to_dict

@@ -1,7 +1,7 @@
 """Checks of a loaded config against what it points at, before Ray, any worker or any device memory: model
 directories, their `config.json` and their safetensors headers (every tensor present, of the model's shape, within
 its file; no tensor data read), sequence lengths against the models' positions, the KV cache and
-the run's memory per device (the cost model's memory of `hfjax.mapping.cost`) against the device's memory, the
+the run's memory per device (the cost model's memory of `hfjax.automap.cost`) against the device's memory, the
 dataset files and rows (ground truth where a rule reward needs it), the tokenizer and the prompts' token lengths
 against `data.max_prompt_length` (`prompt_lengths`), and the reward function (file, import, name, signature). Each
 failure is one line naming the config field and what was expected.
@@ -22,12 +22,12 @@ from typing import Any
 
 import jax
 
+from hfjax.automap.cluster import GIB, ClusterSpec, DeviceProfile
+from hfjax.automap.cost import CostOptions, InfeasibleError, Prediction
 from hfjax.config import RLConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, RowRef, read_rows
 from hfjax.hub import is_hub_id, resolve_model
-from hfjax.mapping.cluster import GIB, ClusterSpec, DeviceProfile
-from hfjax.mapping.cost import CostOptions, InfeasibleError, Prediction
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import check_checkpoint, load_tokenizer, read_config
 from hfjax.models.safetensors_io import CheckpointError

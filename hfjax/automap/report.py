@@ -1,14 +1,14 @@
 """Presenting search results: a rich table of the top candidates and the per-role breakdown of one (the run
-config a mapping becomes is `hfjax.mapping.trainer_runs.run_config`).
+config a mapping becomes is `hfjax.automap.trainer_runs.run_config`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hfjax.mapping.cluster import GIB
-from hfjax.mapping.dataflow import STAGES
-from hfjax.mapping.search import Candidate
+from hfjax.automap.cluster import GIB
+from hfjax.automap.dataflow import STAGES
+from hfjax.automap.search import Candidate
 
 
 def _layouts(candidate: Candidate) -> str:

@@ -14,8 +14,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from hfjax.controller.resource_pool import group_hosts
-from hfjax.mapping import (
+from hfjax.automap import (
     ClusterSpec,
     CostModel,
     DeviceMapping,
@@ -32,17 +31,18 @@ from hfjax.mapping import (
     role_shapes,
     set_partitions,
 )
-from hfjax.mapping.cluster import GIB
-from hfjax.mapping.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stage_seconds
-from hfjax.mapping.dataflow import STAGES, model_shape
-from hfjax.mapping.search import allocations, device_counts, train_sizes
-from hfjax.mapping.trainer_runs import (
+from hfjax.automap.cluster import GIB
+from hfjax.automap.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stage_seconds
+from hfjax.automap.dataflow import STAGES, model_shape
+from hfjax.automap.search import allocations, device_counts, train_sizes
+from hfjax.automap.trainer_runs import (
     host_gen_sizes,
     run_config,
     trainer_candidates,
     trainer_groups,
     trainer_placement,
 )
+from hfjax.controller.resource_pool import group_hosts
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS

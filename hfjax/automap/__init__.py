@@ -1,11 +1,11 @@
 """Auto-mapping (HybridFlow §6): choose the placement of every model role, its devices and its layouts from a cost
 model of the cluster, the algorithm's dataflow and the workload."""
 
-from hfjax.mapping.cluster import BUILTIN, ClusterSpec, DeviceProfile, calibrate_cpu, local_cpu
-from hfjax.mapping.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost, Sizes
-from hfjax.mapping.dataflow import DATAFLOWS, PAPER_MODELS, Dataflow, ModelShape, Workload, dataflow, role_shapes
-from hfjax.mapping.report import print_breakdown, print_candidates
-from hfjax.mapping.search import Candidate, MappingSearch, SearchResult, automap, set_partitions
+from hfjax.automap.cluster import BUILTIN, ClusterSpec, DeviceProfile, calibrate_cpu, local_cpu
+from hfjax.automap.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost, Sizes
+from hfjax.automap.dataflow import DATAFLOWS, PAPER_MODELS, Dataflow, ModelShape, Workload, dataflow, role_shapes
+from hfjax.automap.report import print_breakdown, print_candidates
+from hfjax.automap.search import Candidate, MappingSearch, SearchResult, automap, set_partitions
 
 __all__ = [
     "BUILTIN",

@@ -20,9 +20,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from hfjax.controller.resource_pool import group_hosts
-from hfjax.mapping.cluster import ClusterSpec
-from hfjax.mapping.cost import (
+from hfjax.automap.cluster import ClusterSpec
+from hfjax.automap.cost import (
     GEN_RULES,
     TRAIN_RULES,
     CostModel,
@@ -32,8 +31,9 @@ from hfjax.mapping.cost import (
     gen_sizes,
     layout_of,
 )
-from hfjax.mapping.dataflow import ModelShape
-from hfjax.mapping.search import Candidate, train_sizes
+from hfjax.automap.dataflow import ModelShape
+from hfjax.automap.search import Candidate, train_sizes
+from hfjax.controller.resource_pool import group_hosts
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import LayoutError
 

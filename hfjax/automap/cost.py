@@ -37,8 +37,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hfjax.mapping.cluster import GIB, ClusterSpec
-from hfjax.mapping.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
+from hfjax.automap.cluster import GIB, ClusterSpec
+from hfjax.automap.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
 from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.parallel.layout import Layout
 from hfjax.parallel.layout_compare import table2_moved_bytes

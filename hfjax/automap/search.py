@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from hfjax.mapping.cluster import ClusterSpec
-from hfjax.mapping.cost import (
+from hfjax.automap.cluster import ClusterSpec
+from hfjax.automap.cost import (
     GEN_RULES,
     CostModel,
     CostOptions,
@@ -30,7 +30,7 @@ from hfjax.mapping.cost import (
     layout_of,
     stage_seconds,
 )
-from hfjax.mapping.dataflow import ModelShape, Workload, dataflow, role_shapes
+from hfjax.automap.dataflow import ModelShape, Workload, dataflow, role_shapes
 from hfjax.parallel.layout import LayoutError
 
 Placement = tuple[tuple[str, ...], ...]
