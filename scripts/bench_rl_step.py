@@ -108,7 +108,11 @@ def main() -> None:
     )
     parser.add_argument("--algorithms", default="grpo,ppo")
     parser.add_argument("--hosts", help="host counts to compare on simulated hosts, e.g. 1,2 (default: one process)")
-    parser.add_argument("--devices", type=int, help="devices in all (default: 8 with --hosts, else 1)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        help="devices in all (default: 8 with --hosts; with the local backend this process's, which it needs; else 1)",
+    )
     parser.add_argument(
         "--train-mesh",
         help="training mesh of actor, reference and critic, e.g. data=2,fsdp=4 (default: fsdp over all devices)",
@@ -123,6 +127,10 @@ def main() -> None:
     # tiny: one GRPO step (the script runs every algorithm alike; its config holds the critic's keys either way)
     tiny = {"prompts": 2, "micro_batch": 8, "response_length": 8, "steps": 1, "algorithms": "grpo"}
     args = parse_args(parser, tiny=tiny)
+    if not args.devices and not args.hosts and args.backend == "local":
+        import jax
+
+        args.devices = jax.local_device_count()  # backend local runs on every device of this process
     args.devices = args.devices or (8 if args.hosts else 1)
     host_counts = [int(h) for h in args.hosts.split(",")] if args.hosts else [1]
     if args.hosts:

@@ -31,6 +31,7 @@ QUICKSTART_SMOKE = [
     "rl.trainer.total_steps=2",
     "rl.trainer.test_freq=0",
     "rl.trainer.backend=local",
+    "rl.trainer.devices_per_host=8",  # backend local runs on every device of the process: conftest's 8
     "rl.data.train_batch_size=8",
     "rl.rollout.n=2",
     "rl.rollout.slots=16",
