@@ -17,29 +17,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 from bench_common import parse_args, report  # noqa: E402
-
-# --tiny: a few problems, a smaller model, a few SFT steps and one RL step, in this process (no Ray)
-TINY_OVERRIDES = [
-    "task.num_train=64",
-    "task.num_test=16",
-    "task.num_sft=64",
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_layers=1",
-    "sft.trainer.total_steps=4",
-    "rl.trainer.total_steps=1",
-    "rl.trainer.test_freq=1",
-    "rl.data.train_batch_size=8",
-    "rl.data.val_batch_size=16",
-    "rl.rollout.slots=16",
-    "rl.actor.ppo_mini_batch_size=64",
-    "rl.actor.micro_batch_size=64",
-    "rl.critic.ppo_mini_batch_size=64",
-    "rl.critic.micro_batch_size=64",
-    "rl.trainer.backend=local",
-]
 
 
 def seed_config(config: str, run_dir: Path, seed: int, overrides: list[str]) -> Any:
@@ -66,10 +45,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the quickstart config")
     args = parse_args(parser, tiny={"seeds": "0"})
     overrides = list(args.overrides)
-    if args.tiny:
+    if args.tiny:  # the tests' quickstart smoke run (tiny data and model, RL in this process); PPO's critic as actor
         import jax
+        from rl_setup import QUICKSTART_SMOKE
 
-        overrides = [*TINY_OVERRIDES, f"rl.trainer.devices_per_host={jax.local_device_count()}", *overrides]
+        smoke = [*QUICKSTART_SMOKE, "rl.critic.ppo_mini_batch_size=16", "rl.critic.micro_batch_size=16"]
+        overrides = [*smoke, f"rl.trainer.devices_per_host={jax.local_device_count()}", *overrides]
 
     from hfjax.quickstart import fine_tune, reinforce
 
