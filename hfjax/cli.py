@@ -214,7 +214,7 @@ def _eos_ids(model_dir: str, model: Any, tokenizer: Any) -> tuple[int, ...]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer.launch import run_rl
 
     cfg = load_rl_config(args.config, args.overrides)
@@ -235,7 +235,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     target = parse_target(args.target)  # before any config work: a bad name is the first error
     from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
 
     cfg = load_rl_config(args.config, args.overrides)
     programs = compile_run(cfg, target)

@@ -178,12 +178,11 @@ class Page:
 
 def pages() -> list[Page]:
     """The documented config formats, in page order."""
-    from hfjax.config import RLConfig
+    from hfjax.config.rl import RLConfig
+    from hfjax.config.supervised import RMConfig, SFTConfig
     from hfjax.data.synthetic import AdditionTask
     from hfjax.data.tool_task import MultiplicationTask
     from hfjax.quickstart import QuickstartConfig
-    from hfjax.trainer.rm import RMConfig
-    from hfjax.trainer.sft import SFTConfig
 
     return [
         Page("RL run", "hfjax train CONFIG [key=value ...]", RLConfig),

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from hfjax.config import RLConfig, load_rl_config
+from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.data import synthetic, tool_task
 from hfjax.typed_config import ConfigError, load_config
 
@@ -101,7 +101,7 @@ class QuickstartConfig:
 
 def sft_config(cfg: QuickstartConfig, base: Path, files: Mapping[str, Path]) -> Any:
     """The SFT stage's config: `cfg.sft` with the base model, the SFT data and its run directory filled in."""
-    from hfjax.trainer.sft import SFTConfig
+    from hfjax.config.supervised import SFTConfig
 
     paths = {
         "model": {"path": str(base)},

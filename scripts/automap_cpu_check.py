@@ -127,7 +127,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def measure(config: dict[str, Any], warmup: int) -> tuple[float, dict[str, float]]:
     """Median seconds per iteration after `warmup` iterations, and the median seconds of each stage."""
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer.launch import run_rl
 
     history = run_rl(load_rl_config(config))[warmup:]
@@ -171,7 +171,7 @@ def main() -> int:
 
     from hfjax.automap import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
     from hfjax.automap.trainer_runs import run_config, trainer_candidates
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer.automap_run import run_models, run_workload
 
     inputs = build_inputs(work / "inputs", args)

@@ -63,10 +63,10 @@ def main() -> None:
     import jax
     import numpy as np
 
+    from hfjax.config.roles import ActorConfig, RolloutConfig
     from hfjax.controller import LocalWorkerGroup
     from hfjax.protocol import DataProto
     from hfjax.workers.actor import ActorRolloutRefWorker
-    from hfjax.workers.config import ActorConfig, RolloutConfig
 
     ckpt = default_checkpoint(args.ckpt, args.tiny)
     modes = {"padded": dict(trim_padding=False), "trimmed": dict(trim_padding=True)}

@@ -181,7 +181,7 @@ def greedy_parity(ckpt: Path, reference: Any, prompts: list[list[int]], new_toke
 
 
 def grpo_config(ckpt: Path, workload: Path, run_dir: Path, args: argparse.Namespace) -> Any:
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
 
     samples = args.prompts * args.samples
     return load_rl_config(

@@ -140,7 +140,7 @@ def main() -> None:
     import psutil
     from workload import write_workload
 
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer.launch import run_rl
 
     workload = write_workload(ckpt, workload_dir(args) / "workload.parquet", n=args.prompts)

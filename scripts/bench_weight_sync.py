@@ -61,7 +61,7 @@ def main() -> None:
     import ray
     from workload import write_workload
 
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer.launch import pin_controller_to_cpu
     from hfjax.trainer.rl import RLTrainer
 

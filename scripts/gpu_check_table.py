@@ -291,7 +291,7 @@ def cmd_grpo_once(args: argparse.Namespace) -> None:
     steps after it (all of them when there is one)."""
     import statistics
 
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer import rl
     from hfjax.trainer.launch import run_rl
 

@@ -1,5 +1,5 @@
 """A tiny RL run built locally: the addition task, its tokenizer, a tiny Llama policy and a tiny score model, and
-a config dict for `hfjax.config.load_rl_config` (override what a test needs)."""
+a config dict for `hfjax.config.rl.load_rl_config` (override what a test needs)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 from rl_setup import build_run_inputs, rl_config
 
 from hfjax.algos.losses import policy_loss
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_tokenizer

@@ -16,7 +16,7 @@ import pytest
 from rl_setup import build_run_inputs, rl_config, write_varied_reward
 from safetensors.numpy import load_file
 
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import WorkerError
 from hfjax.models.hf import param_plan, read_config
 from hfjax.trainer.launch import export_run, run_rl

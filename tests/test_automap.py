@@ -517,7 +517,7 @@ def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
     from rl_setup import build_run_inputs, rl_config
 
     from hfjax.cli import main
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer.launch import run_rl
 
     inputs = build_run_inputs(tmp_path / "inputs")
@@ -549,7 +549,7 @@ def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
     from rl_setup import build_run_inputs, rl_config
 
     from hfjax.cli import main
-    from hfjax.config import load_rl_config
+    from hfjax.config.rl import load_rl_config
     from hfjax.trainer.automap_run import run_models, run_workload
 
     inputs = build_run_inputs(tmp_path / "inputs")

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from hfjax.compiled.programs import actor_programs, critic_programs
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.models.hf import abstract_model
 from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.parallel import Layout

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DRIVER = """
 import json, sys
 import ray
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.trainer.launch import run_rl
 
 config, address, path = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -35,7 +35,7 @@ from rl_setup import build_run_inputs, deterministic, rl_config
 from tensorboardX.proto.event_pb2 import Event
 
 from hfjax.cli_support import user_errors
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
 from hfjax.controller.liveness import LivenessConfig, WorkerHungError
 from hfjax.controller.worker_group import WorkerDiedError
@@ -467,7 +467,7 @@ def test_local_ray_listens_on_loopback_only_prefixes_worker_output_and_removes_i
     script = f"""
 import json, tempfile, time, psutil, ray
 from hfjax.cli_support import user_errors
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import RayWorkerGroup, ResourcePool
 from hfjax.trainer.launch import ray_session
 from test_faults import Napper

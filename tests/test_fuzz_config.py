@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hfjax.config import RLConfig, load_rl_config
+from hfjax.config.rl import RLConfig, load_rl_config
+from hfjax.config.supervised import SFTConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, read_rows
-from hfjax.trainer.sft import SFTConfig
 from hfjax.typed_config import ConfigError, load_config, to_dict, yaml_key
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -136,7 +136,7 @@ def _value_at(config: dict, path: str) -> typing.Any:
 
 def _registered(path: str, name: str) -> bool:
     from hfjax.algos.losses import policy_losses
-    from hfjax.workers.config import KL_NAMES
+    from hfjax.config.roles import KL_NAMES
 
     return name in (policy_losses() if path == "actor.policy_loss" else KL_NAMES)
 

@@ -11,7 +11,7 @@ from huggingface_hub import constants
 from rl_setup import build_run_inputs, rl_config
 
 from hfjax.cli import main as cli
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.data.records import read_rows, write_rows
 from hfjax.hub import is_hub_id, resolve_model
 from hfjax.trainer.launch import run_rl

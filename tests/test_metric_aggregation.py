@@ -12,7 +12,7 @@ import pytest
 from rl_setup import build_run_inputs, rl_config
 
 from hfjax.algos import make_kl_controller
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup
 from hfjax.data.tokenize import position_ids
 from hfjax.protocol import DataProto

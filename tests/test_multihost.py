@@ -13,7 +13,7 @@ import pytest
 from rl_setup import build_run_inputs, rl_config, write_varied_reward
 from safetensors.numpy import load_file
 
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup, RayWorkerGroup, ResourcePool
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_tokenizer

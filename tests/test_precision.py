@@ -15,7 +15,7 @@ from checkpoints import save_hf_model
 from flax import nnx
 from rl_setup import build_run_inputs, rl_config
 
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_hf, load_tokenizer

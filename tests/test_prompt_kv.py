@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tiny_models import TINY, compiled_forward, random_model
 
+from hfjax.config.roles import AgentConfig, RolloutConfig
 from hfjax.envs.examples import calculator
 from hfjax.models import attention_pallas
 from hfjax.models.attention import decode_attention
@@ -26,7 +27,6 @@ from hfjax.parallel import Layout
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.rollout.prompt_pool import PromptPool, PromptPoolFull
 from hfjax.rollout.sampling import SamplerKind
-from hfjax.workers.config import AgentConfig, RolloutConfig
 
 VOCAB = TINY.vocab_size
 

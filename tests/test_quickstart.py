@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 from rl_setup import QUICKSTART_SMOKE as SMOKE
 
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
 from hfjax.trainer.launch import run_rl
 from hfjax.training.metrics import read_metrics

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from rl_setup import build_run_inputs, deterministic, rl_config, write_varied_reward
 
-from hfjax.config import ALGORITHMS, load_rl_config
+from hfjax.config.rl import ALGORITHMS, load_rl_config
 from hfjax.controller import LocalWorkerGroup
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_tokenizer

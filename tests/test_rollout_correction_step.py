@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hfjax.algos import rollout_correction
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.protocol import DataProto
 from hfjax.trainer.step import Step
 from hfjax.typed_config import ConfigError

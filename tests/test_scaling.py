@@ -15,7 +15,7 @@ import pytest
 
 import hfjax.models.transformer as transformer
 from hfjax.compiled.programs import AbstractModel, actor_programs, bytes_per_device, engine_programs
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.models.config import ModelConfig
 from hfjax.parallel import Layout
 

@@ -10,10 +10,11 @@ import pytest
 from checkpoints import save_hf_model
 
 from hfjax.cli import main as cli
+from hfjax.config import RMConfig, SFTConfig
 from hfjax.data import PreferenceDataset, SFTDataset, write_rows
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
-from hfjax.trainer.rm import RMConfig, run_rm
-from hfjax.trainer.sft import SFTConfig, run_sft
+from hfjax.trainer.rm import run_rm
+from hfjax.trainer.sft import run_sft
 from hfjax.training import CheckpointManager, MetricsLogger, read_metrics
 from hfjax.typed_config import ConfigError, load_config
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rl_setup import build_run_inputs, rl_config
 
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.trainer.launch import run_rl
 from hfjax.training import read_metrics
 

@@ -12,7 +12,7 @@ import pytest
 from rl_setup import build_run_inputs, rl_config
 
 import hfjax.workers.model_role as model_role
-from hfjax.config import load_rl_config
+from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup
 from hfjax.protocol import DataProto
 from hfjax.rollout.generator import SampleOutput

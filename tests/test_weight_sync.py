@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller.worker import WorkerInfo, construct_worker
 from hfjax.trainer.rollout_stream import WeightMailbox
 from hfjax.workers import weight_swap
-from hfjax.workers.config import ActorConfig, RolloutConfig
 from hfjax.workers.rollout import RolloutWorker
 from hfjax.workers.weight_swap import WeightSwap
 from hfjax.workers.weight_sync import (

@@ -27,7 +27,7 @@ from hfjax.compiled.programs import (
     scorer_resident,
 )
 from hfjax.compiled.targets import Target, target_devices
-from hfjax.config import RLConfig
+from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
 from hfjax.models.presets import NAMED_CONFIGS

@@ -1,5 +1,5 @@
-"""Dataflow programs: the supervised trainers (`sft`, `rm`, sharing `supervised`) and the RL trainer (`rl`).
-Names load lazily, so importing one trainer module does not import the others."""
+"""Dataflow programs: the supervised trainers (`sft`, `rm`, sharing `supervised`) and the RL trainer (`rl`); their
+configs are `hfjax.config`'s. Names load lazily, so importing one trainer module does not import the others."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ _EXPORTS = {
     "RLTrainer": "rl",
     "export_run": "launch",
     "run_rl": "launch",
-    "RMConfig": "rm",
     "rm_main": "rm",
     "run_rm": "rm",
-    "SFTConfig": "sft",
     "run_sft": "sft",
     "sft_main": "sft",
 }

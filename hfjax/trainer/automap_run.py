@@ -22,7 +22,7 @@ import yaml
 from hfjax.automap import ClusterSpec, CostModel, CostOptions, Workload, dataflow, print_candidates, role_shapes
 from hfjax.automap.cost import Prediction
 from hfjax.automap.trainer_runs import config_mapping, run_config, trainer_candidates, without_mapping
-from hfjax.config import RLConfig, load_rl_config
+from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.typed_config import to_dict
 
 

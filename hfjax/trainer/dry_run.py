@@ -9,7 +9,7 @@ import yaml
 
 from hfjax.automap.cluster import GIB
 from hfjax.automap.cost import InfeasibleError
-from hfjax.config import RLConfig
+from hfjax.config.rl import RLConfig
 from hfjax.parallel.layout import Layout, LayoutError
 from hfjax.trainer.preflight import device_memory, predict_memory
 from hfjax.typed_config import to_dict

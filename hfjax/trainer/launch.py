@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from hfjax.config import RLConfig, load_rl_config
+from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.trainer.preflight import check_rl_run, resolve_hub_models
 from hfjax.trainer.rl import RLTrainer
 from hfjax.training.run_dir import RunDirLock

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from hfjax.config import RLConfig
+from hfjax.config.rl import RLConfig
 from hfjax.controller import ResourcePool, colocate
 from hfjax.controller.resource_pool import resolve_device
 from hfjax.workers.actor import ActorRolloutRefWorker

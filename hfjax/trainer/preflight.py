@@ -24,7 +24,7 @@ import jax
 
 from hfjax.automap.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.automap.cost import CostOptions, InfeasibleError, Prediction
-from hfjax.config import RLConfig
+from hfjax.config.rl import RLConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, RowRef, read_rows
 from hfjax.hub import is_hub_id, resolve_model

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from hfjax.user_code import load_callable
 
 if TYPE_CHECKING:
-    from hfjax.config import AlgorithmConfig
+    from hfjax.config.rl import AlgorithmConfig
     from hfjax.trainer.step import Step
 
 Program = Callable[["Step"], None]

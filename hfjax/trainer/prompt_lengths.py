@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hfjax.config import DataConfig
+from hfjax.config.rl import DataConfig
 from hfjax.data.prompts import tokenize_prompt_rows
 from hfjax.data.records import RowRef
 from hfjax.typed_config import ConfigError

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from hfjax.algos import make_kl_controller
-from hfjax.config import RLConfig
+from hfjax.config.rl import RLConfig
 from hfjax.controller.liveness import WorkerHungError
 from hfjax.controller.worker_group import WorkerDiedError, WorkerError
 from hfjax.data import BatchLoader, PromptDataset

@@ -8,7 +8,6 @@ Metrics: `train/accuracy` (r_chosen > r_rejected), `train/margin`; held out: `va
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,25 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hfjax.config.supervised import DataSection, RMConfig
 from hfjax.data import PreferenceDataset
 from hfjax.trainer.supervised import (
     ROW_WEIGHT,
-    DataSection,
     Objective,
-    SupervisedConfig,
-    TrainerSection,
     cli_main,
     run_supervised,
 )
 
 SIDES = ("chosen", "rejected")
-
-
-@dataclasses.dataclass
-class RMConfig(SupervisedConfig):
-    """A reward-model run: `model`, `data` (rows with `prompt`, `chosen`, `rejected`), `optim`, `trainer`."""
-
-    trainer: TrainerSection = dataclasses.field(default_factory=lambda: TrainerSection(run_dir="runs/rm"))
 
 
 def _load(files: Sequence[str], tokenizer: Any, data: DataSection) -> PreferenceDataset:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hfjax.config import RLConfig
+from hfjax.config.rl import RLConfig
 from hfjax.protocol import DataProto
 from hfjax.trainer.step import group_names, rollout_meta
 from hfjax.trainer.timeline import Timeline

@@ -6,7 +6,6 @@ and `val/token_accuracy` (greedy next-token matches). The loop, checkpoints and 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -15,23 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from hfjax.algos import agg_loss, logprobs_from_logits
+from hfjax.config.supervised import DataSection, SFTConfig
 from hfjax.data import SFTDataset
 from hfjax.trainer.supervised import (
     ROW_WEIGHT,
-    DataSection,
     Objective,
-    SupervisedConfig,
-    TrainerSection,
     cli_main,
     run_supervised,
 )
-
-
-@dataclasses.dataclass
-class SFTConfig(SupervisedConfig):
-    """An SFT run: `model`, `data` (rows with `prompt` and `response`), `optim`, `trainer`."""
-
-    trainer: TrainerSection = dataclasses.field(default_factory=lambda: TrainerSection(run_dir="runs/sft"))
 
 
 def _load(files: Sequence[str], tokenizer: Any, data: DataSection) -> SFTDataset:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hfjax.algos import compute_advantage, kl_penalty, masked_mean, masked_seq_mean, rollout_correction
-from hfjax.config import RLConfig
+from hfjax.config.rl import RLConfig
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.trainer.timeline import Timeline
 from hfjax.workers.sequences import batch_agent_metrics, scores_to_token_level

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
+from hfjax.config.roles import RolloutConfig
 from hfjax.envs.agent_loop import AgentGenerator
 from hfjax.envs.base import load_environment
 from hfjax.protocol import ROW_OFFSET, DataProto
 from hfjax.rollout import OfflineGenerator, SamplingParams
 from hfjax.rollout.generator import SampleOutput
-from hfjax.workers.config import RolloutConfig
 from hfjax.workers.sequences import assemble, prompt_token_lists
 
 

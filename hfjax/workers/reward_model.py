@@ -9,10 +9,10 @@ from typing import Any
 
 import jax
 
+from hfjax.config.roles import RewardModelConfig
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
-from hfjax.workers.config import RewardModelConfig
 from hfjax.workers.model_role import LoadedModel, reports_seconds
 
 

@@ -20,12 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.parallel import layout_or_default
 from hfjax.parallel.host_local import host_local_layout, process_layout
 from hfjax.protocol import DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
-from hfjax.workers.config import ActorConfig, RolloutConfig
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, reports_seconds
 from hfjax.workers.partial_rollout import generate_across_versions

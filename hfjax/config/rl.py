@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hfjax.algos.advantages import ADVANTAGE_ESTIMATORS, required_inputs
+from hfjax.config.roles import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 from hfjax.controller.liveness import LivenessConfig
 from hfjax.controller.resource_pool import group_hosts
 from hfjax.parallel.host_local import check_per_host_generation
@@ -32,7 +33,6 @@ from hfjax.typed_config import (
     load_config,
 )
 from hfjax.user_code import UserCodeError, absolute_spec, check_call, load_callable, user_module
-from hfjax.workers.config import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_plus_plus", "remax", "safe_rlhf")
 # The roles a program may call besides the actor (a rollout group and a reward model come from the rest of the config)

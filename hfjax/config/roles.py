@@ -1,6 +1,6 @@
 """Typed config sections of the model roles (actor, rollout, reference, critic, reward model).
 
-Plain dataclasses with defaults beside their fields; `hfjax.config` composes them into the run config and
+Plain dataclasses with defaults beside their fields; `hfjax.config.rl` composes them into the run config and
 `hfjax.typed_config` validates YAML and `key=value` overrides into them. Every number is checked against its range
 and every name of a registry (policy losses, KL estimators) against that registry when the config loads; a policy
 loss given as user code `path/to/file.py:function` is loaded and its signature checked then, and its path kept

@@ -1,0 +1,33 @@
+"""Every run's typed config, in one place: the RL run (`rl`: data, algorithm, reward, trainer, async sections, and
+`load_rl_config`), the model roles' sections it composes (`roles`: actor, rollout, critic, reward model), and the
+supervised runs (`supervised`: SFT and reward-model training). The YAML loader they share is `hfjax.typed_config`.
+Names load lazily, so importing `hfjax.config.roles` does not import the RL config's dependencies."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RLConfig": "rl",
+    "load_rl_config": "rl",
+    "DataConfig": "rl",
+    "AlgorithmConfig": "rl",
+    "RewardConfig": "rl",
+    "TrainerConfig": "rl",
+    "AsyncConfig": "rl",
+    "ActorConfig": "roles",
+    "RolloutConfig": "roles",
+    "CriticConfig": "roles",
+    "RewardModelConfig": "roles",
+    "SFTConfig": "supervised",
+    "RMConfig": "supervised",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hfjax.config' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hfjax.config.{_EXPORTS[name]}"), name)
