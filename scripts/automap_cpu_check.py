@@ -170,9 +170,9 @@ def main() -> int:
     import ray
 
     from hfjax.automap import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
+    from hfjax.automap.run_config import run_models, run_workload
     from hfjax.automap.trainer_runs import run_config, trainer_candidates
     from hfjax.config.rl import load_rl_config
-    from hfjax.trainer.automap_run import run_models, run_workload
 
     inputs = build_inputs(work / "inputs", args)
     base = base_config(inputs, args)

@@ -15,7 +15,7 @@ mkdir "$WORK/outside" && cd "$WORK/outside"
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
 "$WORK/venv/bin/hfjax" --version
 "$WORK/venv/bin/hfjax" quickstart --help > /dev/null
-"$WORK/venv/bin/python" -c "from hfjax.packaged import config_path; assert config_path('quickstart.yaml').is_file()"
+"$WORK/venv/bin/python" -c "from hfjax.cli.packaged import config_path; assert config_path('quickstart.yaml').is_file()"
 "$WORK/venv/bin/hfjax" layouts > /dev/null
 # the quickstart's tokenizer with its chat template: the runtime dependencies a first run needs, without PyTorch
 "$WORK/venv/bin/python" -c "

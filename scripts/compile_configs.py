@@ -38,7 +38,7 @@ TINY = (  # one config at small shapes: the same programs, compiled in seconds
 def compile_one(name: str, target: str, overrides: list[str], out: Path) -> dict:
     """Runs `hfjax compile` on one config in its own process; returns its JSON report plus wall time and status."""
     report = out / f"{name}.json"
-    command = [sys.executable, "-m", "hfjax.cli", "compile", str(ROOT / "configs/gsm8k" / f"{name}.yaml")]
+    command = [sys.executable, "-m", "hfjax.cli.main", "compile", str(ROOT / "configs/gsm8k" / f"{name}.yaml")]
     command += [*overrides, "--target", target, "--json", str(report)]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)

@@ -22,8 +22,8 @@ from bench_common import parse_args, report  # noqa: E402
 
 
 def seed_config(config: str, run_dir: Path, seed: int, overrides: list[str]) -> Any:
-    from hfjax.packaged import config_path
-    from hfjax.quickstart import QuickstartConfig
+    from hfjax.cli.packaged import config_path
+    from hfjax.cli.quickstart import QuickstartConfig
     from hfjax.typed_config import load_config
 
     return load_config(
@@ -52,7 +52,7 @@ def main() -> None:
         smoke = [*QUICKSTART_SMOKE, "rl.critic.ppo_mini_batch_size=16", "rl.critic.micro_batch_size=16"]
         overrides = [*smoke, f"rl.trainer.devices_per_host={jax.local_device_count()}", *overrides]
 
-    from hfjax.quickstart import fine_tune, reinforce
+    from hfjax.cli.quickstart import fine_tune, reinforce
 
     root = args.run_root or Path(tempfile.mkdtemp(prefix="hfjax-quickstart-seeds-"))
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from rl_setup import QUICKSTART_SMOKE
 
+from hfjax.cli.quickstart import QuickstartConfig, run_quickstart
 from hfjax.data import tool_task
 from hfjax.envs import observation_tokens, prompt_tokens
 from hfjax.envs.examples.calculator import CalculatorEnv
-from hfjax.quickstart import QuickstartConfig, run_quickstart
 from hfjax.typed_config import load_config
 
 AGENT_CLAIM_STEPS = 20  # of the config's 60; a validation step (test_freq: 10)

@@ -18,10 +18,10 @@ from hfjax.controller import LocalWorkerGroup
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_tokenizer
 from hfjax.protocol import DataProto
+from hfjax.rewards.token_level import last_response_index, scores_to_token_level
 from hfjax.trainer.launch import run_rl
 from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
-from hfjax.workers.sequences import last_response_index, scores_to_token_level
 
 pytest_plugins = ["ray_cluster"]
 # wall times, throughput, the env wait share and the KV cache per device vary between placements; so do the counts

@@ -38,9 +38,9 @@ from hfjax.models.attention import (
     resolve_implementation,
 )
 from hfjax.models.program import program_layout
+from hfjax.optim import OptimConfig, TrainState, make_optimizer
 from hfjax.parallel import Layout
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
-from hfjax.training import OptimConfig, TrainState, make_optimizer
 from hfjax.workers.model_role import LoadedModel
 
 # ----------------------------------------------------------------------------------------------- under a layout

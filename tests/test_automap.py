@@ -516,7 +516,7 @@ def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
     loads as an RL config and `run_rl` runs an iteration of it as is."""
     from rl_setup import build_run_inputs, rl_config
 
-    from hfjax.cli import main
+    from hfjax.cli.main import main
     from hfjax.config.rl import load_rl_config
     from hfjax.trainer.launch import run_rl
 
@@ -548,9 +548,9 @@ def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
     layout checks."""
     from rl_setup import build_run_inputs, rl_config
 
-    from hfjax.cli import main
+    from hfjax.automap.run_config import run_models, run_workload
+    from hfjax.cli.main import main
     from hfjax.config.rl import load_rl_config
-    from hfjax.trainer.automap_run import run_models, run_workload
 
     inputs = build_run_inputs(tmp_path / "inputs")
     run = rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1, "devices": 8})
@@ -577,7 +577,7 @@ def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
 
 
 def test_automap_rejects_a_bad_run_config(tmp_path, capsys):
-    from hfjax.cli import main
+    from hfjax.cli.main import main
 
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({"model_path": "x", "actor": {"ppo_epochs": 0}}))
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "profile": "a100-80gb"}))

@@ -7,7 +7,7 @@ import torch
 import yaml
 from checkpoints import save_hf_model
 
-from hfjax.cli import main, parse_args
+from hfjax.cli.main import main, parse_args
 from hfjax.typed_config import ConfigError
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)

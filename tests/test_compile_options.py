@@ -18,9 +18,9 @@ from flax import nnx
 from tiny_models import TINY, random_model
 
 from hfjax.compile_options import GRADIENT_COMPILER_OPTIONS
+from hfjax.optim.train_state import _Frozen, _loss_and_grad
 from hfjax.rollout import JaxEngine, SamplingParams
 from hfjax.rollout.sampling import SamplerKind
-from hfjax.training.train_state import _Frozen, _loss_and_grad
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU library fusions")
 

@@ -11,14 +11,14 @@ import pytest
 from flax import nnx
 
 from hfjax.automap import ClusterSpec
+from hfjax.automap.run_config import predict_run, run_models
+from hfjax.cli.quickstart import QuickstartConfig
 from hfjax.config.rl import load_rl_config
 from hfjax.config.supervised import RMConfig, SFTConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.presets import named_config
 from hfjax.parallel import Layout
 from hfjax.parallel.layout import is_param_leaf
-from hfjax.quickstart import QuickstartConfig
-from hfjax.trainer.automap_run import predict_run, run_models
 from hfjax.typed_config import load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from hfjax.cli import main as cli
+from hfjax.cli.main import main as cli
 from hfjax.data import (
     AdditionTask,
     BatchLoader,

@@ -1,7 +1,7 @@
-"""The project's documentation stays true: docs/configuration.md equals what `hfjax.config_docs` generates from the
-config dataclasses, every config key is described, every local link of README.md and docs/*.md resolves (file and
-heading), every `hfjax` subcommand has a section in docs/cli.md, and no file refers to a path outside the
-repository."""
+"""The project's documentation stays true: docs/configuration.md equals what `hfjax.cli.config_reference`
+generates from the config dataclasses, every config key is described, every local link of README.md and docs/*.md
+resolves (file and heading), every `hfjax` subcommand has a section in docs/cli.md, and no file refers to a path
+outside the repository."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hfjax import config_docs
+from hfjax.cli import config_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -34,38 +34,38 @@ OUTSIDE = ("..".strip() + "/shared", "/" + "work" + "/")
 
 def test_configuration_page_is_generated() -> None:
     page = (DOCS / "configuration.md").read_text(encoding="utf-8")
-    assert page == config_docs.render(), (
-        "docs/configuration.md is out of date: run `python -m hfjax.config_docs > docs/configuration.md`"
+    assert page == config_reference.render(), (
+        "docs/configuration.md is out of date: run `python -m hfjax.cli.config_reference > docs/configuration.md`"
     )
 
 
 def test_every_config_key_is_described() -> None:
     missing = [
         f"{section.cls.__name__}: {row.key}"
-        for page in config_docs.pages()
+        for page in config_reference.pages()
         for section in [
-            *config_docs.sections(page.root),
-            *(s for k, c in page.extra for s in config_docs.sections(c, k)),
+            *config_reference.sections(page.root),
+            *(s for k, c in page.extra for s in config_reference.sections(c, k)),
         ]
         for row in section.rows
         if not row.description and row.type != "section"  # a section row links to its own table
     ]
-    assert not missing, f"add a comment beside these fields (or a note in hfjax/config_docs.py): {missing}"
+    assert not missing, f"add a comment beside these fields (or a note in hfjax/cli/config_reference.py): {missing}"
 
 
 def test_notes_name_fields_without_comments() -> None:
-    assert config_docs.stale_notes() == []
+    assert config_reference.stale_notes() == []
 
 
 def test_type_and_default_text() -> None:
     from typing import Literal
 
-    assert config_docs.type_text(Literal["a", "b"]) == '"a" | "b"'
-    assert config_docs.type_text(int | None) == "int | null"
-    assert config_docs.type_text(dict[str, float]) == "dict[str, float]"
-    assert config_docs.default_text(None) == "null"
-    assert config_docs.default_text(True) == "true"
-    assert config_docs.default_text([1, 2]) == "[1, 2]"
+    assert config_reference.type_text(Literal["a", "b"]) == '"a" | "b"'
+    assert config_reference.type_text(int | None) == "int | null"
+    assert config_reference.type_text(dict[str, float]) == "dict[str, float]"
+    assert config_reference.default_text(None) == "null"
+    assert config_reference.default_text(True) == "true"
+    assert config_reference.default_text([1, 2]) == "[1, 2]"
 
 
 def heading_anchors(text: str) -> set[str]:
@@ -74,7 +74,7 @@ def heading_anchors(text: str) -> set[str]:
     for line in FENCE.sub("", text).splitlines():
         match = re.match(r"#{1,6}\s+(.*)", line)
         if match:
-            base = config_docs._anchor(match.group(1).strip())
+            base = config_reference._anchor(match.group(1).strip())
             anchor, n = base, 0
             while anchor in anchors:
                 n += 1
@@ -110,7 +110,7 @@ def test_readme_links_every_docs_page() -> None:
 
 
 def test_cli_page_covers_every_subcommand() -> None:
-    from hfjax.cli import build_parser
+    from hfjax.cli.main import build_parser
 
     parser = build_parser()
     (action,) = [a for a in parser._actions if a.dest == "command"]

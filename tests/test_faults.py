@@ -34,19 +34,19 @@ import yaml
 from rl_setup import build_run_inputs, deterministic, rl_config
 from tensorboardX.proto.event_pb2 import Event
 
-from hfjax.cli_support import user_errors
+from hfjax.cli.runner import user_errors
 from hfjax.config.rl import load_rl_config
 from hfjax.controller import Dispatch, RayWorkerGroup, ResourcePool, Worker, register
 from hfjax.controller.liveness import LivenessConfig, WorkerHungError
 from hfjax.controller.worker_group import WorkerDiedError
+from hfjax.records import read_metrics
+from hfjax.records.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError
+from hfjax.records.run_dir import RunDirLock, RunDirLockedError
 from hfjax.trainer import launch
 from hfjax.trainer.health import RunStalledError
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.preemption import HARD_EXIT_MARGIN_S
 from hfjax.trainer.rl import RLTrainer
-from hfjax.training import read_metrics
-from hfjax.training.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError
-from hfjax.training.run_dir import RunDirLock, RunDirLockedError
 
 pytest_plugins = ["ray_cluster"]
 
@@ -97,7 +97,7 @@ def test_a_second_run_on_a_directory_refuses_and_a_dead_holders_lock_is_taken_ov
         [
             sys.executable,
             "-c",
-            f"from hfjax.training.run_dir import RunDirLock; RunDirLock({str(run_dir)!r}).acquire()"
+            f"from hfjax.records.run_dir import RunDirLock; RunDirLock({str(run_dir)!r}).acquire()"
             "; print('held', flush=True); import time; time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
@@ -120,7 +120,9 @@ def test_a_second_run_on_a_directory_refuses_and_a_dead_holders_lock_is_taken_ov
                 run_rl(load_rl_config(rl_config(inputs, run_dir, "grpo", trainer={"backend": "ray"})))
         (tmp_path / "run.yaml").write_text(yaml.safe_dump(rl_config(inputs, run_dir, "grpo")))
         cli = subprocess.run(
-            [sys.executable, "-m", "hfjax.cli", "train", str(tmp_path / "run.yaml")], capture_output=True, text=True
+            [sys.executable, "-m", "hfjax.cli.main", "train", str(tmp_path / "run.yaml")],
+            capture_output=True,
+            text=True,
         )
         assert cli.returncode == 2
         assert cli.stderr.strip().splitlines()[-1].startswith(f"hfjax train: trainer.run_dir: {run_dir} is in use by")
@@ -239,7 +241,7 @@ def test_a_damaged_step_is_set_aside_in_one_warning_without_asyncio_tracebacks(t
     gc.collect()  # a task or future whose error nobody retrieved is reported when it is collected
     printed = "\n".join([capfd.readouterr().err, caplog.text, *unraisable])
     assert not [line for line in printed.splitlines() if any(s in line for s in ASYNCIO_LEFTOVERS)], printed
-    warnings = [r.getMessage() for r in caplog.records if r.name == "hfjax.training.checkpoint"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hfjax.records.checkpoint"]
     assert len(warnings) == 3 and all("is unreadable" in w and "falling back" in w for w in warnings)
 
 
@@ -300,7 +302,7 @@ def _signal_train(config: Path, due: Callable[[], bool], signum: int) -> tuple[i
     """Runs `hfjax train config` in a subprocess, sends it `signum` once `due()` (polled), and returns its exit code,
     its stderr and the seconds from the signal to its exit."""
     driver = subprocess.Popen(
-        [sys.executable, "-m", "hfjax.cli", "train", str(config)],
+        [sys.executable, "-m", "hfjax.cli.main", "train", str(config)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -466,7 +468,7 @@ def test_local_ray_listens_on_loopback_only_prefixes_worker_output_and_removes_i
     temp = Path(tempfile.mkdtemp(prefix="hfx"))  # short: Ray's socket paths must fit in 107 bytes
     script = f"""
 import json, tempfile, time, psutil, ray
-from hfjax.cli_support import user_errors
+from hfjax.cli.runner import user_errors
 from hfjax.config.rl import load_rl_config
 from hfjax.controller import RayWorkerGroup, ResourcePool
 from hfjax.trainer.launch import ray_session

@@ -10,10 +10,10 @@ import pytest
 from huggingface_hub import constants
 from rl_setup import build_run_inputs, rl_config
 
-from hfjax.cli import main as cli
+from hfjax.cli.main import main as cli
 from hfjax.config.rl import load_rl_config
 from hfjax.data.records import read_rows, write_rows
-from hfjax.hub import is_hub_id, resolve_model
+from hfjax.models.hub import is_hub_id, resolve_model
 from hfjax.trainer.launch import run_rl
 from hfjax.typed_config import ConfigError
 

@@ -20,12 +20,12 @@ from checkpoints import left_padded_batch, relative_error, save_hf_model
 from flax import nnx
 
 from hfjax.models import load_hf
+from hfjax.optim import TrainState, compile_counts
 from hfjax.parallel import HybridEngine, Layout, hybrid_engine
 from hfjax.parallel.host_local import replica_positions
 from hfjax.parallel.hybrid_engine import _to_memory
 from hfjax.parallel.layout import LayoutError
 from hfjax.parallel.shard_math import containing_order
-from hfjax.training import TrainState, compile_counts
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)
 CONTAINED_PAIRS = {

@@ -13,17 +13,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hfjax"
 
 # Bottom to top: a unit imports only units of the layers below its own (never a sibling of its layer).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("protocol", "typed_config", "user_code", "compile_options", "compile_cache", "plot"),
-    ("hub", "parallel"),
+    ("protocol", "typed_config", "user_code", "compile_options", "compile_cache"),
+    ("parallel",),
     ("models",),
     ("rollout", "data"),
-    ("envs", "controller", "algos", "rewards", "training"),
-    ("automap",),
+    ("envs", "controller", "algos", "rewards", "optim", "records"),
     ("config",),
-    ("workers",),
+    ("workers", "automap"),
     ("trainer",),
-    ("compiled", "quickstart"),
-    ("config_docs", "cli_support", "layout_table", "packaged"),
+    ("compiled",),
     ("cli",),
 )
 

@@ -13,7 +13,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from hfjax.plot import (
+from hfjax.records.plot import (
     DPI,
     PANEL_SIZE,
     PlotError,
@@ -26,7 +26,7 @@ from hfjax.plot import (
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# metric name -> the panel that must draw it (written by hand from verl's metric names, not read from hfjax.plot)
+# metric name -> the panel that must draw it (by hand from verl's metric names, not read from hfjax.records.plot)
 METRIC_PANEL = {
     "critic/score/mean": "reward",
     "critic/rewards/mean": "reward",

@@ -19,10 +19,10 @@ from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_hf, load_tokenizer
+from hfjax.optim import TrainState
+from hfjax.optim.optimizer import OptimConfig, make_optimizer
 from hfjax.parallel import HybridEngine, Layout
 from hfjax.protocol import DataProto
-from hfjax.training import TrainState
-from hfjax.training.optim import OptimConfig, make_optimizer
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)

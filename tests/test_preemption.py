@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hfjax.cli_support import run_command
+from hfjax.cli.runner import run_command
 from hfjax.trainer.preemption import (
     EXIT_PREEMPTED,
     Preempted,

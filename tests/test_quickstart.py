@@ -11,10 +11,10 @@ import torch
 import transformers as tf
 from rl_setup import QUICKSTART_SMOKE as SMOKE
 
+from hfjax.cli.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
 from hfjax.config.rl import load_rl_config
-from hfjax.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
+from hfjax.records.metrics import read_metrics
 from hfjax.trainer.launch import run_rl
-from hfjax.training.metrics import read_metrics
 from hfjax.typed_config import load_config
 
 pytest_plugins = ["ray_cluster"]

@@ -3,8 +3,8 @@ though the base model is a Llama (whose own format the rollout would pick otherw
 
 from pathlib import Path
 
-from hfjax.packaged import config_path
-from hfjax.quickstart import QuickstartConfig, rl_config
+from hfjax.cli.packaged import config_path
+from hfjax.cli.quickstart import QuickstartConfig, rl_config
 from hfjax.typed_config import load_config
 
 FILES = {"train": Path("train.parquet"), "test": Path("test.parquet")}

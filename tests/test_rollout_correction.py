@@ -22,7 +22,7 @@ from rollout_correction_reference import (
 
 from hfjax import algos
 from hfjax.algos import REJECTION_OPTIONS, mismatch_metrics, policy_loss, register_policy_loss, rollout_correction
-from hfjax.training.train_state import combine_metric
+from hfjax.optim.train_state import combine_metric
 from hfjax.workers.model_role import step_metrics
 
 TOL = dict(rtol=1e-5, atol=1e-6)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from checkpoints import save_hf_model
 
-from hfjax.cli import main as cli
+from hfjax.cli.main import main as cli
 from hfjax.config import RMConfig, SFTConfig
 from hfjax.data import PreferenceDataset, SFTDataset, write_rows
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
+from hfjax.records import CheckpointManager, MetricsLogger, read_metrics
 from hfjax.trainer.rm import run_rm
 from hfjax.trainer.sft import run_sft
-from hfjax.training import CheckpointManager, MetricsLogger, read_metrics
 from hfjax.typed_config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

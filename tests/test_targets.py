@@ -146,8 +146,8 @@ def test_the_optimizer_step_updates_its_donated_buffers_in_place(name: str) -> N
     """The AdamW step (clipping, the update, the skip of a non-finite step) needs no temporaries of the parameters'
     size on an accelerator: it writes the donated parameters and moments in place. With the skip as a `lax.cond`, the
     H100 program held three float32 copies of the parameters (5.5 GiB of a Qwen2.5-0.5B GRPO step's 14.7 GiB peak)."""
-    from hfjax.training import OptimConfig, make_optimizer
-    from hfjax.training.train_state import apply_program, frozen
+    from hfjax.optim import OptimConfig, make_optimizer
+    from hfjax.optim.train_state import apply_program, frozen
 
     device = jax.sharding.SingleDeviceSharding(target_devices(parse_target(name))[0])
     params = {"w": jnp.zeros((2048, 4096), jnp.float32), "b": jnp.zeros((4096,), jnp.float32)}  # 32 MiB

@@ -7,8 +7,8 @@ import pytest
 from rl_setup import build_run_inputs, rl_config
 
 from hfjax.config.rl import load_rl_config
+from hfjax.records import read_metrics
 from hfjax.trainer.launch import run_rl
-from hfjax.training import read_metrics
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""hfjax.training on 8 fake CPU devices: the learning-rate schedule against its formula, TrainState (one AdamW step
+"""hfjax.optim on 8 fake CPU devices: the learning-rate schedule against its formula, TrainState (one AdamW step
 against a numpy reference, micro-batch accumulation equal to the whole batch, non-finite steps skipped, one compile
 per shape), orbax checkpoints (bitwise round trip, restore into another layout, fallback past a damaged latest step,
 a leftover partial save) and the metrics log."""
@@ -17,18 +17,9 @@ from flax import nnx
 from tiny_models import TINY, random_model
 
 from hfjax.algos import agg_loss, logprobs_from_logits
+from hfjax.optim import OptimConfig, TrainState, compile_counts, learning_rate_schedule, make_optimizer
 from hfjax.parallel import Layout
-from hfjax.training import (
-    CheckpointError,
-    CheckpointManager,
-    MetricsLogger,
-    OptimConfig,
-    TrainState,
-    compile_counts,
-    learning_rate_schedule,
-    make_optimizer,
-    read_metrics,
-)
+from hfjax.records import CheckpointError, CheckpointManager, MetricsLogger, read_metrics
 
 TRAIN_LAYOUT = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"}
 OTHER_LAYOUT = {"mesh": {"fsdp": 8}, "rules": "fsdp"}
@@ -252,7 +243,7 @@ def test_damaged_latest_falls_back_and_partial_save_is_ignored(tmp_path, trained
     targets = {"params": trained_state.abstract_items()["params"]}
     with pytest.raises(CheckpointError, match="unreadable"):
         manager.restore(2, targets)
-    with caplog.at_level(logging.WARNING, logger="hfjax.training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hfjax.records.checkpoint"):
         step, items, extra = manager.restore(None, targets)
     assert step == 1 and extra == {"n": 1}
     assert "step 2" in caplog.text and "falling back" in caplog.text

@@ -17,11 +17,11 @@ import yaml
 from rl_setup import build_run_inputs, rl_config, write_varied_reward
 
 from hfjax.algos import ADVANTAGE_ESTIMATORS, actor_options, policy_loss
-from hfjax.cli import main
+from hfjax.cli.main import main
 from hfjax.config.rl import load_rl_config
+from hfjax.records.metrics import read_metrics
 from hfjax.trainer.programs import PROGRAMS, program_for
 from hfjax.trainer.step import PUBLIC_API, Step
-from hfjax.training.metrics import read_metrics
 from hfjax.typed_config import ConfigError
 from hfjax.user_code import load_callable
 

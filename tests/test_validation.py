@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 from rl_setup import build_run_inputs, rl_config
 
-from hfjax.cli import main
+from hfjax.cli.main import main
+from hfjax.cli.quickstart import QuickstartConfig, run_quickstart
 from hfjax.config.rl import load_rl_config
 from hfjax.config.supervised import SFTConfig
 from hfjax.data.records import DataError, read_rows, write_rows
 from hfjax.protocol import DataProto
-from hfjax.quickstart import QuickstartConfig, run_quickstart
 from hfjax.rewards import RewardError, load_reward_function
+from hfjax.rewards.rule_reward import ERRORS_METRIC, RuleReward
 from hfjax.trainer import launch, preflight
 from hfjax.trainer.preflight import check_rl_run
 from hfjax.trainer.supervised import check_supervised_run
 from hfjax.typed_config import ConfigError, load_config
-from hfjax.workers.rule_reward import ERRORS_METRIC, RuleReward
 
 BASE = {"model_path": "unused", "rollout": {"n": 2}}
 

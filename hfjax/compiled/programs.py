@@ -32,18 +32,18 @@ from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.transformer import set_remat
-from hfjax.parallel.layout import Layout
-from hfjax.rollout import JaxEngine
-from hfjax.rollout.interface import power_of_two_at_least, prefill_buckets
-from hfjax.rollout.sampling import SamplerKind
-from hfjax.training.optim import make_optimizer
-from hfjax.training.train_state import (
+from hfjax.optim.optimizer import make_optimizer
+from hfjax.optim.train_state import (
     abstract_optimizer_state,
     apply_program,
     batch_sharding,
     frozen,
     grad_program,
 )
+from hfjax.parallel.layout import Layout
+from hfjax.rollout import JaxEngine
+from hfjax.rollout.interface import power_of_two_at_least, prefill_buckets
+from hfjax.rollout.sampling import SamplerKind
 from hfjax.workers.actor import actor_loss, response_logprobs
 from hfjax.workers.critic import critic_loss, response_values
 from hfjax.workers.generation import sampling_params

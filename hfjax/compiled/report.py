@@ -16,6 +16,7 @@ from typing import Any
 
 from hfjax.automap.cluster import GIB, ClusterSpec
 from hfjax.automap.cost import InfeasibleError
+from hfjax.automap.run_config import predict_run, run_models
 from hfjax.compiled.programs import (
     ProgramMemory,
     actor_programs,
@@ -32,7 +33,6 @@ from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
 from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.parallel.layout import Layout, LayoutError
-from hfjax.trainer.automap_run import predict_run, run_models
 from hfjax.trainer.preflight import MEMORY_ONLY_PROFILE, with_default_gen_layout
 from hfjax.typed_config import ConfigError
 

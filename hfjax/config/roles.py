@@ -19,7 +19,7 @@ from hfjax.algos.kl import KL_ALIASES, KL_KINDS
 from hfjax.algos.losses import POLICY_LOSSES, check_actor_policy_loss
 from hfjax.algos.rollout_correction import parse_is_threshold
 from hfjax.algos.rollout_rejection import parse_rejection
-from hfjax.training.optim import OptimConfig
+from hfjax.optim.optimizer import OptimConfig
 from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_fields, check_name
 
 Dtype = Literal["float32", "bfloat16", "float16"]

@@ -8,8 +8,8 @@ import math
 from typing import Any, Literal
 
 from hfjax.config.roles import Dtype, warn_low_precision_master
+from hfjax.optim import OptimConfig
 from hfjax.parallel import Layout
-from hfjax.training import OptimConfig
 from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, ZERO_AT_END, check_fields
 
 

@@ -21,7 +21,7 @@ def prepare_task(name: str, out_dir: str | Path, source: str | Path | None = Non
             raise DataError("--from: the addition task is generated, it reads no files")
         return write_addition_task(AdditionTask(), out_dir)
     if name == "gsm8k":
-        from hfjax.hub import snapshot
+        from hfjax.models.hub import snapshot
 
         folder = Path(source) if source is not None else snapshot(DATA_SOURCE, "--from", "dataset", ["main/*"])
         return convert_gsm8k(folder, out_dir)

@@ -60,3 +60,12 @@ def agent_metrics(columns: dict[str, np.ndarray], env_tokens: int, tokens: int) 
     for code, reason in enumerate(FINISH_REASONS):
         out[f"agent/finish/{reason}"] = float((columns["agent_finish"] == code).sum()) / count
     return out
+
+
+def batch_agent_metrics(batch: dict[str, np.ndarray]) -> dict[str, float]:
+    """The turn metrics (`hfjax.envs.trajectory.agent_metrics`) of a whole rollout batch of trajectories; environment
+    tokens are the attended response tokens outside `response_mask`."""
+    width = batch["responses"].shape[1]
+    attended = int(np.asarray(batch["attention_mask"])[:, -width:].sum())
+    env_tokens = attended - int(np.asarray(batch["response_mask"]).sum())
+    return agent_metrics({k: np.asarray(batch[k]) for k in AGENT_COLUMNS}, env_tokens, attended)

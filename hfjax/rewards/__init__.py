@@ -1,5 +1,6 @@
-"""Rule rewards computed from response text: GSM8K answers, exact match, user functions from `file.py:name`, and
-verl-style dispatch by data source."""
+"""Rewards computed on the controller: rule rewards from response text (GSM8K answers, exact match, user functions
+from `file.py:name`, verl-style dispatch by data source), the rule-reward step over a batch (`rule_reward.RuleReward`)
+and sequence scores placed on the last response token (`token_level`)."""
 
 from hfjax.rewards.dispatch import SCORERS, compute_score, make_reward_function, register_scorer
 from hfjax.rewards.errors import RewardError

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hfjax.config.rl import RLConfig, load_rl_config
+from hfjax.records.run_dir import RunDirLock
 from hfjax.trainer.preflight import check_rl_run, resolve_hub_models
 from hfjax.trainer.rl import RLTrainer
-from hfjax.training.run_dir import RunDirLock
 from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
@@ -126,7 +126,7 @@ def _train(cfg: RLConfig, lock: RunDirLock) -> list[dict[str, float]]:
         raise
     trainer.close()
     if cfg.trainer.plot and "jsonl" in cfg.trainer.logger:
-        from hfjax.plot import plot_finished_run
+        from hfjax.records.plot import plot_finished_run
 
         plot_finished_run(cfg.trainer.run_dir)
     return history

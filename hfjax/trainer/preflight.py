@@ -24,16 +24,16 @@ import jax
 
 from hfjax.automap.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.automap.cost import CostOptions, InfeasibleError, Prediction
+from hfjax.automap.run_config import predict_run
 from hfjax.config.rl import RLConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, RowRef, read_rows
-from hfjax.hub import is_hub_id, resolve_model
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import check_checkpoint, load_tokenizer, read_config
+from hfjax.models.hub import is_hub_id, resolve_model
 from hfjax.models.safetensors_io import CheckpointError
 from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
 from hfjax.rewards import SCORERS, RewardError, load_reward_function
-from hfjax.trainer.automap_run import predict_run
 from hfjax.trainer.prompt_lengths import check_prompt_lengths
 from hfjax.typed_config import ConfigError
 
@@ -113,7 +113,7 @@ def device_memory(cfg: RLConfig) -> tuple[float, str] | None:
 
 def resolve_hub_models(cfg: RLConfig) -> RLConfig:
     """A copy of `cfg` whose model and tokenizer paths that are Hugging Face Hub ids (`org/name`) are replaced by
-    their local snapshots (`hfjax.hub`); local paths stay as they are."""
+    their local snapshots (`hfjax.models.hub`); local paths stay as they are."""
     cfg = copy.deepcopy(cfg)
     cfg.model_path = resolve_model(cfg.model_path, "model_path")
     cfg.tokenizer_path = resolve_model(cfg.tokenizer_path, "tokenizer_path")

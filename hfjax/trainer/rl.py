@@ -25,6 +25,10 @@ from hfjax.data import BatchLoader, PromptDataset
 from hfjax.data.records import DataError
 from hfjax.models import load_tokenizer
 from hfjax.protocol import DataProto
+from hfjax.records.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError, UnreadableStepError
+from hfjax.records.metrics import MetricsLogger
+from hfjax.records.run_dir import RunDirLock, save_run_config
+from hfjax.rewards.rule_reward import RuleReward
 from hfjax.trainer.health import RunHealth
 from hfjax.trainer.placement import spawn_roles
 from hfjax.trainer.preemption import Preempted, SigtermGuard, StepAbandoned, abandoned_message, saved_message
@@ -33,11 +37,7 @@ from hfjax.trainer.rl_metrics import data_metrics
 from hfjax.trainer.rollout_stream import RolloutStream
 from hfjax.trainer.step import Step, group_names
 from hfjax.trainer.timeline import Timeline, truncate
-from hfjax.training.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError, UnreadableStepError
-from hfjax.training.metrics import MetricsLogger
-from hfjax.training.run_dir import RunDirLock, save_run_config
 from hfjax.typed_config import ConfigError, to_dict
-from hfjax.workers.rule_reward import RuleReward
 
 log = logging.getLogger(__name__)
 TRAINED_ROLES = ("actor", "critic", "cost_critic")
@@ -223,7 +223,7 @@ class RLTrainer:
         trainer, step = self.cfg.trainer, self.step
         sinks = []
         if "wandb" in trainer.logger:
-            from hfjax.training.wandb_sink import WandbSink
+            from hfjax.records.wandb_sink import WandbSink
 
             experiment = trainer.experiment_name or self.run_dir.resolve().name
             sinks.append(WandbSink(self.run_dir, trainer.project_name, experiment, to_dict(self.cfg), step))

@@ -18,9 +18,10 @@ import numpy as np
 
 from hfjax.algos import compute_advantage, kl_penalty, masked_mean, masked_seq_mean, rollout_correction
 from hfjax.config.rl import RLConfig
+from hfjax.envs.trajectory import batch_agent_metrics
 from hfjax.protocol import ROW_IN_LOSS, DataProto
+from hfjax.rewards.token_level import scores_to_token_level
 from hfjax.trainer.timeline import Timeline
-from hfjax.workers.sequences import batch_agent_metrics, scores_to_token_level
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
 PUBLIC_API = (

@@ -22,14 +22,15 @@ from tqdm.auto import tqdm
 
 from hfjax.config.supervised import DataSection, SupervisedConfig
 from hfjax.data import BatchLoader
-from hfjax.hub import resolve_model
 from hfjax.models import load_hf, load_tokenizer, save_hf
+from hfjax.models.hub import resolve_model
+from hfjax.optim import TrainState, make_optimizer
+from hfjax.optim.train_state import split_rows
 from hfjax.parallel import layout_or_default
+from hfjax.records import CheckpointManager, MetricsLogger
+from hfjax.records.run_dir import RunDirLock, save_run_config
 from hfjax.trainer.preemption import Preempted, SigtermGuard, StepAbandoned, abandoned_message, saved_message
 from hfjax.trainer.preflight import check_positions, model_config
-from hfjax.training import CheckpointManager, MetricsLogger, TrainState, make_optimizer
-from hfjax.training.run_dir import RunDirLock, save_run_config
-from hfjax.training.train_state import split_rows
 from hfjax.typed_config import ConfigError, load_config, to_dict
 
 CHECKPOINT_DIR = "checkpoints"
@@ -177,7 +178,7 @@ def _run_in_dir(cfg: SupervisedConfig, objective: Objective, is_main: bool) -> d
         if trainer.export_hf:
             export(state, tokenizer, run_dir / EXPORT_DIR)
         if trainer.plot and is_main:
-            from hfjax.plot import plot_finished_run
+            from hfjax.records.plot import plot_finished_run
 
             plot_finished_run(run_dir)
         return last

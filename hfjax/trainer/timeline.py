@@ -4,7 +4,7 @@ This module owns the `Span` record, the `Timeline` that collects spans (in memor
 JSONL file one span a line: `{"step", "group", "name", "start", "end"}`, seconds since the timeline's origin), the
 measures derived from them (busy seconds as the union of a group's spans, idle fractions, the seconds during which
 two or more groups were busy at once) as the `timeline/...` step metrics, and `truncate`, which cuts a timeline file
-back to a checkpointed step when a run resumes. `hfjax plot` draws the file as a Gantt chart (`hfjax.plot`).
+back to a checkpointed step when a run resumes. `hfjax plot` draws the file as a Gantt chart (`hfjax.records.plot`).
 
 """
 

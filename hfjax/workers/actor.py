@@ -27,12 +27,12 @@ from hfjax.algos import (
 )
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, register
+from hfjax.optim.optimizer import make_optimizer
+from hfjax.optim.train_state import TrainState
 from hfjax.parallel import HybridEngine, layout_or_default
 from hfjax.parallel.host_local import local_view, process_layout
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
-from hfjax.training.optim import make_optimizer
-from hfjax.training.train_state import TrainState
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
 from hfjax.workers.packing import response_positions, to_response_rows

@@ -16,10 +16,10 @@ import numpy as np
 from hfjax.algos import value_loss
 from hfjax.config.roles import CriticConfig
 from hfjax.controller import Dispatch, register
+from hfjax.optim.optimizer import make_optimizer
+from hfjax.optim.train_state import TrainState
 from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
-from hfjax.training.optim import make_optimizer
-from hfjax.training.train_state import TrainState
 from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
 from hfjax.workers.packing import response_positions, to_response_rows
 

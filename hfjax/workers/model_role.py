@@ -22,11 +22,11 @@ from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
+from hfjax.optim.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
 from hfjax.parallel import Layout
 from hfjax.parallel.global_arrays import process_reduce, to_local
 from hfjax.protocol import PADDING_ROWS, ROW_IN_LOSS, DataProto
-from hfjax.training.checkpoint import CheckpointManager, UnreadableStepError
-from hfjax.training.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
+from hfjax.records.checkpoint import CheckpointManager, UnreadableStepError
 from hfjax.workers.packing import packed_micro_batches
 from hfjax.workers.sequences import trimmed_chunks
 

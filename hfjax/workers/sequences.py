@@ -14,11 +14,11 @@ import jax
 import numpy as np
 
 from hfjax.data.tokenize import position_ids
-from hfjax.envs.trajectory import AGENT_COLUMNS, agent_columns, agent_metrics
+from hfjax.envs.trajectory import agent_columns
+from hfjax.optim.train_state import split_rows
 from hfjax.parallel.global_arrays import process_reduce
 from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
-from hfjax.training.train_state import split_rows
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]; `prompts` is [B, P], the rest [B, R]
 
@@ -97,35 +97,9 @@ def _own_prompts(
     return out, out_mask
 
 
-def batch_agent_metrics(batch: dict[str, np.ndarray]) -> dict[str, float]:
-    """The turn metrics (`hfjax.envs.trajectory.agent_metrics`) of a whole rollout batch of trajectories; environment
-    tokens are the attended response tokens outside `response_mask`."""
-    width = batch["responses"].shape[1]
-    attended = int(np.asarray(batch["attention_mask"])[:, -width:].sum())
-    env_tokens = attended - int(np.asarray(batch["response_mask"]).sum())
-    return agent_metrics({k: np.asarray(batch[k]) for k in AGENT_COLUMNS}, env_tokens, attended)
-
-
 def response_slice(per_token: jax.Array, response_length: int) -> jax.Array:
     """The outputs at the positions that predict the response tokens: [:, -R - 1 : -1]."""
     return per_token[:, -response_length - 1 : -1]
-
-
-def last_response_index(response_mask: np.ndarray) -> np.ndarray:
-    """Index of each row's last real response token (0 for an empty response); in a multi-turn trajectory, the
-    model's last token (environment tokens are 0 in the mask)."""
-    width = response_mask.shape[-1]
-    last = width - 1 - np.argmax(response_mask[..., ::-1] > 0, axis=-1)
-    return np.where(response_mask.any(axis=-1), last, 0)
-
-
-def scores_to_token_level(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-    """A sequence score placed on the last real response token: [B] -> [B, R] (zeros elsewhere)."""
-    out = np.zeros(response_mask.shape, np.float32)
-    rows = np.arange(len(scores))
-    has_tokens = response_mask.sum(axis=-1) > 0
-    out[rows[has_tokens], last_response_index(response_mask)[has_tokens]] = scores[has_tokens]
-    return out
 
 
 def content_lengths(batch: dict[str, np.ndarray], response_length: int) -> tuple[np.ndarray, np.ndarray]:

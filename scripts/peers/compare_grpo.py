@@ -7,7 +7,7 @@ are printed as a warning). TRL's comes from `trl_grpo.py`; hfjax's from `scripts
 `summaries.grpo` is used) or any JSON of that shape. Usage:
     python scripts/peers/compare_grpo.py [--hfjax runs/bench/rl_step.json] [--trl runs/peers/trl_grpo.json]
 Writes `--out` (JSON: the table rows plus both inputs) and `--plot` (the reward curves of both runs).
-Imports rich (via `bench_common.report`) and `hfjax.plot` (matplotlib).
+Imports rich (via `bench_common.report`) and `hfjax.records.plot` (matplotlib).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_common import report  # noqa: E402
 
-from hfjax.plot import compare_runs  # noqa: E402
+from hfjax.records.plot import compare_runs  # noqa: E402
 
 REQUIRED = ("seconds_per_step", "tokens_per_s", "steps", "metrics_jsonl")
 REWARD = "critic/score/mean"

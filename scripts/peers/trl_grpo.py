@@ -13,7 +13,7 @@ trainer callback, split into verl's `timing_s/{gen,reward,ref,update_actor}` fro
 `seconds_per_step` is the median over the steps after the first (the first when only one ran); `tokens_per_s`
 divides the tokens of those steps (prompt + response tokens, verl's `perf/throughput`) by their time.
 Writes the summary JSON (`--out`) and the per-step metrics with verl's names as JSONL (`--metrics`), which
-`hfjax.plot.compare_runs` draws. Run in the TRL virtualenv (`bash scripts/peers/setup_trl.sh` makes it):
+`hfjax.records.plot.compare_runs` draws. Run in the TRL virtualenv (`bash scripts/peers/setup_trl.sh` makes it):
     runs/peers/trl-venv/bin/python scripts/peers/trl_grpo.py [--ckpt DIR] [--steps 2] [--tiny]
 With `--tiny` and no TRL installed, only the workload is built and the summary says why training was skipped.
 Imports torch, transformers, datasets and trl, and `workload.py`/`reward.py` beside it; never hfjax's JAX code.
@@ -35,7 +35,7 @@ from bench_common import parse_args as parse_with_tiny  # noqa: E402
 from reward import trl_reward  # noqa: E402
 from workload import DEFAULT_OUT, ROOT, checkpoint, write_workload  # noqa: E402
 
-# TRL's logged metric -> verl's name (the names hfjax logs and hfjax.plot draws)
+# TRL's logged metric -> verl's name (the names hfjax logs and hfjax.records.plot draws)
 TRL_TO_VERL = {
     "reward": "critic/score/mean",
     "reward_std": "critic/score/std",

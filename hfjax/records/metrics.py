@@ -59,7 +59,7 @@ def _number(key: str, value: Any) -> float:
 
 
 class MetricsSink(Protocol):
-    """Another destination of the metrics (e.g. `hfjax.training.wandb_sink.WandbSink`)."""
+    """Another destination of the metrics (e.g. `hfjax.records.wandb_sink.WandbSink`)."""
 
     def log(self, step: int, values: Mapping[str, float]) -> None: ...
 

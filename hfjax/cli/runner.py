@@ -32,13 +32,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from hfjax.models.config import UnsupportedModelError
     from hfjax.models.safetensors_io import CheckpointError as ModelFileError
     from hfjax.parallel.layout import LayoutError
-    from hfjax.plot import PlotError
+    from hfjax.records.checkpoint import CheckpointError
+    from hfjax.records.plot import PlotError
+    from hfjax.records.run_dir import RunDirLockedError
     from hfjax.rewards import RewardError
     from hfjax.rollout.prompt_file import PromptFileError
     from hfjax.rollout.sampling import SamplingError
     from hfjax.trainer.health import RunStalledError
-    from hfjax.training.checkpoint import CheckpointError
-    from hfjax.training.run_dir import RunDirLockedError
     from hfjax.typed_config import ConfigError
 
     return (

@@ -14,7 +14,7 @@ import numpy as np
 
 from hfjax.protocol import DataProto
 from hfjax.rewards import RewardError, make_reward_function
-from hfjax.workers.sequences import scores_to_token_level
+from hfjax.rewards.token_level import scores_to_token_level
 
 ERRORS_METRIC = "reward/errors"
 RESPONSE_CHARS = 120  # of a failing sample's response shown in its error

@@ -32,8 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS, GRADIENT_COMPILER_OPTIONS
 from hfjax.models.program import program_layout
+from hfjax.optim.optimizer import current_learning_rate
 from hfjax.parallel import Layout, LayoutError
-from hfjax.training.optim import current_learning_rate
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 

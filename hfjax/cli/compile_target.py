@@ -1,0 +1,45 @@
+"""`hfjax compile CONFIG --target T`: compile every program of a run for a TPU or GPU target on this machine and
+print memory per device against the target's; exit 1 when it does not fit."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    compile_ = sub.add_parser(
+        "compile", help="compile a run's programs for a TPU or GPU target on this machine; print memory per device"
+    )
+    compile_.add_argument("config", help="YAML config (see configs/)")
+    compile_.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.micro_batch_size=8")
+    compile_.add_argument("--target", required=True, help="v5e:2x4, v5p:2x2x1, v6e:2x4, h100, h100x8, a100-80gbx8, ...")
+    compile_.add_argument("--json", help="also write the table as JSON to this file")
+    compile_.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hfjax.compiled import parse_target
+
+    target = parse_target(args.target)  # before any config work: a bad name is the first error
+    from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak
+    from hfjax.config.rl import load_rl_config
+
+    cfg = load_rl_config(args.config, args.overrides)
+    programs = compile_run(cfg, target)
+    predicted = predicted_peak(cfg, target)
+    print(format_report(programs, target, predicted))
+    problems = fits(programs, target)
+    for line in problems:
+        print(line)
+    if args.json:
+        rows = [{**dataclasses.asdict(p), "peak": p.peak} for p in programs]
+        Path(args.json).write_text(
+            json.dumps(
+                {"target": target.name, "programs": rows, "fits": not problems, "cost_model_peak": predicted}, indent=1
+            )
+        )
+    return 1 if problems else 0

@@ -1,0 +1,26 @@
+"""The training step's state on the workers: the optimizer (`OptimConfig`, `make_optimizer`, the learning-rate
+schedule) and sharded parameter and optimizer state with gradient accumulation (`TrainState`). Names load lazily,
+so importing `hfjax.optim.optimizer` (for config dataclasses) does not import the train state's dependencies."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "OptimConfig": "optimizer",
+    "learning_rate_schedule": "optimizer",
+    "make_optimizer": "optimizer",
+    "TrainState": "train_state",
+    "batch_sharding": "train_state",
+    "compile_counts": "train_state",
+    "place_batch": "train_state",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hfjax.optim' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hfjax.optim.{_EXPORTS[name]}"), name)

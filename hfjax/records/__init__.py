@@ -1,0 +1,24 @@
+"""What a run keeps in its run directory: atomic orbax checkpoints with fallback (`CheckpointManager`), metrics to
+console, JSONL and TensorBoard (`MetricsLogger`, `read_metrics`; W&B in `wandb_sink`), their PNG plots (`plot`),
+and the directory's lock and saved config (`run_dir`). Names load lazily, so importing one does not import orbax or
+tensorboardX."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointError": "checkpoint",
+    "CheckpointManager": "checkpoint",
+    "MetricsLogger": "metrics",
+    "read_metrics": "metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hfjax.records' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hfjax.records.{_EXPORTS[name]}"), name)
