@@ -4,7 +4,7 @@
 # checkout through PYTHONPATH). In turn, each with a time limit, each kept going past a failure of another:
 #   1. environment: jax/jaxlib versions, backend, device kind (fails unless JAX runs on the GPU);
 #   2. parity tests on the GPU backend: tests/test_model_parity.py and tests/test_rollout.py, counts per file;
-#   3. scripts/bench_generate.py: hfjax vs transformers generate (both on the GPU), output tokens/s;
+#   3. scripts/bench/bench_generate.py: hfjax vs transformers generate (both on the GPU), output tokens/s;
 #   4. GRPO iterations at verl's quickstart workload: Qwen2.5-0.5B shape with random weights (built locally),
 #      256 prompts x 5 samples x 512-token responses (then 256, 128 if those run out of memory), bf16,
 #      trainer.backend=local; seconds per step and tokens/s of the steps after the first (compiles).
@@ -110,7 +110,7 @@ generate() {
   if [ ! -f "$ckpt/config.json" ]; then
     local tiny_flag=()
     [ "$TINY" = 1 ] && tiny_flag=(--tiny)
-    "$PYTHON" scripts/make_reference_ckpt.py "$ckpt.partial" "${tiny_flag[@]}" || return 3
+    "$PYTHON" scripts/bench/make_reference_ckpt.py "$ckpt.partial" "${tiny_flag[@]}" || return 3
     rm -rf "$ckpt" && mv "$ckpt.partial" "$ckpt"
   fi
   # JAX shares the GPU with PyTorch in this process: allocate on demand instead of taking 75% up front

@@ -5,7 +5,8 @@ limit), so that a check that crashes, hangs or runs out of device memory leaves 
 Subcommands:
     env OUT.json                      jax/jaxlib versions, backend, device kind and count, flax/transformers/torch
     pytest JUNIT.xml OUT.json FILE..  passed/failed/skipped counts per test file from pytest's JUnit XML
-    generate OUT.json -- ARGS         scripts/bench_generate.py with ARGS, the transformers side on the GPU when JAX
+    generate OUT.json -- ARGS         scripts/bench/bench_generate.py with ARGS, the transformers side on the GPU when
+    JAX
                                       runs on one (torch's default device and the reference model moved there)
     grpo OUT.json [--tiny] [--prompts 256 --group 5 --response-lengths 512,256,128 --steps 2 ...]
                                       GRPO iterations at verl's quickstart workload (Qwen2.5-0.5B shape, random weights,
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
+SCRIPTS = ROOT / "scripts" / "bench"
 GRPO_CONFIG = ROOT / "configs" / "gsm8k" / "qwen2.5-0.5b-grpo-1gpu.yaml"  # verl's 1-GPU GRPO recipe, in hfjax keys
 REWARD = f"{SCRIPTS / 'peers' / 'reward.py'}:compute_score"
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory", "rollout.slots=")
@@ -122,7 +123,7 @@ def cmd_pytest(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------------------------------- generate
 def cmd_generate(args: argparse.Namespace) -> None:
-    """Runs scripts/bench_generate.py's `main` in this process; when JAX runs on a GPU (and torch sees one), the
+    """Runs scripts/bench/bench_generate.py's `main` in this process; when JAX runs on a GPU (and torch sees one), the
     transformers reference runs on that GPU too: torch's default device becomes CUDA (the prompt tensors) and the
     reference model is moved there after `from_pretrained`. TF32 matmuls on both sides (JAX's GPU default)."""
     import jax
@@ -286,7 +287,7 @@ def _forward(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_grpo_once(args: argparse.Namespace) -> None:
-    """One GRPO run of `args.steps` iterations at one response length (`run_rl`, as scripts/bench_rl_step.py
+    """One GRPO run of `args.steps` iterations at one response length (`run_rl`, as scripts/bench/bench_rl_step.py
     drives it); writes the per-step times and token rates. The first step includes compiles; the summary takes the
     steps after it (all of them when there is one)."""
     import statistics

@@ -35,8 +35,10 @@ import jax  # noqa: E402 (after the environment above)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-if os.environ.get("HFJAX_TEST_COMPILE_REPORT"):  # where the compiles come from, per test (tests/compile_report.py)
-    pytest_plugins = ["compile_report"]
+if os.environ.get(
+    "HFJAX_TEST_COMPILE_REPORT"
+):  # where the compiles come from, per test (tests/support/compile_report.py)
+    pytest_plugins = ["support.compile_report"]
 
 
 @pytest.fixture

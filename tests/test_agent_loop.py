@@ -14,8 +14,8 @@ from typing import ClassVar
 import jax
 import numpy as np
 import pytest
-from checkpoints import save_hf_model
 from flax import nnx
+from support.checkpoints import save_hf_model
 
 from hfjax.data.synthetic import build_addition_tokenizer
 from hfjax.envs import Environment, StepResult, ToolEnvironment

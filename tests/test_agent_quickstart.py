@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import pytest
-from rl_setup import QUICKSTART_SMOKE
+from support.rl_setup import QUICKSTART_SMOKE
 
 from hfjax.cli.quickstart import QuickstartConfig, run_quickstart
 from hfjax.data import tool_task

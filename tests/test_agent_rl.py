@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.algos.losses import policy_loss
 from hfjax.config.rl import load_rl_config
@@ -23,7 +23,7 @@ from hfjax.trainer.launch import run_rl
 from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 # wall times, throughput, the env wait share and the KV cache per device vary between placements; so do the counts
 # of compiled generation programs (rollout/*_programs), as each host compiles the shapes of its own trajectories
 VARIABLE = ("timing_s/", "timeline/", "perf/", "agent/env_wait_share", "async/", "sync/")

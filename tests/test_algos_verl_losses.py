@@ -8,7 +8,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from algos_reference import (
+from support.algos_reference import (
     BS,
     DTYPES,
     T,

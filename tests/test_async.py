@@ -13,8 +13,8 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config, write_varied_reward
 from safetensors.numpy import load_file
+from support.rl_setup import build_run_inputs, rl_config, write_varied_reward
 
 from hfjax.config.rl import load_rl_config
 from hfjax.controller import WorkerError
@@ -25,7 +25,7 @@ from hfjax.trainer.rollout_stream import sync_weights
 from hfjax.typed_config import ConfigError, dump_yaml
 from hfjax.workers.weight_sync import WeightShards
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 VARIABLE = ("timing_s/", "perf/", "timeline/", "async/", "sync/")
 # the same layouts in both placements: the actor trains over 4 devices (fsdp) and generates over 4 (2 x tensor 2)
 LAYOUTS = {

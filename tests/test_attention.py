@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import (
+from support.attention_cases import (
     BF16,
     CASE_IDS,
     CASES,

@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import (
+from flax import nnx
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.sharding import PartitionSpec as P
+from support.attention_cases import (
     BF16,
     F32,
     assert_close,
@@ -21,10 +24,7 @@ from attention_cases import (
     output_and_grads,
     qkv_inputs,
 )
-from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr
-from jax.sharding import PartitionSpec as P
-from tiny_models import TINY, random_model
+from support.tiny_models import TINY, random_model
 
 from hfjax.algos import logprobs_from_logits
 from hfjax.models import attention_pallas, save_hf

@@ -49,7 +49,7 @@ from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.parallel import HybridEngine, Layout, LayoutError
 from hfjax.parallel.layout import is_param_leaf
 
-pytest_plugins = ["ray_cluster"]  # the session-scoped `ray_cluster` fixture
+pytest_plugins = ["support.ray_cluster"]  # the session-scoped `ray_cluster` fixture
 TINY = ModelConfig(
     family="llama",
     vocab_size=256,
@@ -514,7 +514,7 @@ def test_trainer_candidates_on_several_hosts_run_one_generation_loop_per_host():
 def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
     """`hfjax automap` on a PPO run config: the output is that config with the best trainer mapping filled in,
     loads as an RL config and `run_rl` runs an iteration of it as is."""
-    from rl_setup import build_run_inputs, rl_config
+    from support.rl_setup import build_run_inputs, rl_config
 
     from hfjax.cli.main import main
     from hfjax.config.rl import load_rl_config
@@ -546,7 +546,7 @@ def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
     """`hfjax automap` of a PPO run on 2 CPU hosts x 4 devices: the written config names the hosts (not the old
     `trainer.devices`, which the input had), and it and the 2-group mapping (a host each) pass the run config's
     layout checks."""
-    from rl_setup import build_run_inputs, rl_config
+    from support.rl_setup import build_run_inputs, rl_config
 
     from hfjax.automap.run_config import run_models, run_workload
     from hfjax.cli.main import main

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 import yaml
-from checkpoints import save_hf_model
+from support.checkpoints import save_hf_model
 
 from hfjax.cli.main import main, parse_args
 from hfjax.typed_config import ConfigError
@@ -181,7 +181,7 @@ def test_debug_shows_the_traceback_and_version_is_printed(tmp_path, capsys, monk
 
 
 def test_train_dry_run_prints_config_placement_layouts_and_memory_without_starting(tmp_path, capsys, monkeypatch):
-    from rl_setup import build_run_inputs, rl_config
+    from support.rl_setup import build_run_inputs, rl_config
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     inputs = build_run_inputs(tmp_path / "inputs")

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_models import TINY, random_model
+from support.tiny_models import TINY, random_model
 
 from hfjax.compile_options import GRADIENT_COMPILER_OPTIONS
 from hfjax.optim.train_state import _Frozen, _loss_and_grad

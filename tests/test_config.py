@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from checkpoints import hf_config
+from support.checkpoints import hf_config
 
 from hfjax.models import ModelConfig, RopeConfig, UnsupportedModelError, config_from_hf
 from hfjax.models.layers import rope_inv_freq
@@ -64,7 +64,7 @@ def test_family_options():
 
 
 def test_param_count_matches_transformers():
-    from checkpoints import build_hf_model
+    from support.checkpoints import build_hf_model
 
     for family, kw in (("llama", dict(tie_word_embeddings=True)), ("qwen2", {}), ("qwen3", dict(head_dim=32))):
         model = build_hf_model(family, **kw)

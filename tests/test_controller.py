@@ -32,7 +32,7 @@ from hfjax.controller.dispatch import dispatch_mode
 from hfjax.parallel.global_arrays import to_global, to_local
 from hfjax.protocol import PADDING_ROWS, ROW_OFFSET, DataProto, unpad_outputs
 
-pytest_plugins = ["ray_cluster"]  # the session-scoped `ray_cluster` fixture
+pytest_plugins = ["support.ray_cluster"]  # the session-scoped `ray_cluster` fixture
 
 SUM_OF_RANKS = register_dispatch_mode(
     "test_sum_of_ranks", lambda n, args, kwargs: ([args] * n, [kwargs] * n), lambda outputs: sum(outputs)

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.controller.resource_pool import resolve_device
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 ROOT = Path(__file__).resolve().parents[1]
 
 DRIVER = """

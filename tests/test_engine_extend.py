@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from checkpoints import relative_error, save_hf_model
 from flax import nnx
-from tiny_models import TINY, random_model
+from support.checkpoints import relative_error, save_hf_model
+from support.tiny_models import TINY, random_model
 
 from hfjax.models import load_hf
 from hfjax.rollout import JaxEngine, SamplingParams

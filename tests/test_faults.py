@@ -31,7 +31,7 @@ import psutil
 import pytest
 import safetensors.numpy
 import yaml
-from rl_setup import build_run_inputs, deterministic, rl_config
+from support.rl_setup import build_run_inputs, deterministic, rl_config
 from tensorboardX.proto.event_pb2 import Event
 
 from hfjax.cli.runner import user_errors
@@ -48,7 +48,7 @@ from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.preemption import HARD_EXIT_MARGIN_S
 from hfjax.trainer.rl import RLTrainer
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 
 REPO = Path(__file__).resolve().parents[1]
 

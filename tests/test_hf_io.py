@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
-from checkpoints import left_padded_batch, relative_error, save_hf_model, torch_logits
 from flax import nnx
 from safetensors.torch import load_file, save_file
+from support.checkpoints import left_padded_batch, relative_error, save_hf_model, torch_logits
 
 from hfjax.models import CheckpointError, UnsupportedModelError, load_hf, load_tokenizer, save_hf
 from hfjax.models.local_tokenizer import build_bpe_tokenizer

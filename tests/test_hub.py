@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
-from rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.cli.main import main as cli
 from hfjax.config.rl import load_rl_config

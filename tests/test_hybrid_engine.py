@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from checkpoints import left_padded_batch, relative_error, save_hf_model
 from flax import nnx
+from support.checkpoints import left_padded_batch, relative_error, save_hf_model
 
 from hfjax.models import load_hf
 from hfjax.optim import TrainState, compile_counts
@@ -362,7 +362,7 @@ def test_two_processes_with_gloo(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = Path(__file__).with_name("engine_process.py")
+    script = Path(__file__).parent / "support" / "engine_process.py"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
     procs = [

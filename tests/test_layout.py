@@ -3,9 +3,9 @@
 import jax
 import numpy as np
 import pytest
-from checkpoints import left_padded_batch, relative_error, save_hf_model
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from support.checkpoints import left_padded_batch, relative_error, save_hf_model
 
 from hfjax.models import load_hf
 from hfjax.parallel import Layout, LayoutError

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.algos import make_kl_controller
 from hfjax.config.rl import load_rl_config

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from checkpoints import build_hf_model, left_padded_batch, relative_error, save_hf_model, torch_logits
-from tiny_models import compiled_forward
+from support.checkpoints import build_hf_model, left_padded_batch, relative_error, save_hf_model, torch_logits
+from support.tiny_models import compiled_forward
 
 from hfjax.models import load_hf
 

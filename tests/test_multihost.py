@@ -10,8 +10,8 @@ import shutil
 
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config, write_varied_reward
 from safetensors.numpy import load_file
+from support.rl_setup import build_run_inputs, rl_config, write_varied_reward
 
 from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup, RayWorkerGroup, ResourcePool
@@ -23,7 +23,7 @@ from hfjax.trainer.rl import RLTrainer
 from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 # times (and idle fractions) vary; the KV cache per device depends on the placement (each host has `rollout.slots`)
 VARIABLE = (
     "timing_s/",

@@ -12,9 +12,9 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from checkpoints import save_hf_model
 from flax import nnx
-from tiny_models import compiled_forward
+from support.checkpoints import save_hf_model
+from support.tiny_models import compiled_forward
 
 from hfjax.models import load_hf
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams

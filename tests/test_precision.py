@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from checkpoints import save_hf_model
 from flax import nnx
-from rl_setup import build_run_inputs, rl_config
+from support.checkpoints import save_hf_model
+from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
-from tiny_models import TINY, compiled_forward, random_model
+from support.tiny_models import TINY, compiled_forward, random_model
 
 from hfjax.config.roles import AgentConfig, RolloutConfig
 from hfjax.envs.examples import calculator

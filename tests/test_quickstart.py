@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import transformers as tf
-from rl_setup import QUICKSTART_SMOKE as SMOKE
+from support.rl_setup import QUICKSTART_SMOKE as SMOKE
 
 from hfjax.cli.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
 from hfjax.config.rl import load_rl_config
@@ -17,7 +17,7 @@ from hfjax.records.metrics import read_metrics
 from hfjax.trainer.launch import run_rl
 from hfjax.typed_config import load_config
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 VARIANT_STEPS = 50  # a validation step of the quickstart RL (test_freq: 25)
 
 

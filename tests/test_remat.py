@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_models import TINY, random_model
+from support.tiny_models import TINY, random_model
 
 from hfjax.models.hf import abstract_model
 from hfjax.models.transformer import set_remat

@@ -10,7 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, deterministic, rl_config, write_varied_reward
+from support.rl_setup import build_run_inputs, deterministic, rl_config, write_varied_reward
 
 from hfjax.config.rl import ALGORITHMS, load_rl_config
 from hfjax.controller import LocalWorkerGroup
@@ -20,7 +20,7 @@ from hfjax.protocol import DataProto
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.workers.actor import ActorRolloutRefWorker
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 
 
 @pytest.fixture(scope="module")

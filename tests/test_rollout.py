@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from checkpoints import save_hf_model
 from flax import nnx
+from support.checkpoints import save_hf_model
 
 from hfjax.models import load_hf
 from hfjax.parallel import Layout

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rollout_correction_reference import (
+from support.rollout_correction_reference import (
     BS,
     T,
     make_inputs,

@@ -16,40 +16,41 @@ SCRIPTS = ROOT / "scripts"
 REPORT_KEYS = {"title", "rows", "machine"}  # what `bench_common.report` writes
 SPREAD_TESTS = True  # each run is a process of its own: pytest-xdist may spread them over its workers (conftest.py)
 
-# script (relative to scripts/) -> (its arguments besides --out, the output file, the top-level keys it must hold)
+# script (relative to scripts/; benchmarks and their peers under bench/) -> (its arguments besides --out, the output
+# file, the top-level keys it must hold)
 TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
-    "automap_cpu_check.py": (["--tiny"], "out.json", REPORT_KEYS | {"spearman", "chosen_over_best", "profile"}),
-    "automap_paper_check.py": (["--tiny"], "out.json", set()),  # a JSON list of cells, checked below
-    "bench_agent.py": (["--tiny"], "out.json", REPORT_KEYS | {"speedup_extend_vs_reprefill", "medians", "runs"}),
-    "bench_controller.py": (["--tiny"], "out.json", REPORT_KEYS | {"repeats", "workers"}),
-    "bench_forward.py": (["--tiny"], "out.json", REPORT_KEYS | {"relative_error", "params"}),
-    "bench_generate.py": (["--tiny"], "out.json", REPORT_KEYS | {"decode_steps", "floor_step_ms"}),
-    "bench_load.py": (["--tiny"], "out.json", REPORT_KEYS | {"checkpoint_bytes", "raw"}),
-    "bench_packing.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_loss", "real_tokens", "sequences"}),
-    "bench_prompt_kv.py": (["--tiny"], "out.json", REPORT_KEYS | {"block", "copied_kv_bytes"}),
-    "bench_real_size.py": (["--tiny"], "out.json", REPORT_KEYS | {"parity", "grpo", "weight_sync"}),
-    "bench_reshard.py": (["--tiny"], "out.json", REPORT_KEYS | {"memcpy_bytes_per_s", "rows_raw"}),
-    "bench_rl_step.py": (["--tiny"], "out.json", REPORT_KEYS | {"summaries", "peak_host_gib", "backend"}),
-    "bench_sampler.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_tokens", "slots", "vocab"}),
-    "bench_transport.py": (["--tiny"], "out.json", {"rows", "floor", "params", "api"}),
-    "bench_weight_sync.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs"}),
-    "peers/trl_grpo.py": (["--tiny"], "out.json", {"peer"}),
-    "peers/workload.py": (["--tiny"], "out.jsonl", {"data_source", "prompt", "reward_model", "extra_info"}),
-    "quickstart_seeds.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs", "gain_spread"}),
+    "bench/automap_cpu_check.py": (["--tiny"], "out.json", REPORT_KEYS | {"spearman", "chosen_over_best", "profile"}),
+    "bench/automap_paper_check.py": (["--tiny"], "out.json", set()),  # a JSON list of cells, checked below
+    "bench/bench_agent.py": (["--tiny"], "out.json", REPORT_KEYS | {"speedup_extend_vs_reprefill", "medians", "runs"}),
+    "bench/bench_controller.py": (["--tiny"], "out.json", REPORT_KEYS | {"repeats", "workers"}),
+    "bench/bench_forward.py": (["--tiny"], "out.json", REPORT_KEYS | {"relative_error", "params"}),
+    "bench/bench_generate.py": (["--tiny"], "out.json", REPORT_KEYS | {"decode_steps", "floor_step_ms"}),
+    "bench/bench_load.py": (["--tiny"], "out.json", REPORT_KEYS | {"checkpoint_bytes", "raw"}),
+    "bench/bench_packing.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_loss", "real_tokens", "sequences"}),
+    "bench/bench_prompt_kv.py": (["--tiny"], "out.json", REPORT_KEYS | {"block", "copied_kv_bytes"}),
+    "bench/bench_real_size.py": (["--tiny"], "out.json", REPORT_KEYS | {"parity", "grpo", "weight_sync"}),
+    "bench/bench_reshard.py": (["--tiny"], "out.json", REPORT_KEYS | {"memcpy_bytes_per_s", "rows_raw"}),
+    "bench/bench_rl_step.py": (["--tiny"], "out.json", REPORT_KEYS | {"summaries", "peak_host_gib", "backend"}),
+    "bench/bench_sampler.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_tokens", "slots", "vocab"}),
+    "bench/bench_transport.py": (["--tiny"], "out.json", {"rows", "floor", "params", "api"}),
+    "bench/bench_weight_sync.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs"}),
+    "bench/peers/trl_grpo.py": (["--tiny"], "out.json", {"peer"}),
+    "bench/peers/workload.py": (["--tiny"], "out.jsonl", {"data_source", "prompt", "reward_model", "extra_info"}),
+    "bench/quickstart_seeds.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs", "gain_spread"}),
 }
 # Scripts with no tiny run here, and why.
 NOT_RUN = {
-    "bench_common.py": "a library of the benchmarks, no command",
+    "bench/bench_common.py": "a library of the benchmarks, no command",
     "compile_configs.py": "its --tiny runs in scripts/test_compile_targets.sh",
     "gpu_check_table.py": "its --tiny runs in tests/test_gpu_check.py",
-    "make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
-    "peers/compare_grpo.py": "tables two runs' summaries: no model, nothing to shrink",
-    "peers/reward.py": "a library of the peer scripts, no command",
+    "bench/make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
+    "bench/peers/compare_grpo.py": "tables two runs' summaries: no model, nothing to shrink",
+    "bench/peers/reward.py": "a library of the peer scripts, no command",
 }
 
 
 def test_every_script_is_covered() -> None:
-    found = {str(p.relative_to(SCRIPTS)) for p in [*SCRIPTS.glob("*.py"), *SCRIPTS.glob("peers/*.py")]}
+    found = {str(p.relative_to(SCRIPTS)) for p in SCRIPTS.rglob("*.py")}
     assert found - TINY_RUNS.keys() - NOT_RUN.keys() == set(), "add the new script's --tiny run to TINY_RUNS"
     assert (TINY_RUNS.keys() | NOT_RUN.keys()) - found == set(), "a listed script no longer exists"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoints import save_hf_model
+from support.checkpoints import save_hf_model
 
 from hfjax.cli.main import main as cli
 from hfjax.config import RMConfig, SFTConfig

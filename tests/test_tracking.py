@@ -4,7 +4,7 @@ draws its plots."""
 from __future__ import annotations
 
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.config.rl import load_rl_config
 from hfjax.records import read_metrics

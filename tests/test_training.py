@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_models import TINY, random_model
+from support.tiny_models import TINY, random_model
 
 from hfjax.algos import agg_loss, logprobs_from_logits
 from hfjax.optim import OptimConfig, TrainState, compile_counts, learning_rate_schedule, make_optimizer

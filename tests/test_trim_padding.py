@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config
 
 import hfjax.workers.model_role as model_role
 from hfjax.config.rl import load_rl_config

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from rl_setup import build_run_inputs, rl_config, write_varied_reward
+from support.rl_setup import build_run_inputs, rl_config, write_varied_reward
 
 from hfjax.algos import ADVANTAGE_ESTIMATORS, actor_options, policy_loss
 from hfjax.cli.main import main
@@ -25,7 +25,7 @@ from hfjax.trainer.step import PUBLIC_API, Step
 from hfjax.typed_config import ConfigError
 from hfjax.user_code import load_callable
 
-pytest_plugins = ["ray_cluster"]
+pytest_plugins = ["support.ray_cluster"]
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dapo.py"
 USER_FUNCTIONS = ("program", "overlong_grpo", "clip_higher_loss")
 # Appended to the test's copy of the example: each user function records its name in dapo.calls when it is called

@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.cli.main import main
 from hfjax.cli.quickstart import QuickstartConfig, run_quickstart

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from checkpoints import left_padded_batch, relative_error, save_hf_model, torch_logits
 from flax import nnx
 from safetensors.numpy import load_file
+from support.checkpoints import left_padded_batch, relative_error, save_hf_model, torch_logits
 
 from hfjax.algos import entropy_from_logits, logprobs_from_logits
 from hfjax.models import CausalLM, ModelConfig, load_hf, save_hf

@@ -14,7 +14,7 @@ trajectory as `env_error`; Python cannot stop its thread, so the thread runs on 
 environment is closed), and a process exits only once such threads have returned; `last_stats["env_timeouts"]`
 counts them.
 `append="reprefill"` instead refills the slot with the whole history as a new prompt at every turn: the baseline that
-`scripts/bench_agent.py` measures against. Each re-prefilled turn samples with a key of its own (`turn_request`: a
+`scripts/bench/bench_agent.py` measures against. Each re-prefilled turn samples with a key of its own (`turn_request`: a
 negative request id, which no sample's first turn uses), its steps counted from 0.
 """
 

@@ -15,7 +15,8 @@ LLAMA3_ROPE = RopeConfig(
 )
 
 NAMED_CONFIGS: dict[str, ModelConfig] = {
-    # 25.8M parameters: the benchmarks' reference checkpoint (scripts/make_reference_ckpt.py builds it with weights).
+    # 25.8M parameters: the benchmarks' reference checkpoint (scripts/bench/make_reference_ckpt.py builds it with
+    # weights).
     "bench-25m": ModelConfig(
         family="llama",
         vocab_size=8192,

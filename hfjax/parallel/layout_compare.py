@@ -1,6 +1,6 @@
 """Compares (train layout, gen layout) pairs for one parameter tree: per-device bytes of each layout, bytes moved
 (from the shardings, beside the paper's Table 2 formula), redundancy, peak, and measured transition times.
-This is what `hfjax layouts --pairs` and `scripts/bench_reshard.py` print."""
+This is what `hfjax layouts --pairs` and `scripts/bench/bench_reshard.py` print."""
 
 from __future__ import annotations
 

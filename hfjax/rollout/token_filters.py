@@ -12,7 +12,7 @@ likely token count as 0 (at most vocab * 2^-30 of the largest weight in all, 1.4
 
 - `bisection` finds both thresholds by 32 bisection steps on the values' bit patterns, each a reduction over the
   row: no sort. The CPU default: at 640 x 151,936 on a 2-core VM the candidates' fast branch ran 2.9x faster, but
-  their full-sort fallback 6x slower (`scripts/bench_sampler.py`), and which one runs depends on the settings.
+  their full-sort fallback 6x slower (`scripts/bench/bench_sampler.py`), and which one runs depends on the settings.
 - `candidates` reads the top `CANDIDATES` values with `lax.top_k` and finds both thresholds among them; when a row
   needs more (top_k > CANDIDATES, or top-p without top-k whose candidates hold less than top_p of the mass) the
   batch takes the same computation over a full sort instead. For accelerators, where a bisection step costs a full

@@ -1,7 +1,7 @@
 """Jitted forward throughput of hfjax vs transformers (PyTorch CPU) on the reference checkpoint, same process.
 
 Workload: batch 8 x 256 tokens, float32, after warm-up, median of repeats. Usage:
-    python scripts/bench_forward.py [--ckpt DIR] [--repeats 10] [--out runs/bench/forward.json] [--tiny]
+    python scripts/bench/bench_forward.py [--ckpt DIR] [--repeats 10] [--out runs/bench/forward.json] [--tiny]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ its arrays ready); median seconds, against a floor of one host memory copy of th
 
 The last transfer of each row is checked (crc32 of every array) against the trainer's. Writes runs/bench/transport.json.
 Usage:
-    python scripts/bench_transport.py [--repeats 5] [--out runs/bench/transport.json] [--tiny]
+    python scripts/bench/bench_transport.py [--repeats 5] [--out runs/bench/transport.json] [--tiny]
 """
 
 from __future__ import annotations

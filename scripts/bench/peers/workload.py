@@ -6,8 +6,9 @@ stays within a target length drawn uniformly from (instruction length, max_promp
 than `max_prompt_tokens`, so neither side truncates or drops one. The prompts are written as verl-schema parquet
 (`hfjax.data.write_rows`): hfjax reads it as `data.train_files`, `trl_grpo.py` reads the same file.
 Usage (either virtualenv):
-    python scripts/peers/workload.py [--ckpt DIR] [--out runs/peers/workload.parquet] [--prompts 64] [--tiny]
-Imports transformers (the tokenizer), numpy and `hfjax.data` (no JAX); `scripts/bench_common.py` builds the checkpoint.
+    python scripts/bench/peers/workload.py [--ckpt DIR] [--out runs/peers/workload.parquet] [--prompts 64] [--tiny]
+Imports transformers (the tokenizer), numpy and `hfjax.data` (no JAX); `scripts/bench/bench_common.py` builds the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "bench")]
 from bench_common import default_checkpoint, parse_args  # noqa: E402
 
 DEFAULT_OUT = ROOT / "runs" / "peers" / "workload.parquet"

@@ -2,9 +2,9 @@
 outside model compute (controller work, dispatch, data movement, resharding).
 
 Workload (standard RL step): 64 prompts x 4 samples, prompts up to 64 tokens, responses of 128 tokens
-(eos ignored, so the work is fixed), the shared digits reward of scripts/peers/reward.py, a reference model (GRPO:
+(eos ignored, so the work is fixed), the shared digits reward of scripts/bench/peers/reward.py, a reference model (GRPO:
 KL loss; PPO: a critic). Each algorithm runs `--steps` iterations; the table reports the last one (the first
-includes compiles); the JSON summaries (read by scripts/peers/compare_grpo.py) take, as the TRL peer does, the
+includes compiles); the JSON summaries (read by scripts/bench/peers/compare_grpo.py) take, as the TRL peer does, the
 median step time and the tokens per second of the steps after the first. Model compute = time inside the
 workers' methods minus resharding; overhead = step - that.
 With `--placements colocate,disaggregated:0,disaggregated:1` each algorithm runs once per placement (`name:staleness`
@@ -15,9 +15,10 @@ With `--hosts 1,2` each algorithm runs once per host count on a Ray cluster of s
 side by side in one run, and the table adds each host's share of the bytes the controller sent to and received
 from the worker groups per step.
 Usage:
-    python scripts/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json] [--tiny]
-    python scripts/bench_rl_step.py --hosts 1,2 [--devices 8]
-    python scripts/bench_rl_step.py --backend ray --devices 8 --placements colocate,disaggregated:0,disaggregated:1
+    python scripts/bench/bench_rl_step.py [--backend local|ray] [--steps 2] [--out runs/bench/rl_step.json] [--tiny]
+    python scripts/bench/bench_rl_step.py --hosts 1,2 [--devices 8]
+    python scripts/bench/bench_rl_step.py --backend ray --devices 8 --placements
+        colocate,disaggregated:0,disaggregated:1
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts" / "bench" / "peers")]
 from bench_common import default_checkpoint, parse_args, report, workload_dir  # noqa: E402
 
 STAGES = (
@@ -69,7 +70,7 @@ def config(
             "layout": train_layout(args.train_mesh),
         },
         "rollout": {"n": 4, "response_length": args.response_length, "slots": args.prompts * 4, "ignore_eos": True},
-        "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
+        "reward": {"function": f"{ROOT / 'scripts' / 'bench' / 'peers' / 'reward.py'}:compute_score"},
         "algorithm": {"name": algorithm},
         "trainer": {
             "run_dir": str(run_dir / f"{algorithm}-{hosts}-{placement.replace(':', '')}"),
@@ -99,7 +100,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-5, help="actor learning rate (scripts/peers/trl_grpo.py --lr)")
+    parser.add_argument(
+        "--lr", type=float, default=1e-5, help="actor learning rate (scripts/bench/peers/trl_grpo.py --lr)"
+    )
     parser.add_argument(
         "--trim-padding",
         action=argparse.BooleanOptionalAction,

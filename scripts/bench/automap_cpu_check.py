@@ -11,9 +11,10 @@ profile rank real PPO iterations of a small local model the way they measure, an
    `--warmup` iterations (compiles; the second still compiles some).
 4. Prints predicted vs measured per mapping, Spearman's rho and chosen / best measured; exits 1 unless
    rho >= 0.8 and chosen <= 1.15 x best.
-Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/automap_cpu_check.py`): concurrent load
+Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/bench/automap_cpu_check.py`): concurrent load
 changes both the calibration and the measurements. Usage:
-    python scripts/automap_cpu_check.py [--mappings 7] [--kind split] [--steps 7] [--out runs/bench/automap_cpu.json]
+    python scripts/bench/automap_cpu_check.py [--mappings 7] [--kind split] [--steps 7] [--out
+        runs/bench/automap_cpu.json]
         [--tiny]
 `--tiny` runs the best predicted `split` mapping (actor+ref | critic: two worker groups, the richer trainer path)
 of a tiny model for one iteration, on a Ray of one logical CPU, and reports without the pass/fail check.
@@ -29,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEVICES = 8
 # the environment's XLA flags (the tests' compile-cheaply ones, say) with this check's fake devices last, so they win
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
@@ -38,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HFJAX_COMPILATION_CACHE", str(Path(tempfile.gettempdir()) / "hfjax-automap-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "tests")]
 from bench_common import parse_args, report, start_ray  # noqa: E402
 
 from hfjax.compile_cache import enable_compilation_cache  # noqa: E402
@@ -56,7 +57,7 @@ STAGE_TIMINGS = {
 def build_inputs(root: Path, args: argparse.Namespace) -> dict[str, str]:
     """Policy checkpoint with the addition tokenizer, and the task's prompts (two-digit operands: every prompt
     has the same length, so no iteration recompiles for a new shape)."""
-    from checkpoints import save_hf_model
+    from support.checkpoints import save_hf_model
 
     from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
 

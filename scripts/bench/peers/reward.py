@@ -3,7 +3,7 @@
 Reward = the fraction of the response's characters that are ASCII digits (0.0 for an empty response), in [0, 1].
 The workload's prompts ask for digits, the reference checkpoint starts from random weights (its samples hold a few
 digits by chance, so groups of 4 samples differ and GRPO's advantages are non-zero), and the reward needs no ground
-truth. hfjax takes it as `reward.function=scripts/peers/reward.py:compute_score` (verl's signature); TRL's
+truth. hfjax takes it as `reward.function=scripts/bench/peers/reward.py:compute_score` (verl's signature); TRL's
 `GRPOTrainer` takes `trl_reward` (its reward-function signature). Imports only the standard library.
 """
 

@@ -6,7 +6,8 @@ counts a loop body once and a conditional as its larger branch, so the bytes are
 bisection loops unrolled and the candidates' conditional replaced by its first branch, the one this workload runs).
 The last row is the candidates' fallback alone (a full sort), which runs only when a row needs more than the
 candidates. Usage:
-    python scripts/bench_sampler.py [--slots 640] [--vocab 151936] [--top-k 50] [--top-p 0.9] [--repeats 3] [--tiny]
+    python scripts/bench/bench_sampler.py [--slots 640] [--vocab 151936] [--top-k 50] [--top-p 0.9] [--repeats 3]
+        [--tiny]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ memory, the bytes it must read (every weight but the embedding table, plus the K
 the memory bandwidth measured here (a large numpy copy); compute, its FLOPs (2 per weight and token, plus attention
 over the mean cache length) / the rate of a jitted fp32 matmul of the decode step's MLP shape, compiled as the engine
 compiles. The step's floor is the larger. Usage:
-    python scripts/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json] [--tiny]
+    python scripts/bench/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json] [--tiny]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ copied layout that the engine had before (every slot holds its own copy of its p
 the shared layout with its prompt pool sized two ways: the default (a prompt per slot, the copied layout's memory)
 and slots / samples prompts (what 8 samples of each prompt need). Both shared rows run the same code; the time
 column is the median wall time of a whole `generate` (prefill, inserts, decode). Usage:
-    python scripts/bench_prompt_kv.py [--ckpt DIR] [--repeats 3] [--out runs/bench/prompt_kv.json] [--tiny]
+    python scripts/bench/bench_prompt_kv.py [--ckpt DIR] [--repeats 3] [--out runs/bench/prompt_kv.json] [--tiny]
 """
 
 from __future__ import annotations

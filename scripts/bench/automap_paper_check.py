@@ -6,7 +6,8 @@ A100-80GB profile on 8-128 GPUs, checked against the paper's placement findings:
 The built-in A100 profile has the DGX A100 network (one 200 Gb/s NIC per GPU). Placement choices depend mostly
 on that inter-host bandwidth, so the search runs once per `--inter-host-gbps` value (per GPU, each way); 25 Gb/s
 per GPU is a 200 Gb/s network shared by a host's 8 GPUs. Usage:
-    python scripts/automap_paper_check.py [--inter-host-gbps 200 50 25] [--out runs/automap/paper_check.json] [--tiny]
+    python scripts/bench/automap_paper_check.py [--inter-host-gbps 200 50 25] [--out runs/automap/paper_check.json]
+        [--tiny]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The spec is fixed so that benchmark figures stay comparable across runs and over
 - model: hidden 512, 6 layers, 8 heads / 4 kv heads, MLP 1376, 1024 positions, untied embeddings (tiny: hidden 64,
   2 layers, 4 / 2 heads, MLP 128, 512 positions), weights from `torch.manual_seed(0)`.
 
-Usage: `python scripts/make_reference_ckpt.py OUT_DIR [--tiny]`. Needs torch, transformers and tokenizers (the
+Usage: `python scripts/bench/make_reference_ckpt.py OUT_DIR [--tiny]`. Needs torch, transformers and tokenizers (the
 benchmark references, not runtime dependencies of hfjax).
 """
 

@@ -16,7 +16,7 @@ the four run in turn `--repeats` times; medians. The floor printed beside the sp
 the model runs in each mode (decode + prefilled or appended tokens, before padding). Each rollout's time is also split
 into decode steps, `engine.extend` calls, prefills (`generator.fill`), waits on environments and the rest (host
 work). Usage:
-    python scripts/bench_agent.py [--ckpt DIR] [--repeats 3] [--out runs/bench/agent.json] [--tiny]
+    python scripts/bench/bench_agent.py [--ckpt DIR] [--repeats 3] [--out runs/bench/agent.json] [--tiny]
 """
 
 from __future__ import annotations

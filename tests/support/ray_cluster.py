@@ -13,7 +13,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent
 HOSTS = 4
 
 

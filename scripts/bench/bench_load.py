@@ -1,7 +1,7 @@
 """Load time and peak host RSS of `load_hf` on a locally built ~0.5B-parameter bfloat16 checkpoint (sharded
 safetensors), beside transformers' `from_pretrained` of the same files. Each load runs in a fresh process so that
 its RSS high-water mark is its own. Usage:
-    python scripts/bench_load.py [--ckpt DIR] [--layouts ";fsdp=8"] [--out runs/bench/load.json] [--tiny]
+    python scripts/bench/bench_load.py [--ckpt DIR] [--layouts ";fsdp=8"] [--out runs/bench/load.json] [--tiny]
 With `--tiny` the checkpoint has a tiny shape of the same family (`TINY_SHAPE`, a few shards).
 """
 

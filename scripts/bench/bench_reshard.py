@@ -3,7 +3,8 @@ bytes moved and peak bytes per device against the paper's Table 2, and to_gen ti
 (bytes received summed over devices / this machine's memcpy bandwidth, measured in the same run), and against a
 write floor: every gen byte copied at that bandwidth (on CPU a device's own share is copied too: CPU devices share
 host memory, and each gen shard is a new buffer). Usage:
-    python scripts/bench_reshard.py [--pairs configs/layout_pairs.yaml] [--repeats 5] [--out runs/bench/reshard.json]
+    python scripts/bench/bench_reshard.py [--pairs configs/layout_pairs.yaml] [--repeats 5] [--out
+        runs/bench/reshard.json]
         [--tiny]
 With `--param-dtype float32 --gen-dtype bfloat16` the training copy is float32 master weights and each pair also runs
 with a bfloat16 generation copy (cast where the master lies, then moved; the master stays), beside float32 ones.
@@ -41,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-200m")
     parser.add_argument(
-        "--pairs", type=Path, default=Path(__file__).resolve().parent.parent / "configs" / "layout_pairs.yaml"
+        "--pairs", type=Path, default=Path(__file__).resolve().parents[2] / "configs" / "layout_pairs.yaml"
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("runs/bench/reshard.json"))

@@ -3,7 +3,7 @@ the throughput of a 64 MB DataProto sent to 2 workers and back, beside plain Ray
 per-worker halves and return them (the controller concatenating the results in both cases). Also the controller's
 peak Python/numpy allocation during one call (tracemalloc): the concatenated result is the one copy either path
 makes on the controller. Usage:
-    python scripts/bench_controller.py [--mb 64] [--repeats 20] [--out runs/bench/controller.json] [--tiny]
+    python scripts/bench/bench_controller.py [--mb 64] [--repeats 20] [--out runs/bench/controller.json] [--tiny]
 """
 
 from __future__ import annotations

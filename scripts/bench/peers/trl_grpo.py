@@ -13,8 +13,8 @@ trainer callback, split into verl's `timing_s/{gen,reward,ref,update_actor}` fro
 `seconds_per_step` is the median over the steps after the first (the first when only one ran); `tokens_per_s`
 divides the tokens of those steps (prompt + response tokens, verl's `perf/throughput`) by their time.
 Writes the summary JSON (`--out`) and the per-step metrics with verl's names as JSONL (`--metrics`), which
-`hfjax.records.plot.compare_runs` draws. Run in the TRL virtualenv (`bash scripts/peers/setup_trl.sh` makes it):
-    runs/peers/trl-venv/bin/python scripts/peers/trl_grpo.py [--ckpt DIR] [--steps 2] [--tiny]
+`hfjax.records.plot.compare_runs` draws. Run in the TRL virtualenv (`bash scripts/bench/peers/setup_trl.sh` makes it):
+    runs/peers/trl-venv/bin/python scripts/bench/peers/trl_grpo.py [--ckpt DIR] [--steps 2] [--tiny]
 With `--tiny` and no TRL installed, only the workload is built and the summary says why training was skipped.
 Imports torch, transformers, datasets and trl, and `workload.py`/`reward.py` beside it; never hfjax's JAX code.
 """

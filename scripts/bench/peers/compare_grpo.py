@@ -3,9 +3,9 @@
 Each JSON needs `seconds_per_step`, `tokens_per_s` (prompt + response tokens per second, verl's `perf/throughput`),
 `steps` and `metrics_jsonl` (per-step metrics with verl's names); `first_step_seconds` (or `first_step_s`),
 `response_tokens_per_s` and a `workload` mapping are shown or checked when present (workload settings that differ
-are printed as a warning). TRL's comes from `trl_grpo.py`; hfjax's from `scripts/bench_rl_step.py` (its
+are printed as a warning). TRL's comes from `trl_grpo.py`; hfjax's from `scripts/bench/bench_rl_step.py` (its
 `summaries.grpo` is used) or any JSON of that shape. Usage:
-    python scripts/peers/compare_grpo.py [--hfjax runs/bench/rl_step.json] [--trl runs/peers/trl_grpo.json]
+    python scripts/bench/peers/compare_grpo.py [--hfjax runs/bench/rl_step.json] [--trl runs/peers/trl_grpo.json]
 Writes `--out` (JSON: the table rows plus both inputs) and `--plot` (the reward curves of both runs).
 Imports rich (via `bench_common.report`) and `hfjax.records.plot` (matplotlib).
 """
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "bench")]
 from bench_common import report  # noqa: E402
 
 from hfjax.records.plot import compare_runs  # noqa: E402

@@ -18,7 +18,8 @@ does not know decode to nothing. Peak RSS is the process's high-water mark since
 /proc/self/clear_refs where the kernel allows it). The GRPO part runs on one device: fake CPU devices share the
 host's RAM, so 8 of them hold 8 sets of each program's buffers (an earlier version ran it on 8 and its RSS was twice
 the cost model's one-device estimate). `--parts` runs a subset. Usage:
-    python scripts/bench_real_size.py [--parts parity,grpo,sync] [--prompts 8] [--samples 4] [--response-length 128]
+    python scripts/bench/bench_real_size.py [--parts parity,grpo,sync] [--prompts 8] [--samples 4] [--response-length
+        128]
         [--sync-size 1.5b] [--out runs/bench/real_size.json] [--tiny]
 """
 
@@ -54,8 +55,8 @@ DEVICES = SYNC_DEVICES if _parts_from_argv(sys.argv) == {"sync"} else 1
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts" / "bench" / "peers")]
 from bench_common import copy_times, parse_args, report  # noqa: E402
 
 GIB = 2**30
@@ -199,7 +200,7 @@ def grpo_config(ckpt: Path, workload: Path, run_dir: Path, args: argparse.Namesp
                 "slots": samples,
                 "ignore_eos": True,
             },
-            "reward": {"function": f"{ROOT / 'scripts' / 'peers' / 'reward.py'}:compute_score"},
+            "reward": {"function": f"{ROOT / 'scripts' / 'bench' / 'peers' / 'reward.py'}:compute_score"},
             "algorithm": {"name": "grpo"},
             "trainer": {
                 "run_dir": str(run_dir),

@@ -2,7 +2,8 @@
 `model.seed=s` (another training set, held-out split and random base model), fine-tuned once, then RL from that SFT
 checkpoint with each algorithm (GRPO and PPO by default). Prints held-out greedy accuracy after SFT and after RL per
 seed and algorithm, and the smallest, median and largest gain per algorithm; writes them as JSON. Usage:
-    python scripts/quickstart_seeds.py [--seeds 0,1,2,3,4] [--algorithms grpo,ppo] [--config configs/quickstart.yaml]
+    python scripts/bench/quickstart_seeds.py [--seeds 0,1,2,3,4] [--algorithms grpo,ppo] [--config
+        configs/quickstart.yaml]
         [--run-root runs/quickstart-seeds] [--out runs/bench/quickstart_seeds.json] [--tiny] [key=value ...]
 The trailing `key=value` overrides reach every seed's quickstart config, as on the `hfjax quickstart` command line.
 """
@@ -16,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "tests")]
 from bench_common import parse_args, report  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     overrides = list(args.overrides)
     if args.tiny:  # the tests' quickstart smoke run (tiny data and model, RL in this process); PPO's critic as actor
         import jax
-        from rl_setup import QUICKSTART_SMOKE
+        from support.rl_setup import QUICKSTART_SMOKE
 
         smoke = [*QUICKSTART_SMOKE, "rl.critic.ppo_mini_batch_size=16", "rl.critic.micro_batch_size=16"]
         overrides = [*smoke, f"rl.trainer.devices_per_host={jax.local_device_count()}", *overrides]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the TRL peer's own virtualenv, runs/peers/trl-venv (Python 3.11), with TRL's GRPOTrainer on a
 # CPU build of PyTorch. It downloads from PyPI once (setup only; the peer run itself needs no network). hfjax's .venv
-# is not touched. Usage: bash scripts/peers/setup_trl.sh   (prints the venv's python path on success)
+# is not touched. Usage: bash scripts/bench/peers/setup_trl.sh   (prints the venv's python path on success)
 #
 # Pins: trl 1.16.0 (requires transformers >= 4.56, works with 5.x), transformers 5.23.0 (hfjax's pin, so both sides
 # read the checkpoint and tokenizer with the same code), torch 2.13.0 (the CPU wheel on this machine's disk; a plain

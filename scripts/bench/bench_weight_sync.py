@@ -10,7 +10,7 @@ Each (generation mesh, dtype, swap mode: `async.weight_swap`) starts its two gro
 each, one Ray process per group), syncs once to warm up, then `--repeats` times. The last sync's weights are checked
 against the trainer's (bitwise, in the rollout's dtype) before the groups stop.
 Usage:
-    python scripts/bench_weight_sync.py [--ckpt DIR] [--dtypes float32,bfloat16] [--gen-meshes data,tensor]
+    python scripts/bench/bench_weight_sync.py [--ckpt DIR] [--dtypes float32,bfloat16] [--gen-meshes data,tensor]
         [--swaps atomic,in_place] [--repeats 5] [--devices 4] [--tiny]
 """
 
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "scripts" / "peers")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts" / "bench" / "peers")]
 from bench_common import copy_times, default_checkpoint, parse_args, report, start_ray, workload_dir  # noqa: E402
 
 

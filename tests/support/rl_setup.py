@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from checkpoints import save_hf_model
-
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
+from support.checkpoints import save_hf_model
 
 # metrics that vary between identical runs (wall times, throughput, idle shares): left out when runs are compared
 VARIABLE = ("timing_s/", "timeline/", "perf/throughput", "perf/samples_per_s", "perf/worker_seconds")

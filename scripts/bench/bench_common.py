@@ -48,7 +48,7 @@ def start_ray(temp_dir: Path, tiny: bool) -> None:
 
 
 def reference_checkpoint(out_dir: Path, tiny: bool = False) -> Path:
-    """Builds (once) the benchmark reference checkpoint with `scripts/make_reference_ckpt.py`; returns its
+    """Builds (once) the benchmark reference checkpoint with `scripts/bench/make_reference_ckpt.py`; returns its
     directory. Built beside `out_dir` and renamed into place, so concurrent callers never see a partial one."""
     if (out_dir / "config.json").is_file():
         return out_dir
@@ -72,9 +72,10 @@ def default_checkpoint(ckpt: Path | None, tiny: bool) -> Path:
 
 
 def workload_dir(args: argparse.Namespace) -> Path:
-    """Where a benchmark writes the shared GRPO workload (`scripts/peers/workload.py`): `runs/peers`, or beside its
+    """Where a benchmark writes the shared GRPO workload (`scripts/bench/peers/workload.py`): `runs/peers`, or beside
+    its
     output with `--tiny` (so a smoke run never replaces the standard prompts)."""
-    return args.out.parent if args.tiny else Path(__file__).resolve().parent.parent / "runs" / "peers"
+    return args.out.parent if args.tiny else Path(__file__).resolve().parents[2] / "runs" / "peers"
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> dict[str, float]:

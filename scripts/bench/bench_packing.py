@@ -6,7 +6,7 @@ on this machine's default devices; modes are timed in turn (median of `--repeats
 tokens/s counts real tokens (prompt and response) only. Modes: `padded` (micro-batches of `--micro` rows at the full
 width), `trimmed` (the same, grouped by length and cut to the longest real row: the default `trim_padding`) and
 `packed N` (rows of at most N tokens). Usage:
-    python scripts/bench_packing.py [--sequences 64] [--micro 8] [--row-tokens 1152 2304] [--repeats 2] [--tiny]
+    python scripts/bench/bench_packing.py [--sequences 64] [--micro 8] [--row-tokens 1152 2304] [--repeats 2] [--tiny]
 """
 
 from __future__ import annotations
