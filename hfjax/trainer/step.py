@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,10 @@ from hfjax.envs.trajectory import batch_agent_metrics
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rewards.token_level import scores_to_token_level
 from hfjax.trainer.timeline import Timeline
+from hfjax.workers.actor import ActorRolloutRefWorker
+from hfjax.workers.critic import CriticWorker
+from hfjax.workers.reward_model import RewardModelWorker
+from hfjax.workers.rollout import RolloutWorker
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
 PUBLIC_API = (
@@ -102,16 +106,19 @@ class Step:
         """Records the block on the timeline (if any) as `name` on `lane`."""
         return self.timeline.span(lane, name, self.step) if self.timeline is not None else contextlib.nullcontext()
 
-    def _call(self, role: str, method: str, data: DataProto) -> tuple[DataProto, dict[str, float]]:
-        """A role's group method: its rows (without `meta_info`, so that they union with the batch) and its metrics
-        (`absorb`)."""
+    def _call(
+        self, role: str, method: Callable[[Any, DataProto], DataProto], data: DataProto
+    ) -> tuple[DataProto, dict[str, float]]:
+        """`method` of the worker that runs `role` (e.g. `CriticWorker.update_critic`: named by the worker's own
+        function, so a reader goes from here to the code that runs), called on the role's group: its rows (without
+        `meta_info`, so that they union with the batch) and its metrics (`absorb`)."""
         if role not in self.roles:
             raise ValueError(
                 f"the program calls the {role} role, which this run does not start ({self.cfg.algorithm.source}); "
                 f"a program of your own lists the roles it calls besides the actor in its file's ROLES"
             )
-        with self.on_lane(self.lanes[role], method):
-            out = getattr(self.roles[role], method)(data)
+        with self.on_lane(self.lanes[role], method.__name__):
+            out = getattr(self.roles[role], method.__name__)(data)
         return self.absorb(data, out)
 
     def absorb(self, data: DataProto, out: DataProto) -> tuple[DataProto, dict[str, float]]:
@@ -138,8 +145,10 @@ class Step:
 
     def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
         request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
-        role = "rollout" if "rollout" in self.roles else "actor"
-        out, gen_metrics = self._call(role, "generate_sequences", request)
+        if "rollout" in self.roles:  # generation on devices of its own
+            out, gen_metrics = self._call("rollout", RolloutWorker.generate_sequences, request)
+        else:
+            out, gen_metrics = self._call("actor", ActorRolloutRefWorker.generate_sequences, request)
         self._gen_metrics(gen_metrics)
         return out
 
@@ -190,7 +199,7 @@ class Step:
     def cost(self) -> None:
         """Safe-RLHF: the cost model's score as `costs` (rows,) and `token_level_costs` (role `cost_model`)."""
         with self.timed("cost"):
-            costs = self._call("cost_model", "compute_rm_score", self.batch)[0].batch["cost_scores"]
+            costs = self._call("cost_model", RewardModelWorker.compute_rm_score, self.batch)[0].batch["cost_scores"]
         self.batch.batch["costs"] = costs
         self.batch.batch["token_level_costs"] = scores_to_token_level(costs, self.batch.batch["response_mask"])
 
@@ -201,7 +210,7 @@ class Step:
         if self.cfg.reuses_update_log_probs:
             return
         with self.timed("old_log_prob"):
-            out, _ = self._call("actor", "compute_log_prob", self.batch)
+            out, _ = self._call("actor", ActorRolloutRefWorker.compute_log_prob, self.batch)
         mask = self.batch.batch["response_mask"]
         self.metrics["actor/entropy_rollout"] = float(masked_mean(out.batch.pop("entropys"), mask))
         self.batch = self.batch.union(out)
@@ -211,12 +220,14 @@ class Step:
         if not self.cfg.uses_ref:
             return
         with self.timed("ref"):
-            self.batch = self.batch.union(self._call("actor", "compute_ref_log_prob", self.batch)[0])
+            self.batch = self.batch.union(
+                self._call("actor", ActorRolloutRefWorker.compute_ref_log_prob, self.batch)[0]
+            )
 
     def values(self, role: str, key: str) -> None:
         """The value model `role` (`critic`, `cost_critic`) of every response token, stored as `key`."""
         with self.timed(f"values_{role}" if role != "critic" else "values"):
-            values = self._call(role, "compute_values", self.batch)[0].batch["values"]
+            values = self._call(role, CriticWorker.compute_values, self.batch)[0].batch["values"]
         self.batch.batch[key] = values
 
     # --------------------------------------------------------------------------------------------- advantages
@@ -332,7 +343,7 @@ class Step:
         data = self.batch.select(batch_keys=[*PROMPT_TENSORS, "responses", "response_mask"])
         data.batch["values"], data.batch["returns"] = self.batch.batch[values_key], self.batch.batch[returns_key]
         with self.timed("update_critic" if role == "critic" else f"update_{role}"):
-            _, metrics = self._call(role, "update_critic", data)
+            _, metrics = self._call(role, CriticWorker.update_critic, data)
         prefix = "critic/" if role == "critic" else f"{role}/"
         self.metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in metrics.items()})
 
@@ -354,5 +365,5 @@ class Step:
             data.batch["response_mask"] = data.batch["response_mask"] * np.asarray(rows, bool)[:, None]
             data.batch[ROW_IN_LOSS] = np.asarray(rows, bool)
         with self.timed("update_actor"):
-            _, metrics = self._call("actor", "update_actor", data)
+            _, metrics = self._call("actor", ActorRolloutRefWorker.update_actor, data)
         self.metrics.update(metrics)
