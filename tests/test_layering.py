@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hfjax"
 
 # Bottom to top: a unit imports only units of the layers below its own (never a sibling of its layer).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("protocol", "typed_config", "user_code", "compile_options", "compile_cache"),
+    ("protocol", "typed_config", "user_code", "compile_options", "compile_cache", "lazy_names"),
     ("parallel",),
     ("models",),
     ("rollout", "data"),

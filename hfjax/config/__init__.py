@@ -5,8 +5,7 @@ Names load lazily, so importing `hfjax.config.roles` does not import the RL conf
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hfjax.lazy_names import lazy_names
 
 _EXPORTS = {
     "RLConfig": "rl",
@@ -26,8 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hfjax.config' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"hfjax.config.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_names(__name__, _EXPORTS)

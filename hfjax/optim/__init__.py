@@ -4,8 +4,7 @@ so importing `hfjax.optim.optimizer` (for config dataclasses) does not import th
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hfjax.lazy_names import lazy_names
 
 _EXPORTS = {
     "OptimConfig": "optimizer",
@@ -19,8 +18,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hfjax.optim' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"hfjax.optim.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_names(__name__, _EXPORTS)

@@ -5,8 +5,7 @@ tensorboardX."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hfjax.lazy_names import lazy_names
 
 _EXPORTS = {
     "CheckpointError": "checkpoint",
@@ -17,8 +16,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hfjax.records' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"hfjax.records.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_names(__name__, _EXPORTS)

@@ -3,8 +3,7 @@ configs are `hfjax.config`'s. Names load lazily, so importing one trainer module
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hfjax.lazy_names import lazy_names
 
 _EXPORTS = {
     "PROGRAMS": "programs",
@@ -19,8 +18,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'hfjax.trainer' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"hfjax.trainer.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_names(__name__, _EXPORTS)
