@@ -27,7 +27,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import copy_times, parse_args, report
 
-from hfjax.cli.main import abstract_params_for
+from hfjax.cli.model_args import abstract_params_for
 from hfjax.parallel.layout_compare import compare_layouts
 
 MIB = 2**20
