@@ -196,3 +196,14 @@ def test_train_dry_run_prints_config_placement_layouts_and_memory_without_starti
     assert "actor (training): mesh(fsdp=4)" in out
     assert "# memory per device (cost model)" in out and "GiB of" in out and "host RAM" in out
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_the_command_line_starts_without_importing_jax():
+    """`--devices` must be set before JAX is imported, so importing the entry point and every command's parser
+    imports no JAX (each command imports what it needs when it runs)."""
+    import subprocess
+    import sys
+
+    code = "import sys, hfjax.cli.main as m; m.build_parser(); print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

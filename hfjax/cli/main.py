@@ -16,7 +16,7 @@ from hfjax.cli import (
     inspect_checkpoint,
     layouts,
     plot,
-    quickstart,
+    quickstart_command,
     supervised,
     train,
 )
@@ -39,7 +39,7 @@ COMMANDS = (
     export,
     automap,
     supervised,
-    quickstart,
+    quickstart_command,
     data,
     plot,
 )

@@ -11,7 +11,6 @@ configs/agent_quickstart.yaml).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
@@ -22,8 +21,6 @@ from typing import Any, Literal
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.data import synthetic, tool_task
 from hfjax.typed_config import ConfigError, load_config
-
-QUICKSTART_CONFIG = "quickstart.yaml"  # the shipped config `hfjax quickstart` runs by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,20 +244,3 @@ def quickstart_main(config_path: str | None, overrides: Sequence[str]) -> int:
     """`hfjax quickstart [CONFIG] [key=value ...]` (a bad config raises `ConfigError`, which the CLI prints)."""
     run_quickstart(load_config(QuickstartConfig, config_path, overrides))
     return 0
-
-
-def add_parser(sub: Any) -> None:
-    """`hfjax quickstart [CONFIG] [key=value ...]`."""
-    quickstart = sub.add_parser("quickstart", help="SFT then RL on a synthetic addition task, built locally")
-    quickstart.add_argument(
-        "config",
-        nargs="?",
-        default=QUICKSTART_CONFIG,
-        help="YAML config (default: the shipped one); an argument with '=' is an override, not a config",
-    )
-    quickstart.add_argument("overrides", nargs="*", help="key=value overrides, e.g. rl.algorithm.name=ppo")
-    quickstart.set_defaults(run=run, default_config=QUICKSTART_CONFIG)
-
-
-def run(args: argparse.Namespace) -> int:
-    return quickstart_main(args.config, args.overrides)
