@@ -84,13 +84,15 @@ fi
 mkdir -p "$OUT_DIR"
 TABLE=(scripts/gpu_check_table.py)
 # run_check NAME LIMIT_S COMMAND...: runs COMMAND with its output shown and kept in OUT_DIR/NAME.log, under a time
-# limit, and writes "EXIT_CODE SECONDS" to OUT_DIR/NAME.status.
+# limit, and writes "EXIT_CODE SECONDS" to OUT_DIR/NAME.status. At the limit the command gets SIGABRT, so that its
+# Python processes print where each thread was (faulthandler) before they end: a hang names its line in the log.
+export PYTHONFAULTHANDLER=1
 run_check() {
   local name=$1 limit=$2 start rc
   shift 2
   echo "=== $name (limit ${limit}s) ==="
   start=$(date +%s.%N)
-  timeout -k 15 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  timeout -s ABRT -k 15 "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
   rc=${PIPESTATUS[0]}
   echo "$rc $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')" >"$OUT_DIR/$name.status"
   [ "$rc" = 0 ] || echo "=== $name: FAILED (exit code $rc) ==="

@@ -117,7 +117,7 @@ def cmd_pytest(args: argparse.Namespace) -> None:
                 entry["skipped"] += 1
             else:
                 entry["passed"] += 1
-    print(json.dumps(counts, indent=2))
+    # nothing printed: the end of the check's log stays pytest's summary (what the table shows for a failure)
     write_json(args.out, {"files": counts, "failures": failures, "junit": str(args.junit)})
 
 
@@ -259,23 +259,33 @@ def cmd_grpo(args: argparse.Namespace) -> None:
         cmd += _forward(args)
         print(f"GRPO attempt: responses of {length} tokens", flush=True)
         started = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        sys.stdout.write(proc.stdout)
-        sys.stdout.flush()
-        attempt = {"response_length": length, "exit_code": proc.returncode, "seconds": time.perf_counter() - started}
-        if proc.returncode == 0 and result.is_file():
+        code, output = _run_streamed(cmd)
+        attempt = {"response_length": length, "exit_code": code, "seconds": time.perf_counter() - started}
+        if code == 0 and result.is_file():
             summary = json.loads(result.read_text())
             summary["attempts"] = [*attempts, attempt]
             summary["fallback"] = len(attempts) > 0
             write_json(args.out, summary)
             return
-        attempt["error_tail"] = proc.stdout.splitlines()[-TAIL_LINES:]
+        attempt["error_tail"] = output.splitlines()[-TAIL_LINES:]
         attempts.append(attempt)
-        if not any(marker in proc.stdout for marker in OOM_MARKERS):
+        if not any(marker in output for marker in OOM_MARKERS):
             break
         print(f"responses of {length} tokens ran out of memory; trying the next length", flush=True)
     write_json(args.out, {"attempts": attempts})
     raise SystemExit(f"GRPO failed at every response length tried: {[a['response_length'] for a in attempts]}")
+
+
+def _run_streamed(cmd: list[str]) -> tuple[int, str]:
+    """Runs `cmd`, echoing its output line by line as it comes (so a check stopped at its time limit still shows
+    how far the attempt got, and where it hung); returns its exit code and output."""
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            lines.append(line)
+    return proc.returncode, "".join(lines)
 
 
 def _forward(args: argparse.Namespace) -> list[str]:

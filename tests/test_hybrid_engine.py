@@ -182,6 +182,34 @@ def test_no_training_buffers_alive_during_generation(checkpoint):
     del gen_params
 
 
+@pytest.mark.parametrize(
+    "mode,gen_dtype", [("zero_redundancy", None), ("naive", None), ("zero_redundancy", "bfloat16")]
+)
+def test_one_device_transitions_relabel_the_mesh_without_copying(checkpoint, mode, gen_dtype):
+    """On one device (the 1-GPU configs) every training shard is already in place for generation, but under
+    another mesh: to_gen must hand the generation programs arrays of the gen mesh (a program cannot mix meshes),
+    share the training buffers where no cast is needed, and free nothing that the other side still reads."""
+    train, gen = {"mesh": {"fsdp": 1}, "devices": [0]}, {"mesh": {"data": 1}, "devices": [0]}
+    model = load_hf(checkpoint, layout=train)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    before = _host(params)
+    engine = HybridEngine(train, gen, params, mode=mode, gen_dtype=gen_dtype)
+    gen_params = engine.to_gen(params)
+    for leaf, sharding in zip(jax.tree.leaves(gen_params), engine.gen_shardings, strict=True):
+        assert leaf.sharding == sharding and not leaf.is_deleted()
+    if gen_dtype is None:  # no copy: the gen arrays are the training buffers
+        for t, g in zip(jax.tree.leaves(params), jax.tree.leaves(gen_params), strict=True):
+            assert g.addressable_data(0).unsafe_buffer_pointer() == t.addressable_data(0).unsafe_buffer_pointer()
+    ids, mask, _ = left_padded_batch(128, [5, 3], seed=1)
+    batch = engine.gen_layout.sharding(("batch", "length"), ids.shape)
+    forward = jax.jit(lambda p, i, m: nnx.merge(graphdef, p, rest)(i, m))
+    forward(gen_params, jax.device_put(ids, batch), jax.device_put(mask, batch)).block_until_ready()
+    back = engine.to_train(gen_params)
+    for leaf, sharding, want in zip(jax.tree.leaves(back), engine.train_shardings, before, strict=True):
+        assert leaf.sharding == sharding
+        assert np.asarray(leaf).tobytes() == want.tobytes()
+
+
 def test_uncontained_pair_falls_back_and_still_round_trips(checkpoint, caplog):
     train, gen = UNCONTAINED  # t_g = 4 does not divide t = 2
     params = nnx.state(load_hf(checkpoint, layout=train), nnx.Param)

@@ -38,13 +38,30 @@ def test_reshard_equals_numpy_slices(monkeypatch, slab_bytes):
         sources.append(jax.device_put(host, NamedSharding(mesh, source_spec)))
         targets.append(NamedSharding(mesh, target_spec))
     moved = transfer.reshard(sources, targets)
-    for host, out, target in zip(hosts, moved, targets, strict=True):
+    for host, source, out, target in zip(hosts, sources, moved, targets, strict=True):
         assert out.sharding == target
         for shard in out.addressable_shards:
             got, want = np.asarray(shard.data), host[shard.index]
             assert got.shape == want.shape and got.tobytes() == want.tobytes()
+        if source.sharding.is_equivalent_to(target, source.ndim):
+            assert out is source  # already in place: not copied (the scalar)
+            continue
         pointers = [shard.data.unsafe_buffer_pointer() for shard in out.addressable_shards]
         assert len(set(pointers)) == len(pointers)  # replicas are copies, not one buffer shared by devices
+
+
+def test_reshard_returns_arrays_already_in_place_untouched():
+    """An array already in its target layout comes back as the same object, beside one that moves: callers free
+    what moved (`source is not result`), and on GPUs a device_put to the same sharding returns a new array over the
+    same buffers, so freeing the source deleted the result (the first GRPO step on an H200 failed so)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    staying = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("a", "b")))
+    moving = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("a", None)))
+    same_layout = NamedSharding(Mesh(mesh.devices, ("a", "b")), P("a", "b"))  # equivalent, not the same object
+    out = transfer.reshard([staying, moving], [same_layout, NamedSharding(mesh, P(None, "b"))])
+    assert out[0] is staying
+    assert out[1] is not moving and out[1].sharding.spec == P(None, "b")
+    assert np.array_equal(np.asarray(out[1]), np.arange(64.0).reshape(8, 8))
 
 
 def test_keep_freed_host_memory_keeps_and_reuses_freed_memory():

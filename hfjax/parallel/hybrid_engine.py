@@ -42,7 +42,7 @@ from hfjax.parallel.shard_math import (
     containing_order,
     local_train_bounds,
 )
-from hfjax.parallel.transfer import reshard
+from hfjax.parallel.transfer import in_place, relabel, reshard
 
 MODES = ("zero_redundancy", "naive")
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class HybridEngine:
         self.keeps_host_memory = keep_host_memory and platform == "cpu" and keep_freed_host_memory()
         self.times = TransitionTimes()
         self._kept_train: Any = None
+        self._owned_gen: set[int] = set()
 
     def _order_gen(
         self, gen: Layout, abstract_params: Any, train_specs: list[tuple]
@@ -201,25 +202,34 @@ class HybridEngine:
     def to_gen(self, train_params: Any) -> Any:
         """Parameters in the generation layout (and `gen_dtype`), moved a chunk of parameters at a time.
         Zero-redundancy mode without a cast deletes a chunk's training buffers once its gen copies exist, so only
-        one chunk (`chunk_bytes` per device) is ever held twice; naive mode and a cast keep the training arrays."""
+        one chunk (`chunk_bytes` per device) is ever held twice; naive mode and a cast keep the training arrays. A
+        parameter already laid out (and typed) for generation is not copied: its gen array shares its buffers."""
         start = time.perf_counter()
         train = self._flatten(train_params, "to_gen")
         out, kept = list(train), list(train)
+        self._owned_gen = set()  # the gen arrays that own their buffers (copies), which to_train may free
         moving = [
             i
             for i, leaf in enumerate(out)
-            if self.gen_dtypes[i] != leaf.dtype or not leaf.sharding.is_equivalent_to(self.gen_shardings[i], leaf.ndim)
+            if self.gen_dtypes[i] != leaf.dtype or leaf.sharding != self.gen_shardings[i]
         ]
         for chunk in self._chunks(moving):
+            targets = [self.gen_shardings[i] for i in chunk]
             sources = [out[i] for i in chunk]
             if self.casts:
                 sources = _cast(tuple(sources), tuple(self.gen_dtypes[i].name for i in chunk))
-            moved = reshard(sources, [self.gen_shardings[i] for i in chunk])
-            for source, array in zip(sources, moved, strict=True):
-                if source is not array and (self.casts or not self.keeps_train):  # a cast copy, or zero redundancy
-                    source.delete()
+            moved = reshard(sources, targets)
+            for i, source, target in zip(chunk, sources, targets, strict=True):
+                copied = source is not train[i]  # a cast copy
+                if not in_place(source, target):  # moved: `moved[i]` is a new copy
+                    if copied or not self.keeps_train:  # a cast copy, or zero redundancy
+                        source.delete()
+                    copied = True
+                if copied:
+                    self._owned_gen.add(i)
             if self.offloads_master:  # chunk by chunk, so the device never holds the whole master beside the copy
-                for i, hosted in zip(chunk, _to_memory([train[i] for i in chunk], "pinned_host"), strict=True):
+                hosting = [i for i in chunk if i in self._owned_gen]  # a master that generation reads stays
+                for i, hosted in zip(hosting, _to_memory([train[i] for i in hosting], "pinned_host"), strict=True):
                     kept[i] = hosted
             for i, array in zip(chunk, moved, strict=True):
                 out[i] = array
@@ -244,16 +254,11 @@ class HybridEngine:
             if self.offloads_master:
                 result = _to_memory(result, "device")
             if self.casts:  # the generation copies are ours alone: free them now
-                for leaf, kept in zip(leaves, jax.tree.leaves(result), strict=True):
-                    if leaf is not kept:
-                        leaf.delete()
+                for i in self._owned_gen:
+                    leaves[i].delete()
         else:
-            out = list(leaves)
-            moving = [
-                i
-                for i, leaf in enumerate(leaves)
-                if not leaf.sharding.is_equivalent_to(self.train_shardings[i], leaf.ndim)
-            ]
+            out = [relabel(leaf, target) for leaf, target in zip(leaves, self.train_shardings, strict=True)]
+            moving = [i for i, leaf in enumerate(leaves) if not in_place(leaf, self.train_shardings[i])]
             for chunk in self._chunks(moving):
                 sources = [out[i] for i in chunk]
                 if self._local_slices is None:  # no containing order exists: fetch back across devices
@@ -266,6 +271,7 @@ class HybridEngine:
                 for i, array in zip(chunk, back, strict=True):
                     out[i] = array
             result = self._unflatten(gen_params, out)
+        self._owned_gen = set()
         self.times.to_train_s.append(time.perf_counter() - start)
         return result
 
@@ -357,13 +363,12 @@ def _has_separate_host_memory(layout: Layout) -> bool:
 def _to_memory(tree: Any, kind: str) -> Any:
     """The tree's arrays copied to memory `kind`; the sources are deleted once the copies exist."""
     leaves, treedef = jax.tree.flatten(tree)
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.sharding.memory_kind != kind]
     moved = jax.device_put([leaves[i] for i in arrays], [leaves[i].sharding.with_memory_kind(kind) for i in arrays])
     jax.block_until_ready(moved)
     out = list(leaves)
     for i, copy in zip(arrays, moved, strict=True):
-        if copy is not leaves[i]:
-            leaves[i].delete()
+        leaves[i].delete()
         out[i] = copy
     return jax.tree.unflatten(treedef, out)
 

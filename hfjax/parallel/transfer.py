@@ -145,7 +145,31 @@ _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1, t
 
 
 def reshard(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> list[jax.Array]:
-    """The arrays moved to `shardings` (same devices, new layout), finished when this returns."""
+    """The arrays moved to `shardings` (same devices, new layout), finished when this returns. An array already laid
+    out as its target (`in_place`) is not copied: it comes back as itself, or over the same buffers under the target's
+    mesh (one program cannot mix meshes), so a caller that frees what it moved must keep such sources."""
+    moving = [i for i, (a, s) in enumerate(zip(arrays, shardings, strict=True)) if not in_place(a, s)]
+    out = [relabel(a, s) for a, s in zip(arrays, shardings, strict=True)]
+    for i, array in zip(moving, _move([arrays[i] for i in moving], [shardings[i] for i in moving]), strict=True):
+        out[i] = array
+    return out
+
+
+def in_place(array: jax.Array, sharding: NamedSharding) -> bool:
+    """Whether every device already holds the block of `array` that `sharding` gives it."""
+    return array.sharding.is_equivalent_to(sharding, array.ndim)
+
+
+def relabel(array: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """`array` under `sharding` without a copy where it is `in_place` (the same buffers, the target's mesh), else
+    `array` itself."""
+    if array.sharding == sharding or not in_place(array, sharding):
+        return array
+    shards = [shard.data for shard in array.addressable_shards]
+    return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
+
+
+def _move(arrays: list[jax.Array], shardings: list[NamedSharding]) -> list[jax.Array]:
     if not arrays:
         return []
     platform = arrays[0].sharding.mesh.devices.flat[0].platform
@@ -153,4 +177,4 @@ def reshard(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> 
         return _assemble_on_host(arrays, shardings)
     if platform == "cpu":
         return [jax.block_until_ready(jax.device_put(a, s)) for a, s in zip(arrays, shardings, strict=True)]
-    return jax.block_until_ready(jax.device_put(list(arrays), list(shardings)))
+    return jax.block_until_ready(jax.device_put(arrays, shardings))
