@@ -25,6 +25,8 @@ from hfjax.trainer.rollout_stream import sync_weights
 from hfjax.typed_config import ConfigError, dump_yaml
 from hfjax.workers.weight_sync import WeightShards
 
+SCHEDULE_FIRST = True  # minutes of tests: started first on a worker (conftest.py)
+
 pytest_plugins = ["support.ray_cluster"]
 VARIABLE = ("timing_s/", "perf/", "timeline/", "async/", "sync/")
 # the same layouts in both placements: the actor trains over 4 devices (fsdp) and generates over 4 (2 x tensor 2)

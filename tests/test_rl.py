@@ -20,6 +20,8 @@ from hfjax.protocol import DataProto
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.workers.actor import ActorRolloutRefWorker
 
+SCHEDULE_FIRST = True  # minutes of tests: started first on a worker (conftest.py)
+
 pytest_plugins = ["support.ray_cluster"]
 
 
