@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv, lint, then run the test suite (8 fake CPU devices) on two pytest-xdist
 # workers (HFJAX_TEST_WORKERS overrides; 0 runs in this process), printing the 15 slowest tests. Files go to the
-# workers in the order conftest.py sorts them (those with SCHEDULE_FIRST first), not by test count. Extra args go to
-# pytest.
+# workers in the order conftest.py sorts them (the longest files, by SCHEDULE_FIRST, first), not by test count. Extra
+# args go to pytest.
 export HFJAX_VENV=dev
 source "$(dirname "$0")/venv.sh"
 ruff check .

@@ -63,6 +63,6 @@ def pytest_collection_modifyitems(items: list) -> None:
     for item in items:
         spread = getattr(getattr(item, "module", None), "SPREAD_TESTS", False)
         item.add_marker(pytest.mark.xdist_group(item.nodeid if spread else item.nodeid.split("::")[0]))
-    # Workers take the files in this order: the files that take minutes (`SCHEDULE_FIRST = True` in them) go first,
-    # so that the run does not end with one worker busy on a long file while the other idles.
-    items.sort(key=lambda item: not getattr(getattr(item, "module", None), "SCHEDULE_FIRST", False))
+    # Workers take the files in this order: the files that take minutes (`SCHEDULE_FIRST = <minutes>` in them) go
+    # first, longest first, so that the run does not end with one worker busy on a long file while the other idles.
+    items.sort(key=lambda item: -getattr(getattr(item, "module", None), "SCHEDULE_FIRST", 0))

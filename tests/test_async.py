@@ -25,7 +25,7 @@ from hfjax.trainer.rollout_stream import sync_weights
 from hfjax.typed_config import ConfigError, dump_yaml
 from hfjax.workers.weight_sync import WeightShards
 
-SCHEDULE_FIRST = True  # minutes of tests: started first on a worker (conftest.py)
+SCHEDULE_FIRST = 6  # about this many minutes of tests in CI: started early on a worker (conftest.py)
 
 pytest_plugins = ["support.ray_cluster"]
 VARIABLE = ("timing_s/", "perf/", "timeline/", "async/", "sync/")

@@ -51,7 +51,7 @@ from hfjax.trainer.rl import RLTrainer
 pytest_plugins = ["support.ray_cluster"]
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEDULE_FIRST = True  # minutes of tests: started first on a worker (conftest.py)
+SCHEDULE_FIRST = 6  # about this many minutes of tests in CI: started early on a worker (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from hfjax.trainer.rl import RLTrainer
 from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
-SCHEDULE_FIRST = True  # minutes of tests: started first on a worker (conftest.py)
+SCHEDULE_FIRST = 7  # about this many minutes of tests in CI: started early on a worker (conftest.py)
 
 pytest_plugins = ["support.ray_cluster"]
 # times (and idle fractions) vary; the KV cache per device depends on the placement (each host has `rollout.slots`)

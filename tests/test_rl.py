@@ -20,7 +20,7 @@ from hfjax.protocol import DataProto
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.workers.actor import ActorRolloutRefWorker
 
-SCHEDULE_FIRST = True  # minutes of tests: started first on a worker (conftest.py)
+SCHEDULE_FIRST = 5  # about this many minutes of tests in CI: started early on a worker (conftest.py)
 
 pytest_plugins = ["support.ray_cluster"]
 
