@@ -148,11 +148,12 @@ def reshard(arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> 
     """The arrays moved to `shardings` (same devices, new layout), finished when this returns. An array already laid
     out as its target (`in_place`) is not copied: it comes back as itself, or over the same buffers under the target's
     mesh (one program cannot mix meshes), so a caller that frees what it moved must keep such sources."""
-    moving = [i for i, (a, s) in enumerate(zip(arrays, shardings, strict=True)) if not in_place(a, s)]
-    out = [relabel(a, s) for a, s in zip(arrays, shardings, strict=True)]
-    for i, array in zip(moving, _move([arrays[i] for i in moving], [shardings[i] for i in moving]), strict=True):
-        out[i] = array
-    return out
+    staying = [in_place(a, s) for a, s in zip(arrays, shardings, strict=True)]
+    moving = [(a, s) for a, s, stays in zip(arrays, shardings, staying, strict=True) if not stays]
+    moved = iter(_move([a for a, _ in moving], [s for _, s in moving]))
+    return [
+        _same_buffers(a, s) if stays else next(moved) for a, s, stays in zip(arrays, shardings, staying, strict=True)
+    ]
 
 
 def in_place(array: jax.Array, sharding: NamedSharding) -> bool:
@@ -163,7 +164,11 @@ def in_place(array: jax.Array, sharding: NamedSharding) -> bool:
 def relabel(array: jax.Array, sharding: NamedSharding) -> jax.Array:
     """`array` under `sharding` without a copy where it is `in_place` (the same buffers, the target's mesh), else
     `array` itself."""
-    if array.sharding == sharding or not in_place(array, sharding):
+    return _same_buffers(array, sharding) if in_place(array, sharding) else array
+
+
+def _same_buffers(array: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if array.sharding == sharding:
         return array
     shards = [shard.data for shard in array.addressable_shards]
     return jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
