@@ -4,27 +4,12 @@ import os
 import tempfile
 
 import pytest
+from support.settings import TEST_XLA_FLAGS
 
 from hfjax.compile_cache import enable_compilation_cache
 
-# Tests compile thousands of small programs and run each a few times, so on CPU compiling cheaply beats running
-# fast: no LLVM optimisation of the CPU code (an actor-update test: compile 20.2 s -> 11.5 s, the test 39 s -> 27 s),
-# and XLA's classic CPU fusion emitters instead of the MLIR ones (tests/test_trim_padding.py: 43.6 -> 27.4 s of CPU
-# time, tests/test_engine_extend.py: 66.5 -> 49.1 s). XLA's HLO passes still run; Ray workers and scripts started by
-# tests inherit these flags (`ResourcePool.process_env`). With JAX_PLATFORMS=cuda (scripts/gpu_check.sh) the CPU
-# flags stay out (a newer XLA that no longer knows one exits at start-up) and GPU reductions are deterministic, so
-# that bitwise comparisons hold there too.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ON_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
-TEST_XLA_FLAGS = (
-    (
-        "--xla_force_host_platform_device_count=8",
-        "--xla_backend_optimization_level=0",
-        "--xla_cpu_use_fusion_emitters=false",
-    )
-    if ON_CPU
-    else ("--xla_gpu_deterministic_ops=true",)
-)
+# XLA's settings for tests (cheap compiles on 8 fake CPU devices; tests/support/settings.py says why): set before JAX
+# is imported; Ray workers and scripts started by tests inherit them (`ResourcePool.process_env`).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -32,7 +32,6 @@ import pytest
 import safetensors.numpy
 import yaml
 from support.rl_setup import build_run_inputs, deterministic, rl_config
-from tensorboardX.proto.event_pb2 import Event
 
 from hfjax.cli.runner import user_errors
 from hfjax.config.rl import load_rl_config
@@ -71,6 +70,10 @@ def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
 def _tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, list[float]]:
     """The values of `tag` per step as TensorBoard shows them: event files in order, and a file that starts with a
     purge step (a restart) drops what earlier files logged at or after that step."""
+    from tensorboardX.proto.event_pb2 import (
+        Event,
+    )  # here: tensorboardX imports PyTorch, and Ray workers import this module
+
     values: dict[int, list[float]] = {}
     for path in sorted((run_dir / "tb").glob("events.out.tfevents.*")):
         data, offset, first = path.read_bytes(), 0, True

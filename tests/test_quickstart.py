@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers as tf
 from support.rl_setup import QUICKSTART_SMOKE as SMOKE
+from support.settings import run_command, user_env
 
 from hfjax.cli.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
 from hfjax.config.rl import load_rl_config
@@ -50,19 +51,19 @@ def _same_accuracy(a: float, b: float, problems: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_quickstart_learns_on_two_hosts_and_in_bfloat16(ray_cluster, tmp_path):
-    """The learning claim (+20 points after RL), then the first `VARIANT_STEPS` steps of the same RL from the same
-    SFT checkpoint (same seeds, data order and constant learning rate) once more on 2 simulated hosts x 1 device
-    instead of 1 x 2 and with bfloat16 compute (float32 master weights, a bfloat16 generation copy and KV cache)
-    instead of float32, at the same held-out accuracy at that step as the first run up to what the test set can tell
-    apart. One run carries both changes (one run fewer for CI; each alone passed at step 50 in the CI of the
-    2026-11-26 landing). Over 50 sampled steps the runs are not bitwise equal: micro-batches sum in another order and
-    round to bfloat16, and a last-bit difference can flip a sampled token; tests/test_multihost.py checks 3-step runs
-    equal to float tolerance."""
-    cfg = load_config(QuickstartConfig, "configs/quickstart.yaml", [f"run_dir={tmp_path}"])
-    result = run_quickstart(cfg)
+def test_quickstart_learns_on_two_hosts_and_in_bfloat16(request, tmp_path, monkeypatch):
+    """The learning claim (+20 points after RL) of the README's command, run as a user runs it (`hfjax quickstart`
+    in a process of its own with the user's XLA settings: tests/support/settings.py). Then the first
+    `VARIANT_STEPS` steps of the same RL from the same SFT checkpoint (same seeds, data order and constant learning
+    rate) once more on 2 simulated hosts x 1 device instead of 1 x 2 and with bfloat16 compute (float32 master
+    weights, a bfloat16 generation copy and KV cache) instead of float32, at the same held-out accuracy at that step
+    as the first run up to what the test set can tell apart. One run carries both changes (one run fewer for CI;
+    each alone passed at step 50 in the CI of the 2026-11-26 landing). Over 50 sampled steps the runs are not
+    bitwise equal: micro-batches sum in another order and round to bfloat16, and a last-bit difference can flip a
+    sampled token; tests/test_multihost.py checks 3-step runs equal to float tolerance."""
+    run_command(["quickstart", "configs/quickstart.yaml", f"run_dir={tmp_path}"], tmp_path / "quickstart.log", 3600)
+    result = json.loads((tmp_path / "result.json").read_text())
     assert result["gain_points"] >= 20, result
-    rl_config = tmp_path / "rl" / "config.yaml"
     reference = {m["step"]: m for m in read_metrics(tmp_path / "rl")}[VARIANT_STEPS][ACCURACY_KEY]
     variant = [
         f"trainer.total_steps={VARIANT_STEPS}",
@@ -71,6 +72,9 @@ def test_quickstart_learns_on_two_hosts_and_in_bfloat16(ray_cluster, tmp_path):
         "trainer.devices_per_host=1",
         "actor.dtype=bfloat16",
     ]
-    accuracy = run_rl(load_rl_config(rl_config, variant))[-1][ACCURACY_KEY]
+    request.getfixturevalue("ray_cluster")  # after the command, which starts a Ray of its own
+    monkeypatch.setenv("XLA_FLAGS", user_env()["XLA_FLAGS"])  # the workers' settings (`ResourcePool.process_env`)
+    accuracy = run_rl(load_rl_config(tmp_path / "rl" / "config.yaml", variant))[-1][ACCURACY_KEY]
     print(f"accuracy at step {VARIANT_STEPS}: 1 x 2 devices float32 {reference:.4f}, 2 x 1 bfloat16 {accuracy:.4f}")
-    assert _same_accuracy(accuracy, reference, cfg.task["num_test"]), (accuracy, reference)
+    num_test = load_config(QuickstartConfig, "configs/quickstart.yaml").task["num_test"]
+    assert _same_accuracy(accuracy, reference, num_test), (accuracy, reference)

@@ -1,20 +1,18 @@
-"""Builds tiny random Hugging Face checkpoints and tokenizers locally (no downloads) for tests."""
+"""Builds tiny random Hugging Face checkpoints and tokenizers locally (no downloads) for tests. PyTorch and
+transformers are imported where they are used: a Ray worker that unpickles a worker class defined in a test module
+imports that module and what it imports, and these two take seconds."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import transformers as tf
 
-CONFIG_CLASSES = {
-    "llama": tf.LlamaConfig,
-    "qwen2": tf.Qwen2Config,
-    "qwen3": tf.Qwen3Config,
-    "mistral": tf.MistralConfig,
-}
+if TYPE_CHECKING:
+    import torch
+    import transformers as tf
+
 PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 BASE = dict(
     vocab_size=97,
@@ -30,14 +28,19 @@ BASE = dict(
 
 
 def hf_config(family: str, **overrides: Any) -> tf.PretrainedConfig:
+    import transformers as tf
+
     kwargs = {**BASE, **overrides}
     if family in ("qwen3", "mistral") and "head_dim" not in kwargs:
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    return CONFIG_CLASSES[family](**kwargs)
+    return getattr(tf, f"{PREFIX[family]}Config")(**kwargs)
 
 
 def build_hf_model(family: str, head: str = "CausalLM", seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A random transformers model in float32 eval mode, with eager attention."""
+    import torch
+    import transformers as tf
+
     torch.manual_seed(seed)
     config = hf_config(family, **overrides)
     config._attn_implementation = "eager"
@@ -73,6 +76,8 @@ def left_padded_batch(vocab: int, lengths: list[int], seed: int = 0, pad_id: int
 
 
 def torch_logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         out = model(
             input_ids=torch.as_tensor(ids, dtype=torch.long),
