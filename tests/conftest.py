@@ -19,6 +19,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # this environment).
 os.environ.setdefault("HFJAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="hfjax-test-xla-cache-"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# no size bound: with one, every write locks the directory and lists all of its entries to evict the oldest, which
+# over a session's thousands of small programs doubled the time of compile-bound test files (tests/test_attention.py,
+# tests/test_packing.py, tests/test_algos_verl_losses.py on 2 workers: 48-64 s -> 30 s). The directory holds only
+# this session's programs.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 enable_compilation_cache()  # the command line's cache settings, in a directory of this session's own
 
 import jax  # noqa: E402 (after the environment above)
