@@ -17,7 +17,7 @@ from hfjax.envs import observation_tokens, prompt_tokens
 from hfjax.envs.examples.calculator import CalculatorEnv
 from hfjax.typed_config import load_config
 
-SCHEDULE_FIRST = 8  # about this many minutes of tests in CI: started early on a worker (conftest.py)
+SCHEDULE_FIRST = 6  # about this many minutes of tests in CI: started early on a worker (conftest.py)
 
 AGENT_CLAIM_STEPS = 10  # of the config's 60; a validation step (test_freq: 10)
 SMOKE = [*QUICKSTART_SMOKE, "sft.data.batch_size=16", "sft.data.micro_batch_size=16"]  # 64 demonstrations

@@ -18,7 +18,7 @@ from hfjax.records.metrics import read_metrics
 from hfjax.trainer.launch import run_rl
 from hfjax.typed_config import load_config
 
-SCHEDULE_FIRST = 19  # about this many minutes of tests in CI: started early on a worker (conftest.py)
+SCHEDULE_FIRST = 11  # about this many minutes of tests in CI: started early on a worker (conftest.py)
 
 pytest_plugins = ["support.ray_cluster"]
 VARIANT_STEPS = 50  # a validation step of the quickstart RL (test_freq: 25)
