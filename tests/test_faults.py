@@ -70,9 +70,8 @@ def _assert_same_steps(got: list[dict], want: list[dict]) -> None:
 def _tensorboard_scalars(run_dir: Path, tag: str) -> dict[int, list[float]]:
     """The values of `tag` per step as TensorBoard shows them: event files in order, and a file that starts with a
     purge step (a restart) drops what earlier files logged at or after that step."""
-    from tensorboardX.proto.event_pb2 import (
-        Event,
-    )  # here: tensorboardX imports PyTorch, and Ray workers import this module
+    # imported here: tensorboardX imports PyTorch, and Ray workers of this module's `Napper` import the module
+    from tensorboardX.proto.event_pb2 import Event
 
     values: dict[int, list[float]] = {}
     for path in sorted((run_dir / "tb").glob("events.out.tfevents.*")):
