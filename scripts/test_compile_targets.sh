@@ -2,7 +2,8 @@
 # Compile-only checks for real targets (CI runs this after the test suites): sets up .venv-compile, hfjax with the
 # `compile` extra (libtpu and the CUDA compiler plugin, about 1.1 GB; no accelerator needed), then runs the tests
 # marked compile_target and compiles one shipped config at small shapes for its TPU target (scripts/compile_configs.py
-# --tiny; without --tiny it compiles every shipped config at full size, about 10 minutes each on 2 cores).
+# --tiny; without --tiny it compiles every shipped config at full size, about 10 minutes each on 2 cores) beside the
+# tests, each compiling on about one core. `--prepare-only` sets up .venv-compile and stops (CI does it early).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -16,7 +17,14 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "pytest==9.2.0" >&2
   echo "$WANT" > "$STAMP"
 fi
+[ "${1:-}" = --prepare-only ] && exit 0
 cd "$ROOT"
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
+OUT="$(mktemp -d -t hfjax-compile-configs-XXXX)"
+"$VENV/bin/python" scripts/compile_configs.py --tiny --out "$OUT" > "$OUT/table.txt" 2>&1 &
+CONFIGS=$!
 "$VENV/bin/python" -m pytest -q -m compile_target tests/test_targets.py tests/test_remat.py "$@"  # no PyTorch here
-"$VENV/bin/python" scripts/compile_configs.py --tiny --out "${TMPDIR:-/tmp}/hfjax-compile-configs"
+status=0
+wait "$CONFIGS" || status=$?
+cat "$OUT/table.txt"
+exit "$status"

@@ -21,7 +21,7 @@ from hfjax.typed_config import load_config
 SCHEDULE_FIRST = 11  # about this many minutes of tests in CI: started early on a worker (conftest.py)
 
 pytest_plugins = ["support.ray_cluster"]
-VARIANT_STEPS = 50  # a validation step of the quickstart RL (test_freq: 25)
+VARIANT_STEPS = 25  # the first validation step of the quickstart RL (test_freq: 25), where most of the gain is made
 
 
 def test_quickstart_smoke(tmp_path):
@@ -58,9 +58,11 @@ def test_quickstart_learns_on_two_hosts_and_in_bfloat16(request, tmp_path, monke
     rate) once more on 2 simulated hosts x 1 device instead of 1 x 2 and with bfloat16 compute (float32 master
     weights, a bfloat16 generation copy and KV cache) instead of float32, at the same held-out accuracy at that step
     as the first run up to what the test set can tell apart. One run carries both changes (one run fewer for CI;
-    each alone passed at step 50 in the CI of the 2026-11-26 landing). Over 50 sampled steps the runs are not
-    bitwise equal: micro-batches sum in another order and round to bfloat16, and a last-bit difference can flip a
-    sampled token; tests/test_multihost.py checks 3-step runs equal to float tolerance."""
+    each alone passed at step 50 in the CI of the 2026-11-26 landing). By step 25 the held-out accuracy has gone
+    from 63.7% to 90-92% in both (CI of the 2026-11-27 landing), so the variant has to learn as much as the first
+    run to agree. Over 25 sampled steps the runs are not bitwise equal: micro-batches sum in another order and
+    round to bfloat16, and a last-bit difference can flip a sampled token; tests/test_multihost.py checks 3-step
+    runs equal to float tolerance."""
     run_command(["quickstart", "configs/quickstart.yaml", f"run_dir={tmp_path}"], tmp_path / "quickstart.log", 3600)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["gain_points"] >= 20, result
