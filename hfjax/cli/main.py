@@ -18,6 +18,7 @@ from hfjax.cli import (
     plot,
     quickstart_command,
     supervised,
+    sweep,
     train,
 )
 from hfjax.cli.packaged import config_path
@@ -28,7 +29,7 @@ DESCRIPTION = """`hfjax inspect` shows how a checkpoint's parameters shard under
 `hfjax layouts` lists the rule presets or compares layout pairs; `hfjax generate` samples responses; `hfjax train`
 runs an RL config; `hfjax compile` compiles it for a TPU or GPU target; `hfjax sft` / `hfjax rm` train
 supervised; `hfjax quickstart` runs the CPU demo; `hfjax export`, `hfjax plot`, `hfjax data` and `hfjax automap`
-work on runs, data and placements."""
+work on runs, data and placements; `hfjax sweep` measures candidate layouts beside the cost model."""
 
 COMMANDS = (
     inspect_checkpoint,
@@ -38,6 +39,7 @@ COMMANDS = (
     compile_target,
     export,
     automap,
+    sweep,
     supervised,
     quickstart_command,
     data,

@@ -65,7 +65,8 @@ def group_names(cfg: RLConfig) -> dict[str, str]:
 
 def _mean_metrics(meta: dict[str, Any]) -> dict[str, float]:
     """Worker metrics (a value, or a list of values from several ranks) as floats."""
-    return {k: float(np.mean(v)) for k, v in meta.get("metrics", {}).items() if k != "worker_seconds"}
+    usage = ("worker_seconds", "device_peak_bytes")  # per call, gathered by `Step.absorb`
+    return {k: float(np.mean(v)) for k, v in meta.get("metrics", {}).items() if k not in usage}
 
 
 class Step:
@@ -125,12 +126,17 @@ class Step:
         """The rows and metrics of a group call's output `out` for request `data`. The time the worker spent inside
         it goes to `perf/worker_seconds` (the slowest rank's: ranks run in parallel); the array bytes of its rows in
         and out to `perf/dispatch_bytes_sent` / `_received` (the controller sends each process of a group its own
-        rows, so a host's share is that over the hosts)."""
+        rows, so a host's share is that over the hosts). The most device memory a device of the group has held so
+        far goes to `perf/device_peak_bytes` (the largest over the step's calls; on platforms that count it)."""
         for key, proto in (("perf/dispatch_bytes_sent", data), ("perf/dispatch_bytes_received", out)):
             self.metrics[key] = self.metrics.get(key, 0.0) + float(proto.nbytes())
-        seconds = out.meta_info.get("metrics", {}).get("worker_seconds")
-        if seconds is not None:
-            self.metrics["perf/worker_seconds"] = self.metrics.get("perf/worker_seconds", 0.0) + float(np.max(seconds))
+        usage = out.meta_info.get("metrics", {})
+        if usage.get("worker_seconds") is not None:
+            seconds = float(np.max(usage["worker_seconds"]))
+            self.metrics["perf/worker_seconds"] = self.metrics.get("perf/worker_seconds", 0.0) + seconds
+        if usage.get("device_peak_bytes") is not None:
+            peak = float(np.max(usage["device_peak_bytes"]))
+            self.metrics["perf/device_peak_bytes"] = max(self.metrics.get("perf/device_peak_bytes", 0.0), peak)
         return DataProto(out.batch, out.non_tensor_batch, {}), _mean_metrics(out.meta_info)
 
     # --------------------------------------------------------------------------------------------- generation

@@ -34,7 +34,7 @@ from hfjax.parallel.host_local import local_view, process_layout
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
-from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
+from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_usage
 from hfjax.workers.packing import response_positions, to_response_rows
 from hfjax.workers.weight_sync import WeightShards, export_shards
 
@@ -194,7 +194,7 @@ class ActorRolloutRefWorker(TrainedRole):
             self.policy.params = value
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts (left-padded `input_ids`, `attention_mask`) -> n responses each, interleaved: prompts, responses,
         input_ids, attention_mask, position_ids, response_mask, rollout_log_probs. `meta_info` may set `n`,
@@ -235,14 +235,14 @@ class ActorRolloutRefWorker(TrainedRole):
         return self.policy.map_rows(jitted, params, arrays, self.cfg.micro_batch_size, trim, packed)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` and `entropys` [B, R] under the current policy."""
         out = self._log_probs(self._logprob, self.params, data)
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """`ref_log_prob` [B, R] under the frozen reference policy."""
         if self.ref_params is None:
@@ -251,7 +251,7 @@ class ActorRolloutRefWorker(TrainedRole):
         return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches of `ppo_mini_batch_size` rows, each split into micro-batches whose losses
         are normalised by the mini-batch's counts (so accumulation equals the whole mini-batch). Metrics are means

@@ -20,7 +20,7 @@ from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
 from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
-from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_seconds
+from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_usage
 from hfjax.workers.packing import response_positions, to_response_rows
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -75,7 +75,7 @@ class CriticWorker(TrainedRole):
         return {"layout": layout.describe(), "params": self.critic.config.num_params}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def compute_values(self, data: DataProto) -> DataProto:
         """`values` [B, R]."""
         arrays = {k: data.batch[k] for k in VALUE_KEYS}
@@ -85,7 +85,7 @@ class CriticWorker(TrainedRole):
         return DataProto.from_dict({"values": out["values"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def update_critic(self, data: DataProto) -> DataProto:
         """Clipped value-loss epochs over mini-batches (micro-batch accumulation normalised by mini-batch counts)."""
         cfg = self.cfg

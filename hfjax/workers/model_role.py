@@ -31,15 +31,28 @@ from hfjax.workers.packing import packed_micro_batches
 from hfjax.workers.sequences import trimmed_chunks
 
 
-def reports_seconds(method: Callable[..., Any]) -> Callable[..., Any]:
+def device_peak_bytes() -> float | None:
+    """The most device memory any of this process's devices has held so far (`peak_bytes_in_use` of
+    `Device.memory_stats`), or None where the platform keeps no such count (CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    known = [p for p in peaks if p is not None]
+    return float(max(known)) if known else None
+
+
+def reports_usage(method: Callable[..., Any]) -> Callable[..., Any]:
     """Adds the wall time spent inside a worker method returning a `DataProto` to its `meta_info["metrics"]` as
-    `worker_seconds` (the controller compares it with the time it waited: the rest is dispatch and transfer)."""
+    `worker_seconds` (the controller compares it with the time it waited: the rest is dispatch and transfer), and
+    this process's peak device memory so far as `device_peak_bytes` where the platform counts it."""
 
     @functools.wraps(method)
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         out = method(self, *args, **kwargs)
-        out.meta_info.setdefault("metrics", {})["worker_seconds"] = time.perf_counter() - started
+        metrics = out.meta_info.setdefault("metrics", {})
+        metrics["worker_seconds"] = time.perf_counter() - started
+        peak = device_peak_bytes()
+        if peak is not None:
+            metrics["device_peak_bytes"] = peak
         return out
 
     return timed

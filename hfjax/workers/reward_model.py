@@ -13,7 +13,7 @@ from hfjax.config.roles import RewardModelConfig
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
-from hfjax.workers.model_role import LoadedModel, reports_seconds
+from hfjax.workers.model_role import LoadedModel, reports_usage
 
 
 def sequence_scores(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -36,7 +36,7 @@ class RewardModelWorker(Worker):
         return {"layout": layout.describe(), "params": self.model.config.num_params}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """One score per sequence [B] under `output_key`."""
         arrays = {k: data.batch[k] for k in ("input_ids", "attention_mask", "position_ids")}

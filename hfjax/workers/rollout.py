@@ -27,7 +27,7 @@ from hfjax.parallel.host_local import host_local_layout, process_layout
 from hfjax.protocol import DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
-from hfjax.workers.model_role import LoadedModel, reports_seconds
+from hfjax.workers.model_role import LoadedModel, reports_usage
 from hfjax.workers.partial_rollout import generate_across_versions
 from hfjax.workers.weight_swap import WeightSwap
 from hfjax.workers.weight_sync import WeightShards, WeightSyncError, param_paths
@@ -87,7 +87,7 @@ class RolloutWorker(Worker):
         }
 
     @register(Dispatch.DP_COMPUTE_PROTO)
-    @reports_seconds
+    @reports_usage
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """As `ActorRolloutRefWorker.generate_sequences`, with the weights of the last sync (or, following a
         mailbox, the version it decides, also part way: the batch then has `rollout_versions`, each token's policy

@@ -8,7 +8,7 @@ profile rank real PPO iterations of a small local model the way they measure, an
    of them spread over the predicted ranking; the first is the best predicted, the one `hfjax automap` writes.
 3. Turns each into the run config (`run_config`, as `hfjax automap --out` writes it) and trains `--steps` PPO
    iterations through Ray as `hfjax train` does (`run_rl`). Measured s/iter: median `timing_s/step` after the first
-   `--warmup` iterations (compiles; the second still compiles some).
+   `--warmup` iterations (compiles; the second still compiles some), as `hfjax sweep` measures (`sweep_one`).
 4. Prints predicted vs measured per mapping, Spearman's rho and chosen / best measured; exits 1 unless
    rho >= 0.8 and chosen <= 1.15 x best.
 Run it alone on the machine (`flock /tmp/hfjax-cpu.lock python scripts/bench/automap_cpu_check.py`): concurrent load
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -45,13 +44,6 @@ from bench_common import parse_args, report, start_ray  # noqa: E402
 from hfjax.compile_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache()  # before JAX is imported
-
-# Trainer timings (`timing_s/<name>`) per stage of the cost model.
-STAGE_TIMINGS = {
-    "generation": ("gen",),
-    "inference": ("reward", "old_log_prob", "ref", "values"),
-    "training": ("update_critic", "update_actor"),
-}
 
 
 def build_inputs(root: Path, args: argparse.Namespace) -> dict[str, str]:
@@ -120,25 +112,6 @@ def pick(ranked: list[Any], k: int, kind: str | None = None) -> list[int]:
     return sorted(chosen)
 
 
-def spearman(a: list[float], b: list[float]) -> float:
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(a, b).statistic)
-
-
-def measure(config: dict[str, Any], warmup: int) -> tuple[float, dict[str, float]]:
-    """Median seconds per iteration after `warmup` iterations, and the median seconds of each stage."""
-    from hfjax.config.rl import load_rl_config
-    from hfjax.trainer.launch import run_rl
-
-    history = run_rl(load_rl_config(config))[warmup:]
-    stages = {
-        stage: statistics.median(sum(h.get(f"timing_s/{k}", 0.0) for k in keys) for h in history)
-        for stage, keys in STAGE_TIMINGS.items()
-    }
-    return statistics.median(h["timing_s/step"] for h in history), stages
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mappings", type=int, default=7, help="mappings to run (at least 6 for the check)")
@@ -171,9 +144,11 @@ def main() -> int:
     import ray
 
     from hfjax.automap import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
+    from hfjax.automap.dataflow import STAGES
     from hfjax.automap.run_config import run_models, run_workload
     from hfjax.automap.trainer_runs import run_config, trainer_candidates
     from hfjax.config.rl import load_rl_config
+    from hfjax.trainer.sweep import SweepCandidate, spearman, sweep_one
 
     inputs = build_inputs(work / "inputs", args)
     base = base_config(inputs, args)
@@ -205,7 +180,11 @@ def main() -> int:
             candidate = ranked[index]
             config = run_config(candidate, base, cluster)
             config["trainer"]["run_dir"] = str(work / f"run-{index}")
-            seconds, stages = measure(config, args.warmup)
+            run = SweepCandidate(f"mapping {index}", config)
+            row = sweep_one(run, cluster, args.steps - args.warmup, args.warmup, work / f"run-{index}")
+            if not row.ok:
+                raise SystemExit(f"mapping {index}: {row.error}")
+            seconds, stages = row.measured["step_s"], row.measured
             results.append((index, candidate, seconds, stages))
             print(f"mapping {index}: predicted {candidate.iteration_seconds:.3f} s, measured {seconds:.3f} s")
     finally:
@@ -223,8 +202,8 @@ def main() -> int:
                 " | ".join(f"{'+'.join(g)}:{n}" for g, n in c.mapping.groups),
                 f"actor {layouts['actor'].describe()} gen t{c.mapping.gen_layout.tensor}, "
                 f"critic {layouts['critic'].describe()}",
-                " / ".join(f"{c.prediction.stage_seconds[s]:.2f}" for s in STAGE_TIMINGS),
-                " / ".join(f"{stages[s]:.2f}" for s in STAGE_TIMINGS),
+                " / ".join(f"{c.prediction.stage_seconds[s]:.2f}" for s in STAGES),
+                " / ".join(f"{stages[s]:.2f}" for s in STAGES),
                 c.iteration_seconds,
                 seconds,
                 j + 1,
@@ -233,9 +212,10 @@ def main() -> int:
         )
     rho = spearman(predicted, measured)
     ratio = measured[0] / min(measured)
-    ok = len(results) >= 6 and rho >= 0.8 and ratio <= 1.15
+    ok = len(results) >= 6 and rho is not None and rho >= 0.8 and ratio <= 1.15
+    rho_text = "-" if rho is None else f"{rho:.3f}"  # none for fewer than two mappings
     report(
-        f"PPO on {DEVICES} fake CPU devices: predicted vs measured s/iter (Spearman rho {rho:.3f}, chosen / best "
+        f"PPO on {DEVICES} fake CPU devices: predicted vs measured s/iter (Spearman rho {rho_text}, chosen / best "
         f"measured {ratio:.3f}: {'PASS' if ok else 'FAIL'})",
         [
             "#",

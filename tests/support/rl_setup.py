@@ -9,8 +9,16 @@ from typing import Any
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
 from support.checkpoints import save_hf_model
 
-# metrics that vary between identical runs (wall times, throughput, idle shares): left out when runs are compared
-VARIABLE = ("timing_s/", "timeline/", "perf/throughput", "perf/samples_per_s", "perf/worker_seconds")
+# metrics that vary between identical runs (wall times, throughput, idle shares, the device memory peak so far on GPU
+# and TPU, which a resumed run starts afresh): left out when runs are compared
+VARIABLE = (
+    "timing_s/",
+    "timeline/",
+    "perf/throughput",
+    "perf/samples_per_s",
+    "perf/worker_seconds",
+    "perf/device_peak_bytes",
+)
 
 
 def deterministic(metrics: dict[str, Any]) -> dict[str, Any]:

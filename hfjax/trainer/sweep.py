@@ -1,0 +1,261 @@
+"""Measured layout comparison (`hfjax sweep`): each candidate (one RL run config with its own placement, layouts,
+micro-batch sizes, rematerialisation or packing) trains `warmup + steps` iterations in fresh worker groups on the
+current cluster. Its row holds, measured after the warm-up (medians over the steps), the seconds of each stage of the
+cost model (generation, inference, training) and of the whole iteration, tokens per second and the peak device memory
+(where the platform counts it), with the cost model's prediction beside each. A candidate that does not load, fit or
+run is a row with its reason, and the sweep goes on. Candidates come from a YAML file (`read_candidates`) or are the
+auto-mapper's best (`auto_candidates`)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import re
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from hfjax.automap import ClusterSpec, CostModel, dataflow, role_shapes
+from hfjax.automap.dataflow import STAGES
+from hfjax.automap.run_config import predict_run, run_cost_options, run_models, run_workload
+from hfjax.automap.trainer_runs import run_config, trainer_candidates, without_mapping
+from hfjax.config.rl import RLConfig, load_rl_config
+from hfjax.trainer.launch import ray_session, run_rl
+
+MEASURED_KEYS = ("step_s", *STAGES, "tokens_per_s", "device_peak_bytes")
+
+
+def stage_of(timing: str) -> str | None:
+    """The cost model's stage of the trainer's `timing_s/<timing>`: generation, inference passes, updates; None
+    for controller work the model does not price, a total, and times inside or beside another (`reshard` is part of
+    `gen`; an asynchronous run's `weight_sync` runs beside the step, whose `gen` is its wait for the rollout)."""
+    if timing in ("gen", "gen_max"):
+        return "generation"
+    if timing in ("reward", "cost", "old_log_prob", "ref") or timing.startswith("values"):
+        return "inference"
+    return "training" if timing.startswith("update_") else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepCandidate:
+    """One run to measure: a raw run config and `key=value` overrides applied over it when it loads."""
+
+    name: str
+    config: dict[str, Any]
+    overrides: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class SweepRow:
+    """A candidate's measurement (`MEASURED_KEYS`; None where not measured) and prediction (seconds per stage and
+    `step_s`, `device_peak_bytes`), or the reason it failed (`error`) or could not be predicted (`prediction_error`)."""
+
+    name: str
+    overrides: list[str]
+    measured: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    prediction_error: str | None = None
+    run_dir: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def read_candidates(path: str | Path, base: Mapping[str, Any], common: Sequence[str] = ()) -> list[SweepCandidate]:
+    """The candidates of a YAML file: a list (or `candidates:` holding one) of `{name, overrides}`, each
+    `overrides` a list of `key=value` strings or a mapping of dotted keys to values, applied over `base` after the
+    `common` overrides of every candidate."""
+    data = yaml.safe_load(Path(path).read_text())
+    if isinstance(data, Mapping):
+        data = data.get("candidates")
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"{path}: expected a non-empty list of candidates ({{name, overrides}}), or candidates: [...]")
+    out, names = [], set()
+    for i, item in enumerate(data):
+        where = f"{path}: candidates[{i}]"
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not item["name"].strip():
+            raise ValueError(f"{where}: expected a mapping with a non-empty name and overrides, got {item!r}")
+        if item["name"] in names:
+            raise ValueError(f"{where}.name: {item['name']!r} names another candidate too; names must be unique")
+        names.add(item["name"])
+        unknown = sorted(set(item) - {"name", "overrides"})
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; expected name and overrides")
+        overrides = item.get("overrides") or []
+        if isinstance(overrides, Mapping):
+            overrides = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]  # JSON: YAML that loads back as is
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+            raise ValueError(f"{where}.overrides: expected a list of key=value strings or a mapping, got {overrides!r}")
+        out.append(SweepCandidate(item["name"], copy.deepcopy(dict(base)), (*common, *overrides)))
+    return out
+
+
+def auto_candidates(base: Mapping[str, Any], cluster: ClusterSpec, top: int) -> list[SweepCandidate]:
+    """The auto-mapper's `top` mappings of `base` on `cluster` that the trainer runs, best predicted first."""
+    cfg = load_rl_config(without_mapping(base))
+    flow = dataflow(cfg.algorithm.name)
+    model = CostModel(cluster, flow, run_workload(cfg), run_cost_options(cfg))
+    ranked = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
+    out = []
+    for rank, candidate in enumerate(ranked[:top], 1):
+        groups = "|".join(f"{'+'.join(g)}:{n}" for g, n in candidate.mapping.groups)
+        layouts = " ".join(f"{r}:{s.describe()}" for r, s in candidate.mapping.layouts.items() if r != "ref")
+        name = f"auto{rank} {groups} {layouts} gen:t{candidate.mapping.gen_layout.tensor}"
+        out.append(SweepCandidate(name, run_config(candidate, base, cluster)))
+    return out
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")[:80] or "candidate"
+
+
+def measured(history: Sequence[Mapping[str, float]], warmup: int) -> dict[str, float | None]:
+    """Medians over the iterations after the first `warmup` (compiles): seconds per stage and per iteration,
+    tokens per second; the largest peak device memory of the run (None where no device counts it)."""
+    steps = history[warmup:]
+    if not steps:
+        raise ValueError(f"no iteration after the {warmup} warm-up iterations to measure")
+    stages = [{s: 0.0 for s in STAGES} for _ in steps]
+    for seconds, metrics in zip(stages, steps, strict=True):
+        for key, value in metrics.items():
+            stage = stage_of(key.removeprefix("timing_s/")) if key.startswith("timing_s/") else None
+            if stage is not None:
+                seconds[stage] += value
+    out: dict[str, float | None] = {s: statistics.median(x[s] for x in stages) for s in STAGES}
+    out["step_s"] = statistics.median(m["timing_s/step"] for m in steps)
+    out["tokens_per_s"] = statistics.median(m["perf/throughput"] for m in steps)
+    peaks = [m["perf/device_peak_bytes"] for m in history if "perf/device_peak_bytes" in m]
+    out["device_peak_bytes"] = max(peaks) if peaks else None
+    return out
+
+
+def _predicted(cfg: RLConfig, cluster: ClusterSpec) -> dict[str, float]:
+    prediction = predict_run(cfg, cluster)
+    return {
+        **prediction.stage_seconds,
+        "step_s": prediction.iteration_seconds,
+        "device_peak_bytes": max(prediction.group_peak_bytes),
+    }
+
+
+def _reason(error: BaseException) -> str:
+    """An error as one line: its class and message (the last 600 characters)."""
+    return " ".join(f"{type(error).__name__}: {error}".split())[-600:]
+
+
+def sweep_one(candidate: SweepCandidate, cluster: ClusterSpec, steps: int, warmup: int, run_dir: Path) -> SweepRow:
+    """Trains `candidate` for `warmup + steps` iterations into `run_dir` (no validation, checkpoints or plots) and
+    measures it beside its prediction on `cluster`. Never raises for the candidate's own failures: they are the
+    row's `error`."""
+    row = SweepRow(candidate.name, list(candidate.overrides), run_dir=str(run_dir))
+    settings = [
+        f"trainer.total_steps={warmup + steps}",
+        f"trainer.run_dir={run_dir}",
+        "trainer.resume=never",
+        "trainer.save_freq=0",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.plot=false",
+        "trainer.progress=false",
+        "trainer.logger=[jsonl]",
+    ]
+    try:
+        cfg = load_rl_config(candidate.config, [*candidate.overrides, *settings])
+    except Exception as error:  # a candidate's bad config is its row's reason
+        row.error = f"config: {_reason(error)}"
+        return row
+    try:
+        row.predicted = _predicted(cfg, cluster)
+    except Exception as error:  # a mapping the cost model cannot price still runs
+        row.prediction_error = _reason(error)
+    try:
+        row.measured = measured(run_rl(cfg), warmup)
+    except Exception as error:  # a candidate that does not fit or fails is a row, the sweep goes on
+        row.error = _reason(error)
+    return row
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of `a` and `b` (tied values share their mean rank); None for fewer than two
+    pairs or a constant side."""
+
+    def ranks(x: Sequence[float]) -> np.ndarray:
+        values = np.asarray(x, dtype=float)
+        order = np.argsort(values, kind="stable")
+        out = np.empty(len(values))
+        out[order] = np.arange(1, len(values) + 1)
+        for value in np.unique(values):
+            tied = values == value
+            out[tied] = out[tied].mean()
+        return out
+
+    if len(a) != len(b) or len(a) < 2:
+        return None
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@dataclasses.dataclass
+class SweepResult:
+    rows: list[SweepRow]
+    steps: int
+    warmup: int
+
+    @property
+    def rank_correlation(self) -> float | None:
+        """Spearman's rho between predicted and measured iteration seconds over the rows that have both."""
+        both = [r for r in self.rows if r.ok and "step_s" in r.predicted]
+        return spearman([r.predicted["step_s"] for r in both], [r.measured["step_s"] for r in both])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "spearman_step_s": self.rank_correlation,
+            "candidates": [dataclasses.asdict(r) for r in self.rows],
+        }
+
+
+def run_sweep(
+    candidates: Sequence[SweepCandidate],
+    cluster: ClusterSpec,
+    steps: int,
+    warmup: int,
+    out_dir: Path,
+    progress: Callable[[SweepRow], None] | None = None,
+) -> SweepResult:
+    """Measures every candidate in turn (`sweep_one`), each into `out_dir/runs/<index>-<name>`, on one Ray session
+    for all of them; `progress(row)` is called after each."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
+    rows: list[SweepRow] = []
+    with _ray_session(candidates):
+        for index, candidate in enumerate(candidates):
+            run_dir = out_dir / "runs" / f"{index:02d}-{_slug(candidate.name)}"
+            rows.append(sweep_one(candidate, cluster, steps, warmup, run_dir))
+            if progress is not None:
+                progress(rows[-1])
+    return SweepResult(rows, steps, warmup)
+
+
+def _ray_session(candidates: Sequence[SweepCandidate]) -> contextlib.AbstractContextManager[None]:
+    """One Ray session for every candidate that runs on Ray (worker groups start afresh per candidate; Ray itself
+    starts once), as the first such candidate that loads would start it; nothing when none does."""
+    for candidate in candidates:
+        try:
+            cfg = load_rl_config(candidate.config, list(candidate.overrides))
+        except Exception:  # its row says why, in `sweep_one`
+            continue
+        if cfg.trainer.backend == "ray":
+            return ray_session(cfg)
+    return contextlib.nullcontext()

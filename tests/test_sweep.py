@@ -1,0 +1,151 @@
+"""`hfjax sweep`: its pieces against hand-written references (stage sums and medians of a trainer history, Spearman's
+rho by its textbook formula, candidate files and their errors), and (slow) a sweep of six layouts and two broken ones
+of a tiny GRPO run on 8 fake CPU devices, through the command line: every candidate's row holds every field, measured
+beside predicted, and each broken one its reason."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from support.rl_setup import build_run_inputs, rl_config
+
+from hfjax.automap.dataflow import STAGES
+from hfjax.cli.main import main
+from hfjax.trainer.sweep import MEASURED_KEYS, measured, read_candidates, spearman, stage_of
+
+
+def test_stage_of_every_timing_the_trainer_writes():
+    timings = {
+        "generation": ("gen", "gen_max"),
+        "inference": ("reward", "cost", "old_log_prob", "ref", "values", "values_cost_critic"),
+        "training": ("update_actor", "update_critic", "update_cost_critic"),
+        None: ("adv", "step", "reshard", "weight_sync"),  # controller work, the total, part of gen or beside it
+    }
+    for stage, names in timings.items():
+        assert [stage_of(n) for n in names] == [stage] * len(names)
+
+
+def test_measured_sums_stages_and_takes_medians_after_the_warmup():
+    history = [
+        {"timing_s/step": 9.0, "timing_s/gen": 5.0, "perf/throughput": 1.0},  # the warm-up: compiles
+        {"timing_s/step": 3.0, "timing_s/gen": 1.5, "timing_s/reshard": 0.5, "timing_s/ref": 0.25},
+        {"timing_s/step": 2.0, "timing_s/gen": 0.5, "timing_s/update_actor": 1.0, "timing_s/adv": 0.1},
+        {"timing_s/step": 4.0, "timing_s/gen": 2.0, "timing_s/values": 0.5, "timing_s/update_critic": 0.5},
+    ]
+    for m, tokens in zip(history, (10, 30, 40, 20), strict=True):
+        m["perf/throughput"] = float(tokens)
+    out = measured(history, warmup=1)
+    assert set(out) == set(MEASURED_KEYS)
+    assert out["step_s"] == 3.0 and out["tokens_per_s"] == 30.0
+    assert out["generation"] == 1.5  # median of 1.5, 0.5, 2.0
+    assert out["inference"] == 0.25  # median of 0.25, 0, 0.5
+    assert out["training"] == 0.5  # median of 0, 1.0, 0.5
+    assert out["device_peak_bytes"] is None  # CPU devices keep no count
+    history[2]["perf/device_peak_bytes"] = 7.0
+    history[0]["perf/device_peak_bytes"] = 9.0
+    assert measured(history, warmup=1)["device_peak_bytes"] == 9.0  # the run's largest, warm-up included
+    with pytest.raises(ValueError, match="no iteration after the 4 warm-up iterations"):
+        measured(history, warmup=4)
+
+
+def test_spearman_is_the_textbook_formula_without_ties_and_mean_ranks_with_them():
+    rng = np.random.default_rng(0)
+    for n in (2, 5, 9):
+        a, b = rng.permutation(n).astype(float), rng.permutation(n).astype(float)
+        d = a - b  # the values are their own ranks minus one
+        assert spearman(a, b) == pytest.approx(1 - 6 * np.sum(d**2) / (n * (n**2 - 1)))
+    # ties: ranks of [1, 2, 2, 3] are [1, 2.5, 2.5, 4]; Pearson's r of the ranks against [1, 2, 3, 4]
+    ra, rb = np.array([1, 2.5, 2.5, 4]), np.arange(1, 5.0)
+    expected = np.sum((ra - ra.mean()) * (rb - rb.mean())) / np.sqrt(
+        np.sum((ra - ra.mean()) ** 2) * np.sum((rb - rb.mean()) ** 2)
+    )
+    assert spearman([1, 2, 2, 3], [10, 20, 30, 40]) == pytest.approx(expected)
+    assert spearman([1.0], [2.0]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_candidate_files_and_their_errors(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        "candidates:\n"
+        "  - {name: fsdp8, overrides: [actor.train_layout.mesh.fsdp=8]}\n"
+        "  - {name: t2, overrides: {actor.train_layout: {mesh: {fsdp: 4, tensor: 2}}, rollout.slots: 4}}\n"
+    )
+    base = {"trainer": {"total_steps": 1}}
+    first, second = read_candidates(good, base)
+    assert (first.name, first.overrides, first.config) == ("fsdp8", ("actor.train_layout.mesh.fsdp=8",), base)
+    assert second.overrides == ('actor.train_layout={"mesh": {"fsdp": 4, "tensor": 2}}', "rollout.slots=4")
+    assert yaml.safe_load(second.overrides[0].partition("=")[2]) == {"mesh": {"fsdp": 4, "tensor": 2}}
+    bad = {
+        "[]": r"expected a non-empty list of candidates",
+        "[{overrides: [a=1]}]": r"candidates\[0\]: expected a mapping with a non-empty name",
+        "[{name: a}, {name: a}]": r"candidates\[1\]\.name: 'a' names another candidate too",
+        "[{name: a, overides: [x=1]}]": r"candidates\[0\]: unknown keys \['overides'\]",
+        "[{name: a, overrides: [x]}]": r"candidates\[0\]\.overrides: expected a list of key=value strings",
+    }
+    for text, message in bad.items():
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_candidates(path, base)
+
+
+TOP_LEVEL_TIMINGS = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")  # of a GRPO step
+LAYOUTS = {  # name: (actor training layout, generation layout), on 8 devices
+    "fsdp8": ({"fsdp": 8}, {"data": 8}),
+    "fsdp8-gen-t2": ({"fsdp": 8}, {"data": 4, "tensor": 2}),
+    "d2-fsdp4": ({"data": 2, "fsdp": 4}, {"data": 8}),
+    "fsdp4-t2": ({"fsdp": 4, "tensor": 2}, {"data": 4, "tensor": 2}),
+    "d4-t2": ({"data": 4, "tensor": 2}, {"data": 4, "tensor": 2}),
+    "d8": ({"data": 8}, {"data": 8}),
+}
+BROKEN = {  # name: (overrides, what its row's error says)
+    "fsdp3": (["actor.train_layout.mesh={fsdp: 3}"], r"ConfigError: actor\.train_layout: mesh\(fsdp=3\) has 3 devices"),
+    "fsdp2-t4": (
+        ["actor.train_layout.mesh={fsdp: 2, tensor: 4}"],
+        r"ConfigError: .*'kv_heads'.* is not divisible by mesh axes",
+    ),
+}
+
+
+@pytest.mark.slow
+def test_a_sweep_of_six_layouts_and_two_broken_ones(tmp_path, capsys):
+    inputs = build_run_inputs(tmp_path / "inputs")
+    config = rl_config(inputs, tmp_path / "unused", "grpo")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    candidates = [
+        {"name": name, "overrides": {"actor.train_layout": {"mesh": train}, "rollout.gen_layout": {"mesh": gen}}}
+        for name, (train, gen) in LAYOUTS.items()
+    ]
+    candidates[2:2] = [{"name": name, "overrides": overrides} for name, (overrides, _) in BROKEN.items()]
+    (tmp_path / "candidates.yaml").write_text(yaml.safe_dump(candidates))
+    out = tmp_path / "sweep"
+    args = ["sweep", str(tmp_path / "run.yaml"), "--candidates", str(tmp_path / "candidates.yaml")]
+    assert main([*args, "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert (result["steps"], result["warmup"]) == (2, 1)
+    rows = {row["name"]: row for row in result["candidates"]}
+    assert list(rows) == [c["name"] for c in candidates]
+    for name, (_, reason) in BROKEN.items():
+        assert re.search(reason, rows.pop(name)["error"]), name
+    for name, row in rows.items():
+        assert row["error"] is None, (name, row["error"])
+        assert set(row["measured"]) == set(MEASURED_KEYS)
+        assert all(row["measured"][k] > 0 for k in ("step_s", "tokens_per_s", "generation", "training")), row
+        assert row["measured"]["device_peak_bytes"] is None  # CPU devices keep no count
+        assert set(row["predicted"]) == {*STAGES, "step_s", "device_peak_bytes"}
+        assert row["predicted"]["step_s"] == pytest.approx(sum(row["predicted"][s] for s in STAGES))
+        metrics = [json.loads(line) for line in (Path(row["run_dir"]) / "metrics.jsonl").open()]
+        assert [m["step"] for m in metrics] == [1, 2, 3]  # warm-up + steps, no validation rows
+        assert row["measured"]["step_s"] == np.median([m["timing_s/step"] for m in metrics[1:]])
+        for m in metrics:  # the stages are parts of the step
+            assert sum(m.get(f"timing_s/{k}", 0.0) for k in TOP_LEVEL_TIMINGS) < m["timing_s/step"]
+    rho = result["spearman_step_s"]
+    assert rho is not None and -1 <= rho <= 1
+    assert (out / "sweep.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "Spearman rank correlation" in printed and "failed:" in printed
