@@ -14,9 +14,15 @@ import pytest
 import yaml
 from support.rl_setup import build_run_inputs, rl_config
 
+from hfjax.automap import BUILTIN, ClusterSpec, CostModel, dataflow, role_shapes
+from hfjax.automap.cluster import GIB
 from hfjax.automap.dataflow import STAGES
+from hfjax.automap.run_config import run_cost_options, run_models, run_workload
+from hfjax.automap.trainer_runs import config_mapping, trainer_candidates
 from hfjax.cli.main import main
-from hfjax.trainer.sweep import MEASURED_KEYS, measured, read_candidates, spearman, stage_of
+from hfjax.config.rl import load_rl_config
+from hfjax.trainer.sweep import MEASURED_KEYS, auto_candidates, measured, read_candidates, spearman, stage_of
+from hfjax.typed_config import to_dict
 
 
 def test_stage_of_every_timing_the_trainer_writes():
@@ -92,6 +98,24 @@ def test_candidate_files_and_their_errors(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             read_candidates(path, base)
+
+
+def test_auto_candidates_are_the_automappers_best_as_run_configs_that_load(tmp_path):
+    """`--candidates auto`: the `top` mappings `trainer_candidates` ranks first, each the run config `run_config`
+    writes (the mapping read back from it is the ranked one), that `hfjax train` would load."""
+    inputs = build_run_inputs(tmp_path)
+    base = rl_config(inputs, tmp_path / "run", "ppo", trainer={"backend": "ray"})
+    cluster = ClusterSpec(1, 8, 8 * GIB, BUILTIN["h100"][0])
+    candidates = auto_candidates(base, cluster, top=3)
+    cfg = load_rl_config(base)
+    flow = dataflow("ppo")
+    shapes = role_shapes(flow, run_models(cfg))
+    ranked = trainer_candidates(CostModel(cluster, flow, run_workload(cfg), run_cost_options(cfg)), shapes)
+    assert len(candidates) == 3 and len({c.name for c in candidates}) == 3
+    for candidate, expected in zip(candidates, ranked, strict=False):
+        assert candidate.name.startswith(f"auto{candidates.index(candidate) + 1} ")
+        loaded = load_rl_config(candidate.config, list(candidate.overrides))
+        assert config_mapping(to_dict(loaded), tuple(r for r in flow.roles if r in shapes)) == expected.mapping
 
 
 TOP_LEVEL_TIMINGS = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")  # of a GRPO step
