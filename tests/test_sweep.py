@@ -5,6 +5,7 @@ beside predicted, and each broken one its reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ import yaml
 from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.automap import BUILTIN, ClusterSpec, CostModel, dataflow, role_shapes
+from hfjax.automap.calibrate import calibrate, log_error, measurements, predict
 from hfjax.automap.cluster import GIB
 from hfjax.automap.dataflow import STAGES
 from hfjax.automap.run_config import run_cost_options, run_models, run_workload
@@ -118,6 +120,41 @@ def test_auto_candidates_are_the_automappers_best_as_run_configs_that_load(tmp_p
         assert config_mapping(to_dict(loaded), tuple(r for r in flow.roles if r in shapes)) == expected.mapping
 
 
+def test_calibration_recovers_the_profile_that_made_the_measurements(tmp_path):
+    """Stage seconds "measured" by predicting six mappings under a known profile (an H100's rates times factors,
+    fixed costs of its own) are fitted from the plain H100 profile: the fit reproduces every stage within 3%, and
+    the overhead per call, which every stage of this tiny model depends on, is the known one within 5%."""
+    inputs = build_run_inputs(tmp_path)
+    base = rl_config(inputs, tmp_path / "run", "ppo", trainer={"backend": "ray"})
+    h100 = BUILTIN["h100"][0]
+    cluster = ClusterSpec(1, 8, 8 * GIB, h100)
+    truth = ClusterSpec(
+        1,
+        8,
+        8 * GIB,
+        dataclasses.replace(
+            h100,
+            matmul_flops=h100.matmul_flops * 0.02,
+            memory_bandwidth=h100.memory_bandwidth * 0.1,
+            collective_latency_s=2e-4,
+            call_overhead_s=5e-3,
+        ),
+    )
+    rows = []
+    for candidate in auto_candidates(base, cluster, top=6):
+        config = to_dict(load_rl_config(candidate.config))
+        rows.append({"name": candidate.name, "config": config, "measured": dict.fromkeys(STAGES, 1.0), "error": None})
+    ms = measurements({"candidates": rows})
+    for row, m in zip(rows, ms, strict=True):
+        row["measured"] = predict(truth, m)
+    ms = measurements({"candidates": rows})
+    fit = calibrate(cluster, ms)
+    assert fit.error_before > 1.0 and fit.error_after < 1e-3
+    for m in ms:
+        assert predict(fit.cluster, m) == pytest.approx(m.seconds, rel=0.03), m.name
+    assert fit.cluster.profile.call_overhead_s == pytest.approx(5e-3, rel=0.05)
+
+
 TOP_LEVEL_TIMINGS = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")  # of a GRPO step
 LAYOUTS = {  # name: (actor training layout, generation layout), on 8 devices
     "fsdp8": ({"fsdp": 8}, {"data": 8}),
@@ -173,3 +210,12 @@ def test_a_sweep_of_six_layouts_and_two_broken_ones(tmp_path, capsys):
     assert (out / "sweep.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "Spearman rank correlation" in printed and "failed:" in printed
+    # the cost model calibrated on this sweep: a cluster file that automap reads, with a smaller error
+    cluster = ClusterSpec.from_dict(result["cluster"])
+    assert main(["automap", "--calibrate", str(out / "sweep.json"), "--out", str(tmp_path / "calibrated.yaml")]) == 0
+    calibrated = ClusterSpec.from_yaml(tmp_path / "calibrated.yaml")
+    ms = measurements(result)
+    assert len(ms) == len(LAYOUTS)
+    before, after = log_error(cluster, ms), log_error(calibrated, ms)
+    print(capsys.readouterr().out)
+    assert after < before

@@ -23,6 +23,8 @@ GIB = 2**30
 class DeviceProfile:
     """Per-device speeds. Bandwidths are bytes/s in one direction, per device (what a ring collective's step
     moves). `collective_latency_s`: fixed cost of one collective call (matters for per-token decode all-reduces).
+    `call_overhead_s`: fixed cost of one worker call of a role in a stage (dispatch, host transfers, Python; 0 in
+    the built-in profiles, fitted by `hfjax automap --calibrate`).
     `shared_host`: the devices of a host time-share its cores (fake CPU devices): the rates are each device's
     share with all of the host's devices busy, a group of g of its n devices running alone gets n/g times them,
     communication does not overlap compute, and groups on the host do not run concurrently."""
@@ -39,6 +41,7 @@ class DeviceProfile:
     source: str = ""
     shared_host: bool = False
     narrow_matmul_flops: tuple[tuple[int, float], ...] = ()
+    call_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("matmul_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth"):
@@ -54,7 +57,7 @@ class DeviceProfile:
         if any(width < 1 or not flops > 0 for width, flops in narrow):
             raise ValueError(f"DeviceProfile({self.name}).narrow_matmul_flops: widths >= 1, FLOP/s > 0, got {narrow}")
         object.__setattr__(self, "narrow_matmul_flops", narrow)
-        for name in ("collective_latency_s", "decode_layer_overhead_s"):
+        for name in ("collective_latency_s", "decode_layer_overhead_s", "call_overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"DeviceProfile({self.name}).{name} must be >= 0 seconds, got {getattr(self, name)!r}")
         for name in ("compute_efficiency", "bandwidth_efficiency"):

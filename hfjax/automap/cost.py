@@ -14,7 +14,8 @@ With P the matmul parameters, L layers, width d, S = prompt + response tokens, F
   plus the KV cache of its batch (memory-bound unless compute is slower), 2 tensor all-reduces per layer, and a
   fixed cost per layer (kernel launches, host work: `DeviceProfile.decode_layer_overhead_s`);
   the KV cache left over by resident state bounds the concurrent batch (more waves when it does not fit);
-- train -> gen transition: the HybridEngine's Table 2 bytes per device (`table2_moved_bytes`), gen -> train free.
+- train -> gen transition: the HybridEngine's Table 2 bytes per device (`table2_moved_bytes`), gen -> train free;
+- each role's call in a stage adds a fixed `DeviceProfile.call_overhead_s` (dispatch, host transfers, Python).
 A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for all-reduce) over the link's
 bandwidth, plus a fixed latency per call. On a shared host (fake CPU devices: `DeviceProfile.shared_host`) a group
 of g of the host's n devices runs at n/g times the per-device rates (measured with all n busy), collectives add
@@ -330,13 +331,13 @@ class CostModel:
         transient = 0.0
         if role in self.flow.inference:
             inf = self.infer(role, shape, sizes)
-            seconds["inference"] = inf["seconds"]
+            seconds["inference"] = inf["seconds"] + self.cluster.profile.call_overhead_s
             detail.update({f"infer_{k}": v for k, v in inf.items() if k != "seconds"})
             memory["infer_activations"] = self.activation_bytes(shape, sizes, self.sequences("inference", role), False)
             transient = memory["infer_activations"]
         if trained:
             tr = self.train(shape, sizes)
-            seconds["training"] = tr["seconds"]
+            seconds["training"] = tr["seconds"] + self.cluster.profile.call_overhead_s
             detail.update({f"train_{k}": v for k, v in tr.items() if k != "seconds"})
             seqs_step = math.ceil(self.sequences("training") / self.workload.mini_batches)
             memory["optimizer"] = shard * opt.optimizer_bytes
@@ -351,7 +352,7 @@ class CostModel:
         out = self.generate(shape, cost.sizes, gen, kv_budget)
         if isinstance(out, str):
             return out
-        seconds = {**cost.seconds, "generation": out["seconds"]}
+        seconds = {**cost.seconds, "generation": out["seconds"] + self.cluster.profile.call_overhead_s}
         detail = {**cost.detail, **{f"gen_{k}": v for k, v in out.items() if k != "seconds"}}
         memory = {**cost.memory, "gen_extra_params": self.gen_extra_bytes(shape, cost.sizes, gen)}
         memory["kv_cache"] = out["kv_bytes"]

@@ -22,11 +22,13 @@ import numpy as np
 import yaml
 
 from hfjax.automap import ClusterSpec, CostModel, dataflow, role_shapes
+from hfjax.automap.calibrate import cluster_dict
 from hfjax.automap.dataflow import STAGES
 from hfjax.automap.run_config import predict_run, run_cost_options, run_models, run_workload
 from hfjax.automap.trainer_runs import run_config, trainer_candidates, without_mapping
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.trainer.launch import ray_session, run_rl
+from hfjax.typed_config import to_dict
 
 MEASURED_KEYS = ("step_s", *STAGES, "tokens_per_s", "device_peak_bytes")
 
@@ -63,6 +65,7 @@ class SweepRow:
     error: str | None = None
     prediction_error: str | None = None
     run_dir: str | None = None
+    config: dict[str, Any] | None = None  # the run config as it loaded (what `hfjax automap --calibrate` re-predicts)
 
     @property
     def ok(self) -> bool:
@@ -172,6 +175,7 @@ def sweep_one(candidate: SweepCandidate, cluster: ClusterSpec, steps: int, warmu
     except Exception as error:  # a candidate's bad config is its row's reason
         row.error = f"config: {_reason(error)}"
         return row
+    row.config = to_dict(cfg)
     try:
         row.predicted = _predicted(cfg, cluster)
     except Exception as error:  # a mapping the cost model cannot price still runs
@@ -207,9 +211,12 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
 
 @dataclasses.dataclass
 class SweepResult:
+    """Every candidate's row, the iterations each ran, and the cluster its predictions are for."""
+
     rows: list[SweepRow]
     steps: int
     warmup: int
+    cluster: ClusterSpec
 
     @property
     def rank_correlation(self) -> float | None:
@@ -222,6 +229,7 @@ class SweepResult:
             "steps": self.steps,
             "warmup": self.warmup,
             "spearman_step_s": self.rank_correlation,
+            "cluster": cluster_dict(self.cluster),
             "candidates": [dataclasses.asdict(r) for r in self.rows],
         }
 
@@ -245,7 +253,7 @@ def run_sweep(
             rows.append(sweep_one(candidate, cluster, steps, warmup, run_dir))
             if progress is not None:
                 progress(rows[-1])
-    return SweepResult(rows, steps, warmup)
+    return SweepResult(rows, steps, warmup, cluster)
 
 
 def _ray_session(candidates: Sequence[SweepCandidate]) -> contextlib.AbstractContextManager[None]:
