@@ -16,14 +16,14 @@ import yaml
 from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.automap import BUILTIN, ClusterSpec, CostModel, dataflow, role_shapes
-from hfjax.automap.calibrate import calibrate, log_error, measurements, predict
+from hfjax.automap.calibrate import calibrate, log_error, measurements, predict, spearman
 from hfjax.automap.cluster import GIB
 from hfjax.automap.dataflow import STAGES
 from hfjax.automap.run_config import run_cost_options, run_models, run_workload
 from hfjax.automap.trainer_runs import config_mapping, trainer_candidates
 from hfjax.cli.main import main
 from hfjax.config.rl import load_rl_config
-from hfjax.trainer.sweep import MEASURED_KEYS, auto_candidates, measured, read_candidates, spearman, stage_of
+from hfjax.trainer.sweep import MEASURED_KEYS, auto_candidates, measured, read_candidates, stage_of
 from hfjax.typed_config import to_dict
 
 

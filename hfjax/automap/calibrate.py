@@ -34,7 +34,7 @@ FLOOR_S = 1e-4  # stage seconds below this are compared as this (log error of ne
 
 def cluster_dict(cluster: ClusterSpec) -> dict[str, Any]:
     """A cluster as the mapping `ClusterSpec.from_dict` reads (its profile's every field written out)."""
-    profile = {k: v for k, v in dataclasses.asdict(cluster.profile).items()}
+    profile = dataclasses.asdict(cluster.profile)
     profile["narrow_matmul_flops"] = [list(point) for point in cluster.profile.narrow_matmul_flops]
     return {
         "hosts": cluster.hosts,
@@ -141,16 +141,34 @@ def calibrate(cluster: ClusterSpec, ms: Sequence[Measurement], max_rounds: int =
     return Calibration(fitted, before, after)
 
 
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation of `a` and `b` (tied values share their mean rank); None for fewer than two
+    pairs or a constant side."""
+
+    def ranks(x: Sequence[float]) -> np.ndarray:
+        values = np.asarray(x, dtype=float)
+        order = np.argsort(values, kind="stable")
+        out = np.empty(len(values))
+        out[order] = np.arange(1, len(values) + 1)
+        for value in np.unique(values):
+            tied = values == value
+            out[tied] = out[tied].mean()
+        return out
+
+    if len(a) != len(b) or len(a) < 2:
+        return None
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
 def _spearman_step(cluster: ClusterSpec, ms: Sequence[Measurement]) -> float | None:
     """Spearman's rho of predicted against measured seconds per iteration (sum of the stages) over `ms`."""
     predicted = [predict(cluster, m) for m in ms]
-    if any(p is None for p in predicted) or len(ms) < 2:
+    if any(p is None for p in predicted):
         return None
-    a = np.argsort(np.argsort([sum(p.values()) for p in predicted]))
-    b = np.argsort(np.argsort([sum(m.seconds.values()) for m in ms]))
-    if a.std() == 0 or b.std() == 0:
-        return None
-    return float(np.corrcoef(a, b)[0, 1])
+    return spearman([sum(p.values()) for p in predicted], [sum(m.seconds.values()) for m in ms])
 
 
 def calibrate_run(sweep_path: str, out: str) -> int:

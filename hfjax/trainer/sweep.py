@@ -18,11 +18,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
 from hfjax.automap import ClusterSpec, CostModel, dataflow, role_shapes
-from hfjax.automap.calibrate import cluster_dict
+from hfjax.automap.calibrate import cluster_dict, spearman
 from hfjax.automap.dataflow import STAGES
 from hfjax.automap.run_config import predict_run, run_cost_options, run_models, run_workload
 from hfjax.automap.trainer_runs import run_config, trainer_candidates, without_mapping
@@ -185,28 +184,6 @@ def sweep_one(candidate: SweepCandidate, cluster: ClusterSpec, steps: int, warmu
     except Exception as error:  # a candidate that does not fit or fails is a row, the sweep goes on
         row.error = _reason(error)
     return row
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
-    """Spearman's rank correlation of `a` and `b` (tied values share their mean rank); None for fewer than two
-    pairs or a constant side."""
-
-    def ranks(x: Sequence[float]) -> np.ndarray:
-        values = np.asarray(x, dtype=float)
-        order = np.argsort(values, kind="stable")
-        out = np.empty(len(values))
-        out[order] = np.arange(1, len(values) + 1)
-        for value in np.unique(values):
-            tied = values == value
-            out[tied] = out[tied].mean()
-        return out
-
-    if len(a) != len(b) or len(a) < 2:
-        return None
-    ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return None
-    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 @dataclasses.dataclass
