@@ -22,6 +22,12 @@ from hfjax.workers.actor import ActorRolloutRefWorker
 log = logging.getLogger(__name__)
 
 
+# Ray's settings that stop it starting idle worker processes ahead of the first task: each hfjax worker has a runtime
+# environment of its own (`ResourcePool.process_env`), which a process started without it cannot serve, so those
+# processes only cost CPU (a Python and Ray import each) beside the workers' start-up.
+NO_PRESTARTED_WORKERS = {"prestart_worker_first_driver": False, "enable_worker_prestart": False}
+
+
 @contextlib.contextmanager
 def ray_session(cfg: RLConfig) -> Iterator[None]:
     """Ray for one run. With Ray already initialised in this process it is used as it is. Otherwise this joins the
@@ -56,14 +62,15 @@ def ray_session(cfg: RLConfig) -> Iterator[None]:
 def _start_local_ray(temp: str) -> None:
     """Starts Ray on this machine with every server bound to 127.0.0.1. Ray resolves "localhost" to the machine's
     network address unless clusters are off (its switch for platforms without clusters), so it is switched off while
-    Ray starts; `tests/test_faults.py` checks that every socket Ray listens on is a loopback one."""
+    Ray starts; `tests/test_faults.py` checks that every socket Ray listens on is a loopback one. Ray starts no idle
+    worker processes ahead of time (`NO_PRESTARTED_WORKERS`)."""
     import ray
     from ray._private import ray_constants
 
     clusters = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(include_dashboard=False, _temp_dir=temp)
+        ray.init(include_dashboard=False, _temp_dir=temp, _system_config=NO_PRESTARTED_WORKERS)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = clusters
 
