@@ -16,13 +16,15 @@ import pytest
 from safetensors.numpy import load_file
 from support.rl_setup import build_run_inputs, rl_config, write_varied_reward
 
+from hfjax.automap.trainer_runs import config_mapping
 from hfjax.config.rl import load_rl_config
 from hfjax.controller import WorkerError
 from hfjax.models.hf import param_plan, read_config
+from hfjax.trainer.dry_run import describe_run
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.rl import RLTrainer
 from hfjax.trainer.rollout_stream import sync_weights
-from hfjax.typed_config import ConfigError, dump_yaml
+from hfjax.typed_config import ConfigError, dump_yaml, to_dict
 from hfjax.workers.weight_sync import WeightShards
 
 SCHEDULE_FIRST = 6  # about this many minutes of tests in CI: started early on a worker (conftest.py)
@@ -105,6 +107,40 @@ def test_disaggregated_groups_of_two_hosts_each_equal_one_host(synchronous, inpu
 
 
 @pytest.mark.ray
+@pytest.mark.slow
+def test_six_rollout_and_two_trainer_devices_equal_the_synchronous_loop_on_two(ray_cluster, inputs, tmp_path):
+    """An uneven split of one host (`trainer.group_devices: [6, 2]`): generation data parallel over 6 devices,
+    training FSDP over the other 2. The run equals the synchronous loop on 2 devices (the same training layout) step
+    for step, sampled tokens, metrics and final weights bit for bit."""
+
+    def run(name: str, placement: str, gen_devices: int, **trainer) -> tuple[list[dict], dict]:
+        config = rl_config(
+            inputs,
+            tmp_path / name,
+            "grpo",
+            actor={"train_layout": {"mesh": {"fsdp": 2}, "rules": "fsdp"}, "ppo_mini_batch_size": 8},
+            rollout={"gen_layout": {"mesh": {"data": gen_devices}, "rules": "dp_tp_gen"}},
+            trainer={"backend": "ray", "placement": placement, "total_steps": 2, **trainer},
+        )
+        config["reward"] = {"function": inputs["reward"]}
+        return run_rl(load_rl_config(config)), _weights(tmp_path / name, tmp_path / f"{name}-hf")
+
+    sync, w_sync = run("sync", "colocate", 2, devices_per_host=2)
+    uneven, w_uneven = run("uneven", "disaggregated", 6, devices_per_host=8, group_devices=[6, 2])
+    assert sync[0]["critic/advantages/max"] > 0  # the updates learn: equal weights mean equal updates
+    for step, (want, got) in enumerate(zip(sync, uneven, strict=True)):
+        # the engine's own log probs (`rollout_corr/`, against the trainer's) round differently with the rows spread
+        # over 6 devices instead of 2 (about 1e-7 apart); the sampled tokens, the trainer's log probs and updates do
+        # not
+        assert got["rollout_corr/log_prob_abs_diff_max"] < 1e-5 and want["rollout_corr/log_prob_abs_diff_max"] < 1e-5
+        skip = ("async/", "sync/", "rollout_corr/")
+        got = {k: v for k, v in _deterministic(got).items() if not k.startswith(skip)}
+        assert got == {k: v for k, v in _deterministic(want).items() if not k.startswith(skip)}, f"step {step + 1}"
+    for name in w_sync:
+        np.testing.assert_array_equal(w_uneven[name], w_sync[name], err_msg=name)
+
+
+@pytest.mark.ray
 def test_weight_sync_delivers_the_trainers_weights_and_a_failed_sync_keeps_the_old_version(
     ray_cluster, inputs, tmp_path
 ):
@@ -180,6 +216,35 @@ def test_config_refuses_what_cannot_run_and_round_trips_the_async_section(inputs
     assert "async:\n  max_staleness: 2" in saved.read_text()
     assert load_rl_config(saved).async_.max_staleness == 2
     assert load_rl_config(saved, ["async.max_staleness=0"]).async_.max_staleness == 0
+
+
+def test_group_devices_split_one_host_unevenly_and_bad_splits_name_the_field(inputs, tmp_path):
+    def config(placement="disaggregated", gen=6, train=2, **trainer):
+        actor = {"train_layout": {"mesh": {"fsdp": train}, "rules": "fsdp"}}
+        rollout = {"gen_layout": {"mesh": {"data": gen}, "rules": "dp_tp_gen"}}
+        trainer = {"backend": "ray", "placement": placement, "group_devices": [6, 2], **trainer}
+        return rl_config(inputs, tmp_path, "ppo", actor=actor, rollout=rollout, trainer=trainer)
+
+    cfg = load_rl_config(config())
+    assert cfg.worker_groups() == [["rollout"], ["actor", "critic"]]
+    assert cfg.trainer.group_shapes(2) == [(1, 6), (1, 2)]
+    assert (cfg.group_shape("rollout"), cfg.group_shape("critic")) == ((1, 6), (1, 2))
+    report = describe_run(cfg)
+    assert "group 0: rollout: 1 process(es) (one per host) x 6 devices = 6 devices" in report
+    assert "group 1: actor + critic: 1 process(es) (one per host) x 2 devices = 2 devices" in report
+    # the cost model places the split placement's groups as the trainer does: the actor's first
+    split = load_rl_config(config("split", gen=6, train=6))
+    mapping = config_mapping(to_dict(split), ("actor", "ref", "critic"))
+    assert mapping.groups == ((("actor", "ref"), 6), (("critic",), 2))
+    for bad, match in (
+        (config(gen=4), r"rollout\.gen_layout: .* has 4 devices, but the rollout group has 6 devices"),
+        (config(group_devices=[6, 3]), r"group_devices=\[6, 3\]: 9 devices in all, but trainer.devices_per_host=8"),
+        (config(group_devices=[6, 0]), r"group_devices: expected a list of device counts >= 1"),
+        (config(group_devices=[8]), r"group_devices=\[8\]: placement 'disaggregated' has 2 worker group\(s\)"),
+        (config(group_devices=[2, 2], hosts=2, devices_per_host=2), r"on several hosts \(trainer.hosts=2\)"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            load_rl_config(bad)
 
 
 def test_rollout_and_training_log_probs_agree_in_float32_and_correction_runs(inputs, tmp_path):

@@ -569,7 +569,7 @@ def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
     candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
     split = next(c for c in candidates if len(c.mapping.groups) == 2)
     cfg = load_rl_config(run_config(split, run, cluster))
-    assert cfg.trainer.placement == "split" and cfg.trainer.group_hosts(len(cfg.worker_groups())) == (1, 4)
+    assert cfg.trainer.placement == "split" and cfg.trainer.group_shapes(len(cfg.worker_groups())) == [(1, 4)] * 2
     for layout in (cfg.actor.train_layout, cfg.rollout.gen_layout, cfg.critic.layout):
         assert Layout.from_config(layout).size == 4
     with pytest.raises(ValueError, match="cannot run the placement"):

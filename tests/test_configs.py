@@ -54,7 +54,7 @@ def test_gsm8k_config_validates(path):
     cfg = load_rl_config(path)
     params = nnx.state(abstract_model(named_config(_shape_name(path)), "causal_lm", "bfloat16"), nnx.Param)
     groups = len(cfg.worker_groups())
-    hosts, per_host = cfg.trainer.group_hosts(groups)
+    hosts, per_host = cfg.group_shape("actor")
     devices = hosts * per_host  # each group's, the actor's and the critic's alike
     assert devices * groups <= cfg.trainer.hosts * cfg.trainer.devices_per_host
     _check_layout(cfg.actor.train_layout, devices, params, f"{path.name}: actor.train_layout")

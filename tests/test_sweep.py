@@ -164,6 +164,16 @@ LAYOUTS = {  # name: (actor training layout, generation layout), on 8 devices
     "d4-t2": ({"data": 4, "tensor": 2}, {"data": 4, "tensor": 2}),
     "d8": ({"data": 8}, {"data": 8}),
 }
+UNEVEN = {  # 6 devices generate and 2 train, on groups of their own: runs, and the cost model does not price it
+    "name": "rollout6-trainer2",
+    "overrides": {
+        "trainer.placement": "disaggregated",
+        "trainer.backend": "ray",
+        "trainer.group_devices": [6, 2],
+        "actor.train_layout": {"mesh": {"fsdp": 2}},
+        "rollout.gen_layout": {"mesh": {"data": 6}},
+    },
+}
 BROKEN = {  # name: (overrides, what its row's error says)
     "fsdp3": (["actor.train_layout.mesh={fsdp: 3}"], r"ConfigError: actor\.train_layout: mesh\(fsdp=3\) has 3 devices"),
     "fsdp2-t4": (
@@ -183,6 +193,7 @@ def test_a_sweep_of_six_layouts_and_two_broken_ones(tmp_path, capsys):
         for name, (train, gen) in LAYOUTS.items()
     ]
     candidates[2:2] = [{"name": name, "overrides": overrides} for name, (overrides, _) in BROKEN.items()]
+    candidates.append(UNEVEN)
     (tmp_path / "candidates.yaml").write_text(yaml.safe_dump(candidates))
     out = tmp_path / "sweep"
     args = ["sweep", str(tmp_path / "run.yaml"), "--candidates", str(tmp_path / "candidates.yaml")]
@@ -193,6 +204,9 @@ def test_a_sweep_of_six_layouts_and_two_broken_ones(tmp_path, capsys):
     assert list(rows) == [c["name"] for c in candidates]
     for name, (_, reason) in BROKEN.items():
         assert re.search(reason, rows.pop(name)["error"]), name
+    uneven = rows.pop(UNEVEN["name"])
+    assert uneven["error"] is None and uneven["measured"]["step_s"] > 0 and uneven["predicted"] == {}
+    assert "disaggregated" in uneven["prediction_error"]
     for name, row in rows.items():
         assert row["error"] is None, (name, row["error"])
         assert set(row["measured"]) == set(MEASURED_KEYS)

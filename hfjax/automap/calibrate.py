@@ -57,10 +57,11 @@ class Measurement:
 
 
 def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
-    """The candidates of a sweep's JSON that ran and kept their config (failed ones are left out)."""
+    """The candidates of a sweep's JSON that ran, were predicted and kept their config (failed ones, and those the
+    cost model does not place, e.g. a disaggregated run, are left out)."""
     out = []
     for row in sweep.get("candidates", []):
-        if row.get("error") or not row.get("config") or not row.get("measured"):
+        if row.get("error") or row.get("prediction_error") or not row.get("config") or not row.get("measured"):
             continue
         cfg = load_rl_config(row["config"])
         flow = dataflow(cfg.algorithm.name)

@@ -17,7 +17,7 @@ and predicts each with the cost model; `run_config` writes the chosen one into a
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hfjax.automap.cluster import ClusterSpec
@@ -33,7 +33,7 @@ from hfjax.automap.cost import (
 )
 from hfjax.automap.dataflow import ModelShape
 from hfjax.automap.search import Candidate, train_sizes
-from hfjax.controller.resource_pool import group_hosts
+from hfjax.controller.resource_pool import group_hosts, group_shapes
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import LayoutError
 
@@ -67,12 +67,24 @@ def placement_roles(roles: tuple[str, ...], placement: str) -> tuple[tuple[str, 
     return tuple((r, *ref) if r == "actor" else (r,) for r in workers)
 
 
-def trainer_groups(roles: tuple[str, ...], hosts: int, devices_per_host: int, placement: str) -> Groups | None:
+def trainer_groups(
+    roles: tuple[str, ...],
+    hosts: int,
+    devices_per_host: int,
+    placement: str,
+    group_devices: Sequence[int] | None = None,
+) -> Groups | None:
     """The worker groups (roles, devices each) of `placement` for `roles` on `hosts` x `devices_per_host`
-    devices, or None where the trainer cannot run that placement there."""
+    devices (`group_devices`: the trainer's uneven split of one host, the actor's group first), or None where the
+    trainer cannot run that placement there."""
     names = placement_roles(roles, placement)
-    shape = group_hosts(hosts, devices_per_host, len(names))
-    return None if shape is None else tuple((g, shape[0] * shape[1]) for g in names)
+    if group_devices is not None and len(names) > 2:
+        raise ValueError(
+            f"trainer.group_devices with placement {placement!r}: the cost model takes uneven splits of the "
+            "colocate and split placements only"
+        )
+    shapes = group_shapes(hosts, devices_per_host, len(names), group_devices)
+    return None if shapes is None else tuple((g, h * n) for g, (h, n) in zip(names, shapes, strict=True))
 
 
 def host_gen_sizes(hosts: int, devices_per_host: int, tensor: int) -> Sizes | None:
@@ -163,7 +175,7 @@ def config_mapping(config: Mapping[str, Any], roles: tuple[str, ...]) -> DeviceM
     trainer = config.get("trainer") or {}
     hosts, per_host = int(trainer.get("hosts", 1)), int(trainer.get("devices_per_host", 8))
     placement = trainer.get("placement", "colocate")
-    groups = trainer_groups(roles, hosts, per_host, placement)
+    groups = trainer_groups(roles, hosts, per_host, placement, trainer.get("group_devices"))
     if groups is None:
         raise ValueError(f"trainer.placement={placement!r} cannot run on {hosts} host(s) x {per_host} devices")
     devices = {r: n for g, n in groups for r in g}

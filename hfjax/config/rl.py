@@ -19,7 +19,7 @@ from typing import Any, Literal
 from hfjax.algos.advantages import ADVANTAGE_ESTIMATORS, required_inputs
 from hfjax.config.roles import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 from hfjax.controller.liveness import LivenessConfig
-from hfjax.controller.resource_pool import group_hosts
+from hfjax.controller.resource_pool import group_shapes
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import Layout
 from hfjax.typed_config import (
@@ -209,6 +209,9 @@ class TrainerConfig:
     hosts: int = 1
     devices_per_host: int = 8
     devices: int | None = None  # replaced by devices_per_host (and hosts); set, it is an error that says so
+    # on one host, the devices of each worker group of `placement`, in its order (disaggregated: the rollout group,
+    # then the trainer group), e.g. [6, 2]; null: an equal share each (several hosts: whole hosts each)
+    group_devices: list[int] | None = None
     ray_address: str | None = None
     save_freq: int = 0
     test_freq: int = 0
@@ -255,17 +258,39 @@ class TrainerConfig:
         )
         if self.ray_address is not None and not self.ray_address.strip():
             raise ValueError("ray_address: expected a Ray address (host:port) or null, got ''")
+        if self.group_devices is not None:
+            if not self.group_devices or any(not isinstance(n, int) or n < 1 for n in self.group_devices):
+                raise ValueError(
+                    f"group_devices: expected a list of device counts >= 1, one per worker group, or null; got "
+                    f"{self.group_devices!r}"
+                )
+            if self.hosts > 1:
+                raise ValueError(
+                    f"trainer.group_devices={self.group_devices}: on several hosts (trainer.hosts={self.hosts}) each "
+                    "worker group runs on whole hosts; set it only with trainer.hosts=1"
+                )
+            if sum(self.group_devices) > self.devices_per_host:
+                raise ValueError(
+                    f"trainer.group_devices={self.group_devices}: {sum(self.group_devices)} devices in all, but "
+                    f"trainer.devices_per_host={self.devices_per_host}"
+                )
         if self.backend == "local" and self.hosts > 1:
             raise ValueError(
                 f"trainer.hosts={self.hosts}: several hosts need trainer.backend=ray (local is one process)"
             )
 
-    def group_hosts(self, groups: int) -> tuple[int, int]:
+    def group_shapes(self, groups: int) -> list[tuple[int, int]]:
         """(hosts, devices per host) of each of `groups` worker groups: whole hosts when there are several hosts,
-        a share of the one host's devices otherwise (`hfjax.controller.resource_pool.group_hosts`)."""
-        shape = group_hosts(self.hosts, self.devices_per_host, groups)
-        if shape is not None:
-            return shape
+        `group_devices` or an equal share of the one host's devices otherwise
+        (`hfjax.controller.resource_pool.group_shapes`)."""
+        shapes = group_shapes(self.hosts, self.devices_per_host, groups, self.group_devices)
+        if shapes is not None:
+            return shapes
+        if self.group_devices is not None:
+            raise ValueError(
+                f"trainer.group_devices={self.group_devices}: placement {self.placement!r} has {groups} worker "
+                f"group(s); give one device count for each"
+            )
         if self.hosts == 1:
             raise ValueError(
                 f"trainer.devices_per_host={self.devices_per_host} cannot give each of the {groups} worker groups "
@@ -382,6 +407,12 @@ class RLConfig:
         names += [name for name in ("cost_model", "cost_critic") if name in self.algorithm.roles]
         return names
 
+    def group_shape(self, role: str) -> tuple[int, int]:
+        """(hosts, devices per host) of the worker group that runs `role`."""
+        groups = self.worker_groups()
+        index = next(i for i, names in enumerate(groups) if role in names)
+        return self.trainer.group_shapes(len(groups))[index]
+
     def worker_groups(self) -> list[list[str]]:
         """The role names of each worker group of `trainer.placement`."""
         roles, placement = self.role_names(), self.trainer.placement
@@ -407,8 +438,7 @@ class RLConfig:
         """Every configured layout has the devices of its role's group; generation over several hosts keeps each
         data-parallel replica inside one host."""
         groups = self.worker_groups()
-        hosts, per_host = self.trainer.group_hosts(len(groups))
-        devices = hosts * per_host
+        self.trainer.group_shapes(len(groups))  # a count per group, where they are given
         layouts = {
             "actor.train_layout": ("actor", self.actor.train_layout),
             "rollout.gen_layout": ("rollout" if self.disaggregated else "actor", self.rollout.gen_layout),
@@ -417,18 +447,20 @@ class RLConfig:
             "reward.cost_model.layout": ("cost_model", self.reward.cost_model.layout),
         }
         roles = {name for group in groups for name in group}
-        shape = f"{hosts} host(s) x {per_host} devices" if hosts > 1 else f"{per_host} devices"
         for key, (role, config) in layouts.items():
             if config is None:
                 continue
             layout = Layout.from_config(config, key)  # checked even for a role this run does not start
             if role not in roles:
                 continue
-            if layout.size != devices:
+            hosts, per_host = self.group_shape(role)
+            shape = f"{hosts} host(s) x {per_host} devices" if hosts > 1 else f"{per_host} devices"
+            if layout.size != hosts * per_host:
+                split = f"trainer.group_devices={self.trainer.group_devices}, " if self.trainer.group_devices else ""
                 raise ValueError(
                     f"{key}: {layout.describe()} has {layout.size} devices, but the {role} group has {shape} "
                     f"(trainer.hosts={self.trainer.hosts}, trainer.devices_per_host={self.trainer.devices_per_host}, "
-                    f"placement {self.trainer.placement!r})"
+                    f"{split}placement {self.trainer.placement!r})"
                 )
             if key == "rollout.gen_layout" and hosts > 1:
                 check_per_host_generation(layout, hosts, key)
@@ -443,6 +475,7 @@ class RLConfig:
                     "critic.ppo_mini_batch_size": self.critic.ppo_mini_batch_size,
                 }
             )
+        hosts = self.group_shape("actor")[0]  # every group's: whole hosts each, or the one host
         for key, rows in sizes.items():
             if hosts > 1 and rows % hosts:
                 raise ValueError(

@@ -40,6 +40,20 @@ def group_hosts(hosts: int, devices_per_host: int, groups: int) -> tuple[int, in
     return None if hosts % groups else (hosts // groups, devices_per_host)
 
 
+def group_shapes(
+    hosts: int, devices_per_host: int, groups: int, group_devices: Sequence[int] | None = None
+) -> list[tuple[int, int]] | None:
+    """(hosts, devices per host) of each of `groups` worker groups: `group_hosts`'s equal shares, or on one host
+    `group_devices[i]` devices for group i (an uneven split, e.g. 6 for generation and 2 for training); None where
+    that cannot be (several hosts with `group_devices`, a count per group missing, more devices than the host's)."""
+    if group_devices is None:
+        shape = group_hosts(hosts, devices_per_host, groups)
+        return None if shape is None else [shape] * groups
+    if hosts != 1 or len(group_devices) != groups or sum(group_devices) > devices_per_host:
+        return None
+    return [(1, n) for n in group_devices]
+
+
 class ResourcePool:
     """Hosts for worker groups: `devices_per_host[i]` devices of kind `device` for the process on host i.
 

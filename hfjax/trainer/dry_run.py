@@ -38,9 +38,9 @@ def describe_run(cfg: RLConfig) -> str:
     lines = ["# resolved config", yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip(), "", "# placement"]
     trainer = cfg.trainer
     groups = cfg.worker_groups()
-    hosts, per_host = trainer.group_hosts(len(groups))
+    shapes = trainer.group_shapes(len(groups))
     lines.append(f"placement {trainer.placement!r} on {trainer.hosts} host(s) x {trainer.devices_per_host} devices")
-    for i, roles in enumerate(groups):
+    for i, (roles, (hosts, per_host)) in enumerate(zip(groups, shapes, strict=True)):
         lines.append(
             f"  group {i}: {' + '.join(roles)}: {hosts} process(es) (one per host) x {per_host} devices = "
             f"{hosts * per_host} devices"

@@ -51,12 +51,12 @@ def role_workers(cfg: RLConfig) -> dict[str, functools.partial]:
 
 def group_pools(cfg: RLConfig, groups: int) -> list[ResourcePool]:
     """One resource pool per worker group: whole hosts each when `trainer.hosts` > 1 (bundles strictly spread, one
-    process per host), else a share of the one host's devices (`TrainerConfig.group_hosts`); devices of the kind
+    process per host), else a share of the one host's devices (`TrainerConfig.group_shapes`); devices of the kind
     `trainer.device` resolves to on the connected Ray cluster (`resolve_device`)."""
     import ray
 
     trainer = cfg.trainer
-    hosts, per_host = trainer.group_hosts(groups)
+    shapes = trainer.group_shapes(groups)
     device = resolve_device(trainer.device, ray.cluster_resources())
     if trainer.hosts > 1:
         nodes = sum(1 for node in ray.nodes() if node["Alive"])
@@ -66,8 +66,8 @@ def group_pools(cfg: RLConfig, groups: int) -> list[ResourcePool]:
                 "(`ray start --head` on the first, `ray start --address=HEAD:6379` on the others) and point hfjax at "
                 "it with RAY_ADDRESS or trainer.ray_address"
             )
-    strategy = "STRICT_SPREAD" if hosts > 1 else "PACK"
-    return [ResourcePool([per_host] * hosts, device=device, strategy=strategy) for _ in range(groups)]
+    strategy = "STRICT_SPREAD" if trainer.hosts > 1 else "PACK"
+    return [ResourcePool([per_host] * hosts, device=device, strategy=strategy) for hosts, per_host in shapes]
 
 
 def spawn_roles(cfg: RLConfig) -> tuple[dict[str, Any], list[ResourcePool]]:

@@ -213,12 +213,12 @@ def check_train_layouts(cfg: RLConfig) -> None:
 
     from hfjax.models.hf import abstract_model
 
-    hosts, per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))
-    default = {"mesh": {"fsdp": hosts * per_host}, "rules": "fsdp"}
-    roles = [("actor.train_layout", cfg.actor.train_layout, cfg.actor.model_path, "causal_lm")]
+    roles = [("actor.train_layout", cfg.actor.train_layout, cfg.actor.model_path, "causal_lm", "actor")]
     if cfg.uses_critic:
-        roles.append(("critic.layout", cfg.critic.layout, cfg.critic.model_path, "token_cls"))
-    for field, config, path, head in roles:
+        roles.append(("critic.layout", cfg.critic.layout, cfg.critic.model_path, "token_cls", "critic"))
+    for field, config, path, head, role in roles:
+        hosts, per_host = cfg.group_shape(role)
+        default = {"mesh": {"fsdp": hosts * per_host}, "rules": "fsdp"}
         layout = Layout.from_config(config if config is not None else default, field)
         model = dataclasses.replace(read_config(path)[0], num_labels=1)  # a critic's head has one output
         params = nnx.state(abstract_model(model, head), nnx.Param)
@@ -268,11 +268,11 @@ def check_prompt_files(
 
 
 def with_default_gen_layout(cfg: RLConfig) -> RLConfig:
-    """`cfg` with `rollout.gen_layout` set to its default when unset: data parallel over the actor group's devices
-    (what the workers use; the cost model needs it spelled out)."""
+    """`cfg` with `rollout.gen_layout` set to its default when unset: data parallel over the generating group's
+    devices (what the workers use; the cost model needs it spelled out)."""
     if cfg.rollout.gen_layout is not None:
         return cfg
-    hosts, per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))
+    hosts, per_host = cfg.group_shape("rollout" if cfg.disaggregated else "actor")
     default = {"mesh": {"data": hosts * per_host}, "rules": "dp_tp_gen"}
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, gen_layout=default))
 
@@ -295,7 +295,7 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     per_device, source = known
     options = CostOptions()
     usable = per_device * options.usable_memory_fraction
-    per_host = cfg.trainer.group_hosts(len(cfg.worker_groups()))[1]
+    per_host = cfg.group_shape("rollout" if cfg.disaggregated else "actor")[1]  # the devices the KV cache spans
     resident = 0.0
     infeasible = None  # the cost model's reason, reported after the KV cache's own, more specific, check
     try:
