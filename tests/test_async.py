@@ -111,7 +111,8 @@ def test_disaggregated_groups_of_two_hosts_each_equal_one_host(synchronous, inpu
 def test_six_rollout_and_two_trainer_devices_equal_the_synchronous_loop_on_two(ray_cluster, inputs, tmp_path):
     """An uneven split of one host (`trainer.group_devices: [6, 2]`): generation data parallel over 6 devices,
     training FSDP over the other 2. The run equals the synchronous loop on 2 devices (the same training layout) step
-    for step, sampled tokens, metrics and final weights bit for bit."""
+    for step: every metric but the engine's own log-prob gap to the trainer's (`rollout_corr/*`, float32 rounding)
+    and the final weights, bit for bit."""
 
     def run(name: str, placement: str, gen_devices: int, **trainer) -> tuple[list[dict], dict]:
         config = rl_config(
