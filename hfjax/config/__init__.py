@@ -1,7 +1,8 @@
-"""Every run's typed config, in one place: the RL run (`rl`: data, algorithm, reward, trainer, async sections, and
-`load_rl_config`), the model roles' sections it composes (`roles`: actor, rollout, critic, reward model), and the
-supervised runs (`supervised`: SFT and reward-model training). The YAML loader they share is `hfjax.typed_config`.
-Names load lazily, so importing `hfjax.config.roles` does not import the RL config's dependencies."""
+"""Every run's typed config, in one place: the RL run (`rl`: data, algorithm, reward, async sections, and
+`load_rl_config`), the sections it composes (`roles`: actor, rollout, critic, reward model; `trainer`: the loop,
+placement and health), and the supervised runs (`supervised`: SFT and reward-model training). The YAML loader they
+share is `hfjax.typed_config`. Names load lazily, so importing `hfjax.config.roles` does not import the RL config's
+dependencies."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ _EXPORTS = {
     "DataConfig": "rl",
     "AlgorithmConfig": "rl",
     "RewardConfig": "rl",
-    "TrainerConfig": "rl",
+    "TrainerConfig": "trainer",
     "AsyncConfig": "rl",
     "ActorConfig": "roles",
     "RolloutConfig": "roles",

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hfjax.config.rl import HealthConfig
+from hfjax.config.trainer import HealthConfig
 
 log = logging.getLogger(__name__)
 TRAINED_ROLES = ("actor", "critic", "cost_critic")
