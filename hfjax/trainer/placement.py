@@ -66,8 +66,10 @@ def group_pools(cfg: RLConfig, groups: int) -> list[ResourcePool]:
                 "(`ray start --head` on the first, `ray start --address=HEAD:6379` on the others) and point hfjax at "
                 "it with RAY_ADDRESS or trainer.ray_address"
             )
-    strategy = "STRICT_SPREAD" if trainer.hosts > 1 else "PACK"
-    return [ResourcePool([per_host] * hosts, device=device, strategy=strategy) for hosts, per_host in shapes]
+    return [
+        ResourcePool([per_host] * hosts, device=device, strategy="STRICT_SPREAD" if hosts > 1 else "PACK")
+        for hosts, per_host in shapes
+    ]
 
 
 def spawn_roles(cfg: RLConfig) -> tuple[dict[str, Any], list[ResourcePool]]:
