@@ -7,17 +7,20 @@
 #   3. scripts/bench/bench_generate.py: hfjax vs transformers generate (both on the GPU), output tokens/s;
 #   4. GRPO iterations at verl's quickstart workload: Qwen2.5-0.5B shape with random weights (built locally),
 #      256 prompts x 5 samples x 512-token responses (then 256, 128 if those run out of memory), bf16,
-#      trainer.backend=local; seconds per step and tokens/s of the steps after the first (compiles).
+#      trainer.backend=local (--remat: actor.remat); seconds per step and tokens/s of the steps after the first
+#      (compiles), and the peak device memory of the run (JAX's allocator), to set beside `hfjax compile`'s.
 # Then ONE table, also written as JSON to OUT_DIR/gpu_check.json; exit status 1 when any check failed (the table
 # shows FAILED and the last lines of its log; each check's full log is OUT_DIR/<check>.log).
 #
 # Usage: bash scripts/gpu_check.sh [--tiny] [--out-dir runs/gpu_check] [--prompts 256] [--group 5]
 #          [--response-lengths 512,256,128] [--steps 2] [--max-prompt-length 128] [--gen-prompts 64]
-#          [--gen-tokens 128] [--timeouts PARITY,GENERATE,GRPO] [--block-ray]
+#          [--gen-tokens 128] [--remat none] [--timeouts PARITY,GENERATE,GRPO] [--checks env,parity,generate,grpo]
+#          [--block-ray]
 # --tiny: on the CPU (JAX_PLATFORMS=cpu), a few fast parity tests, the tiny reference checkpoint, 4 prompts x 8
 # tokens, one GRPO step of 4 prompts x 2 samples x 16 tokens on a tiny Qwen2 model; about 2 minutes on 2 cores.
 # --block-ray: `import ray` fails in the generation and GRPO checks, as on a machine without Ray (where Ray is
-# installed). PYTHON (default: python, else python3) is the interpreter.
+# installed). --checks: run only these (the others are "skipped" rows, not failures), e.g. two instances with their own
+# --out-dir side by side on one GPU (with XLA_PYTHON_CLIENT_PREALLOCATE=false). PYTHON (default: python, else python3) is the interpreter.
 set -u -o pipefail
 SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 
@@ -33,6 +36,8 @@ GEN_TOKENS=128
 # seconds: parity tests, generation benchmark, GRPO (the environment check: 120). The generation benchmark compiles
 # 16 programs (14 prefill shapes, 2 decode loops; 30 s on a 2-core CPU); on an H200 (JAX 0.11.2) 90 s were not enough.
 TIMEOUTS=200,240,280
+CHECKS=env,parity,generate,grpo
+REMAT=none
 STEP=""               # internal: run one check's function (the time limit runs this script again with --step)
 ARGS=("$@")
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$SELF"; }
@@ -48,6 +53,8 @@ while [ $# -gt 0 ]; do
     --gen-prompts) GEN_PROMPTS=$2; shift ;;
     --gen-tokens) GEN_TOKENS=$2; shift ;;
     --timeouts) TIMEOUTS=$2; shift ;;
+    --checks) CHECKS=$2; shift ;;
+    --remat) REMAT=$2; shift ;;
     --block-ray) export GPU_CHECK_BLOCK_RAY=1 ;;
     --step) STEP=$2; shift ;;
     -h | --help) usage; exit 0 ;;
@@ -73,7 +80,8 @@ if [ "$TINY" = 1 ]; then
     "${PARITY_FILES[1]}::test_greedy_equals_transformers[False-qwen2]"
     "${PARITY_FILES[1]}::test_seeds_and_stop_tokens")
   GEN_FLAGS=(--prompts 4 --new-tokens 8 --repeats 1)
-  GRPO_FLAGS=(--tiny --prompts 4 --group 2 --steps 1 --max-prompt-length 32 --micro-batch 4 --response-lengths 16)
+  GRPO_FLAGS=(--tiny --prompts 4 --group 2 --steps 1 --max-prompt-length 32 --micro-batch 4 --response-lengths 16
+    --remat "$REMAT")
 else
   MODE=full
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
@@ -81,7 +89,7 @@ else
   PARITY_TESTS=("${PARITY_FILES[@]}")
   GEN_FLAGS=(--prompts "$GEN_PROMPTS" --new-tokens "$GEN_TOKENS" --repeats 3)
   GRPO_FLAGS=(--prompts "$PROMPTS" --group "$GROUP" --steps "$STEPS" --max-prompt-length "$MAX_PROMPT_LENGTH"
-    --response-lengths "$RESPONSE_LENGTHS")
+    --response-lengths "$RESPONSE_LENGTHS" --remat "$REMAT")
 fi
 mkdir -p "$OUT_DIR"
 TABLE=(scripts/gpu_check_table.py)
@@ -130,9 +138,13 @@ for check in env parity generate grpo; do rm -f "$OUT_DIR/$check.status" "$OUT_D
 rm -f "$OUT_DIR/gpu_check.json" "$OUT_DIR/parity.xml"
 STARTED=$(date +%s)
 
-run_check env 120 "$PYTHON" "${TABLE[@]}" env "$OUT_DIR/env.json" --expect-backend "$BACKEND"
-run_check parity "$PARITY_S" "$BASH" "$SELF" ${ARGS[@]+"${ARGS[@]}"} --out-dir "$OUT_DIR" --step parity
-run_check generate "$GENERATE_S" "$BASH" "$SELF" ${ARGS[@]+"${ARGS[@]}"} --out-dir "$OUT_DIR" --step generate
-run_check grpo "$GRPO_S" "$PYTHON" "${TABLE[@]}" grpo "$OUT_DIR/grpo.json" "${GRPO_FLAGS[@]}"
+wanted() { case ",$CHECKS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+for check in ${CHECKS//,/ }; do
+  case "$check" in env | parity | generate | grpo) ;; *) echo "gpu_check.sh: --checks: unknown check $check" >&2; exit 2 ;; esac
+done
+wanted env && run_check env 120 "$PYTHON" "${TABLE[@]}" env "$OUT_DIR/env.json" --expect-backend "$BACKEND"
+wanted parity && run_check parity "$PARITY_S" "$BASH" "$SELF" ${ARGS[@]+"${ARGS[@]}"} --out-dir "$OUT_DIR" --step parity
+wanted generate && run_check generate "$GENERATE_S" "$BASH" "$SELF" ${ARGS[@]+"${ARGS[@]}"} --out-dir "$OUT_DIR" --step generate
+wanted grpo && run_check grpo "$GRPO_S" "$PYTHON" "${TABLE[@]}" grpo "$OUT_DIR/grpo.json" "${GRPO_FLAGS[@]}"
 
 GPU_CHECK_WALL_S=$(($(date +%s) - STARTED)) "$PYTHON" "${TABLE[@]}" table "$OUT_DIR" --mode "$MODE"

@@ -216,7 +216,9 @@ def grpo_config(args: argparse.Namespace, ckpt: Path, workload: Path, response_l
     cfg["model_path"] = str(ckpt)
     cfg["data"] = {"train_files": [str(workload)], "max_prompt_length": args.max_prompt_length,
                    "train_batch_size": args.prompts}  # fmt: skip
-    cfg["actor"].update(ppo_mini_batch_size=min(args.mini_batch or rows, rows), micro_batch_size=args.micro_batch)
+    cfg["actor"].update(
+        ppo_mini_batch_size=min(args.mini_batch or rows, rows), micro_batch_size=args.micro_batch, remat=args.remat
+    )
     cfg["rollout"].update(
         n=args.group, response_length=response_length, slots=min(args.slots or rows, rows), ignore_eos=True
     )
@@ -291,7 +293,7 @@ def _run_streamed(cmd: list[str]) -> tuple[int, str]:
 def _forward(args: argparse.Namespace) -> list[str]:
     out = ["--prompts", str(args.prompts), "--group", str(args.group), "--steps", str(args.steps)]
     out += ["--max-prompt-length", str(args.max_prompt_length), "--micro-batch", str(args.micro_batch)]
-    out += ["--mini-batch", str(args.mini_batch), "--slots", str(args.slots)]
+    out += ["--mini-batch", str(args.mini_batch), "--slots", str(args.slots), "--remat", args.remat]
     out += ["--save" if args.save else "--no-save"]
     return out + (["--tiny"] if args.tiny else [])
 
@@ -322,6 +324,7 @@ def cmd_grpo_once(args: argparse.Namespace) -> None:
             "tokens_per_s": rate,
             "response_tokens_per_s": responses / step_s,
             "first_step_s": history[0]["timing_s/step"],
+            "device_peak_gib": max(h.get("perf/device_peak_bytes", 0) for h in history) / 2**30,
             "step_s": [h["timing_s/step"] for h in history],
             "last_step_stages_s": stages,
             "workload": {
@@ -331,6 +334,7 @@ def cmd_grpo_once(args: argparse.Namespace) -> None:
                 "max_prompt_length": args.max_prompt_length,
                 "ppo_mini_batch_size": cfg["actor"]["ppo_mini_batch_size"],
                 "micro_batch_size": args.micro_batch,
+                "remat": args.remat,
                 "slots": cfg["rollout"]["slots"],
                 "dtype": cfg["actor"]["dtype"],
                 "backend": "local",
@@ -417,10 +421,12 @@ def _items(check: str, result: dict[str, Any], env: dict[str, Any]) -> list[tupl
     if check == "grpo" and result.get("workload"):
         w = result["workload"]
         fallback = " (fallback: the longer ones ran out of memory)" if result.get("fallback") else ""
-        item = f"{w['prompts']} prompts x {w['group']} x {w['response_length']} tokens{fallback}"
+        remat = f", remat {w['remat']}" if w.get("remat", "none") != "none" else ""
+        item = f"{w['prompts']} prompts x {w['group']} x {w['response_length']} tokens{remat}{fallback}"
+        peak = f"; peak {result['device_peak_gib']:.2f} GiB/device" if result.get("device_peak_gib") else ""
         text = (
             f"{result['seconds_per_step']:.2f} s/step, {result['tokens_per_s']:,.0f} tok/s "
-            f"({result['response_tokens_per_s']:,.0f} response tok/s; first step {result['first_step_s']:.1f} s)"
+            f"({result['response_tokens_per_s']:,.0f} response tok/s; first step {result['first_step_s']:.1f} s{peak})"
         )
         return [(item, text)]
     return []
@@ -434,7 +440,7 @@ def cmd_table(args: argparse.Namespace) -> None:
         f"{env.get('device_kind', '?')}" + (f", {wall:.0f} s wall" if wall is not None else "")
     )
     print_table(title, rows)
-    failed = [r for r in rows if r["status"] != "ok"]
+    failed = [r for r in rows if r["status"] == "FAILED"]
     for row in failed:
         print(f"\n--- {row['check']} {row['item']}: {row['status']}\n{row.get('error', row['result'])}")
     summary = {
@@ -480,6 +486,7 @@ def _grpo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--mini-batch", type=int, default=0, help="actor.ppo_mini_batch_size (0: the whole batch)")
     parser.add_argument("--slots", type=int, default=0, help="rollout.slots (0: every sample at once)")
+    parser.add_argument("--remat", default="none", choices=("none", "full", "dots"), help="actor.remat")
     parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=False, help="final checkpoint")
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from flax import nnx
 from support.checkpoints import save_hf_model
+from support.devices import needs_devices
 
 from hfjax.models import load_hf
 from hfjax.parallel import Layout
@@ -58,7 +59,7 @@ def llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=needs_devices(8))])
 def test_greedy_equals_transformers(tmp_path, family, sharded):
     extra = {"sliding_window": 6} if family == "mistral" else {}
     hf, path = save_hf_model(tmp_path, family, vocab_size=VOCAB, eos_token_id=EOS, seed=3, **extra)
@@ -318,6 +319,7 @@ def test_continuous_batching_equals_one_at_a_time(llama):
     assert tokens[0] == tokens[1]
 
 
+@needs_devices(8)
 def test_data_parallel_generation_equals_one_device(llama):
     """Prefill rows split over data=4 give the one-device sampled tokens and log-probs (greedy tokens under
     data=4,tensor=2: `test_greedy_equals_transformers`). The 6 samples of 3 prompts (one prefill bucket) refill as
@@ -333,6 +335,7 @@ def test_data_parallel_generation_equals_one_device(llama):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
+@needs_devices(8)
 def test_data_parallel_decode_step_has_no_collectives(llama):
     """Slots sharded over the data axis decode independently: the compiled step (cache writes included) moves
     nothing between devices. Indexing every slot in one scatter made the partitioner all-gather the new keys and
