@@ -167,6 +167,17 @@ def test_quickstart_takes_overrides_without_a_config_name(capsys):
     assert "run_dirr: unknown key" in _one_line_error(capsys, ["quickstart", "run_dirr=x"], "quickstart")
 
 
+def test_overrides_may_follow_the_options(capsys):
+    args = parse_args(["compile", "c.yaml", "--target", "h100", "actor.micro_batch_size=8"])
+    assert (args.config, args.target, args.overrides) == ("c.yaml", "h100", ["actor.micro_batch_size=8"])
+    args = parse_args(["train", "c.yaml", "a=1", "--dry-run", "b=2"])
+    assert (args.overrides, args.dry_run) == (["a=1", "b=2"], True)
+    for bad in (["compile", "c.yaml", "--target", "h100", "--nope"], ["inspect", "ckpt", "x=1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
 def test_debug_shows_the_traceback_and_version_is_printed(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: {total_stepz: 3}\n")

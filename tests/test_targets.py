@@ -141,6 +141,33 @@ def test_compile_for_h100x8() -> None:
 
 
 @pytest.mark.compile_target
+def test_cudnn_attention_and_its_gradient_compile_for_h100x8() -> None:
+    """bfloat16 attention with rows split over 8 GPUs takes cuDNN's fused kernels forward and backward, and moves
+    nothing between devices. JAX reads cuDNN's version while tracing it: the `compile` extra brings the library
+    (without it: "cuDNN not found")."""
+    from hfjax.models.attention import causal_attention
+    from hfjax.models.program import program_layout
+    from hfjax.parallel import Layout
+
+    layout = Layout.from_config({"mesh": {"fsdp": 8}, "rules": "fsdp"}).on_devices(
+        target_devices(parse_target("h100x8"))
+    )
+    rows = NamedSharding(layout.mesh, P("fsdp"))
+    q = jax.ShapeDtypeStruct((16, 128, 8, 64), jnp.bfloat16, sharding=rows)
+    kv = jax.ShapeDtypeStruct((16, 128, 2, 64), jnp.bfloat16, sharding=rows)
+    valid = jax.ShapeDtypeStruct((16, 128), jnp.int32, sharding=rows)
+
+    def loss(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+        return causal_attention(q, k, v, valid=valid).astype(jnp.float32).sum()
+
+    with program_layout(layout):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid).compile().as_text()
+    kernels = set(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', text))
+    assert any(k.endswith("Backward") for k in kernels) and any(not k.endswith("Backward") for k in kernels), kernels
+    assert not re.search(r"all-gather|all-reduce|all-to-all|collective-permute", text)
+
+
+@pytest.mark.compile_target
 @pytest.mark.parametrize("name", ["h100", "v5e:1x1"])
 def test_the_optimizer_step_updates_its_donated_buffers_in_place(name: str) -> None:
     """The AdamW step (clipping, the update, the skip of a non-finite step) needs no temporaries of the parameters'

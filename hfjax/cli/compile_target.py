@@ -30,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_rl_config(args.config, args.overrides)
     programs = compile_run(cfg, target)
-    predicted = predicted_peak(cfg, target)
-    print(format_report(programs, target, predicted))
+    predicted, predicted_error = predicted_peak(cfg, target)
+    print(format_report(programs, target, predicted, predicted_error))
     problems = fits(programs, target)
     for line in problems:
         print(line)
@@ -39,7 +39,14 @@ def run(args: argparse.Namespace) -> int:
         rows = [{**dataclasses.asdict(p), "peak": p.peak} for p in programs]
         Path(args.json).write_text(
             json.dumps(
-                {"target": target.name, "programs": rows, "fits": not problems, "cost_model_peak": predicted}, indent=1
+                {
+                    "target": target.name,
+                    "programs": rows,
+                    "fits": not problems,
+                    "cost_model_peak": predicted,
+                    "cost_model_error": predicted_error,
+                },
+                indent=1,
             )
         )
     return 1 if problems else 0

@@ -60,8 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line's arguments. A command whose config is optional (`quickstart`) takes its default config when
     the first positional is a `key=value` override (argparse gives that positional to the config first): e.g.
-    `hfjax quickstart rl.algorithm.name=ppo`."""
-    args = build_parser().parse_args(argv)
+    `hfjax quickstart rl.algorithm.name=ppo`. Overrides may also follow the options (`hfjax compile CONFIG --target
+    h100 actor.micro_batch_size=8`), which argparse alone leaves unrecognised."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        takes_overrides = isinstance(getattr(args, "overrides", None), list)
+        if not takes_overrides or any("=" not in e or e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     default = getattr(args, "default_config", None)
     if default is not None and "=" in args.config:
         args.overrides, args.config = [args.config, *args.overrides], default
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.command == "compile":  # compile-only devices: JAX itself runs on the CPU, never on the plugins' hardware
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    enable_compilation_cache()
+    else:  # a compile-only device's executable cannot be loaded back from the cache (JAX warns on every read)
+        enable_compilation_cache()
     configure_logging()
 
     def run() -> int:

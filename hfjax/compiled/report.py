@@ -156,14 +156,15 @@ def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] =
     return out
 
 
-def predicted_peak(cfg: RLConfig, target: Target) -> float | None:
-    """The cost model's largest group peak, bytes per device, for the run on `target`, or None where it has none."""
+def predicted_peak(cfg: RLConfig, target: Target) -> tuple[float | None, str | None]:
+    """The cost model's largest group peak, bytes per device, for the run on `target`; or None and the cost model's
+    reason where it has no figure (e.g. it predicts that the run does not fit, and by how much)."""
     try:
         models = {role: model_shape(path, f"{role} model") for role, path in run_models(cfg).items()}
         cluster = ClusterSpec(1, target.num_devices, int(target.usable_bytes), MEMORY_ONLY_PROFILE)
-        return max(predict_run(with_default_gen_layout(cfg), cluster, models).group_peak_bytes)
-    except (ConfigError, InfeasibleError, LayoutError, ValueError):
-        return None
+        return max(predict_run(with_default_gen_layout(cfg), cluster, models).group_peak_bytes), None
+    except (ConfigError, InfeasibleError, LayoutError, ValueError) as error:
+        return None, str(error)
 
 
 def fits(programs: list[ProgramMemory], target: Target) -> list[str]:
@@ -180,7 +181,9 @@ def fits(programs: list[ProgramMemory], target: Target) -> list[str]:
     return problems
 
 
-def format_report(programs: list[ProgramMemory], target: Target, predicted: float | None) -> str:
+def format_report(
+    programs: list[ProgramMemory], target: Target, predicted: float | None, predicted_error: str | None = None
+) -> str:
     """The table: per program, GiB per device of arguments, outputs, temporaries, residents and the peak."""
     header = f"{'group':<8} {'program':<22} {'args':>7} {'outputs':>8} {'temps':>7} {'resident':>9} {'peak':>7}  GFLOP"
     lines = [f"target {target.name}: {target.num_devices} x {target.usable_bytes / GIB:.2f} GiB usable", header]
@@ -189,6 +192,6 @@ def format_report(programs: list[ProgramMemory], target: Target, predicted: floa
         cells = " ".join(f"{v / GIB:>{w}.2f}" for v, w in zip(values, (7, 8, 7, 9, 7), strict=True))
         lines.append(f"{p.group:<8} {p.program:<22} {cells}  {p.flops / 1e9:.0f}")
     peak = max(p.peak for p in programs)
-    model = "none" if predicted is None else f"{predicted / GIB:.2f} GiB"
+    model = f"{predicted / GIB:.2f} GiB" if predicted is not None else f"none ({predicted_error or 'no figure'})"
     lines.append(f"step peak (compiler) {peak / GIB:.2f} GiB per device; cost model {model}")
     return "\n".join(lines)
