@@ -23,7 +23,7 @@ export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
 OUT="$(mktemp -d -t hfjax-compile-configs-XXXX)"
 "$VENV/bin/python" scripts/compile_configs.py --tiny --out "$OUT" > "$OUT/table.txt" 2>&1 &
 CONFIGS=$!
-"$VENV/bin/python" -m pytest -q -m compile_target tests/test_targets.py tests/test_remat.py "$@"  # no PyTorch here
+"$VENV/bin/python" -m pytest -q -m compile_target tests/test_targets.py tests/test_remat.py tests/test_sweep.py "$@"  # no PyTorch here
 status=0
 wait "$CONFIGS" || status=$?
 cat "$OUT/table.txt"

@@ -22,7 +22,9 @@ from hfjax.automap.dataflow import STAGES
 from hfjax.automap.run_config import run_cost_options, run_models, run_workload
 from hfjax.automap.trainer_runs import config_mapping, trainer_candidates
 from hfjax.cli.main import main
+from hfjax.cli.quickstart import BaseModelSection, build_base_model
 from hfjax.config.rl import load_rl_config
+from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
 from hfjax.trainer.sweep import MEASURED_KEYS, auto_candidates, measured, read_candidates, stage_of
 from hfjax.typed_config import to_dict
 
@@ -233,3 +235,37 @@ def test_a_sweep_of_six_layouts_and_two_broken_ones(tmp_path, capsys):
     before, after = log_error(cluster, ms), log_error(calibrated, ms)
     print(capsys.readouterr().out)
     assert after < before
+
+
+@pytest.mark.compile_target
+def test_a_sweep_compiled_for_a_tpu_target(tmp_path, capsys):
+    """With --target every candidate is also compiled for the target as it runs (its overrides applied): its row
+    holds what `hfjax compile` of that run config reports. Built without PyTorch (the compile virtualenv has none)."""
+    tokenizer = build_addition_tokenizer()
+    policy = build_base_model(
+        tmp_path / "policy", BaseModelSection(hidden_size=32, intermediate_size=64, num_layers=1), tokenizer
+    )
+    files = write_addition_task(AdditionTask(min_digits=1, max_digits=2, num_train=16, num_test=8, num_sft=8), tmp_path)
+    inputs = {"policy": str(policy), "scorer": str(policy), "train": str(files["train"]), "test": str(files["test"])}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(rl_config(inputs, tmp_path / "unused", "grpo")))
+    candidates = [
+        {"name": "fsdp8", "overrides": {"actor.train_layout": {"mesh": {"fsdp": 8}}}},
+        {"name": "data8 mb2", "overrides": {"actor.train_layout": {"mesh": {"data": 8}}, "actor.micro_batch_size": 2}},
+    ]
+    (tmp_path / "candidates.yaml").write_text(yaml.safe_dump(candidates))
+    out = tmp_path / "sweep"
+    args = ["sweep", str(tmp_path / "run.yaml"), "--candidates", str(tmp_path / "candidates.yaml"), "--out", str(out)]
+    assert main([*args, "--steps", "1", "--warmup", "0", "--target", "v5e:2x4"]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["target"] == "v5e:2x4" and "compiled GiB (v5e:2x4)" in capsys.readouterr().out
+    peaks = []
+    for row in result["candidates"]:
+        assert row["error"] is None and row["compile_error"] is None, row
+        (tmp_path / "candidate.yaml").write_text(yaml.safe_dump(row["config"]))
+        report = tmp_path / f"{len(peaks)}.json"
+        assert main(["compile", str(tmp_path / "candidate.yaml"), "--target", "v5e:2x4", "--json", str(report)]) == 0
+        alone = json.loads(report.read_text())
+        assert row["compiled"] == {"target": "v5e:2x4", "peak_bytes": max(p["peak"] for p in alone["programs"]),
+                                   "fits": True, "problems": []}  # fmt: skip
+        peaks.append(row["compiled"]["peak_bytes"])
+    assert peaks[0] != peaks[1]  # each candidate compiled as its own layout, not the base config

@@ -4,6 +4,7 @@ cluster and compare what it measured with what the cost model predicted (`hfjax.
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,11 @@ def add_parser(sub: Any) -> None:
         "--cluster",
         help="cluster YAML for the predictions (as `hfjax automap`); default on CPU: this host's devices, with a "
         "profile measured now",
+    )
+    sweep.add_argument(
+        "--target",
+        help="also compile each candidate for this TPU/GPU target (as `hfjax compile`; needs the compile extra) and "
+        "report the compiler's peak per device",
     )
     sweep.add_argument("--out", default="runs/sweep", help="directory for sweep.json, sweep.png and the runs")
     sweep.add_argument("--devices", type=int, help="on CPU: number of fake devices of this process")
@@ -52,6 +58,14 @@ def run(args: argparse.Namespace) -> int:
     from hfjax.trainer.sweep_report import print_sweep, write_sweep
     from hfjax.typed_config import to_dict
 
+    compile_for = None
+    if args.target:
+        from hfjax.compiled import parse_target, target_devices
+        from hfjax.compiled.report import compiled_memory
+
+        target = parse_target(args.target)  # a bad name, or a missing compiler plugin, before any candidate runs
+        target_devices(target)
+        compile_for = functools.partial(compiled_memory, target=target)
     raw = yaml.safe_load(Path(args.config).read_text()) or {}
     base = to_dict(load_rl_config(raw, args.overrides))  # checked once, before any candidate
     cluster = _cluster(args.cluster)
@@ -67,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         bar.write(f"{row.name}: {state}")
         bar.update()
 
-    result = run_sweep(candidates, cluster, args.steps, args.warmup, out, done)
+    result = run_sweep(candidates, cluster, args.steps, args.warmup, out, done, compile_for, args.target)
     bar.close()
     print_sweep(result, f"hfjax sweep of {args.config}: {len(candidates)} candidates, {args.steps} steps each")
     json_path, png_path = write_sweep(result, out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,12 +149,25 @@ def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] =
     roles of its group keep on the same devices."""
     roles = run_roles(cfg, target_devices(target))
     out = []
-    for role in roles:
-        others = role.shared + sum(r.resident for r in roles if r.group == role.group and r is not role)
-        for trace in role.programs(others):
-            out.append(measure(trace))
-            progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
+    with warnings.catch_warnings():
+        # in a process that also runs JAX (`hfjax sweep --target`), the persistent compilation cache is on: an entry
+        # of a compile-only device cannot be loaded back, JAX warns and compiles afresh
+        warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
+        for role in roles:
+            others = role.shared + sum(r.resident for r in roles if r.group == role.group and r is not role)
+            for trace in role.programs(others):
+                out.append(measure(trace))
+                progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
     return out
+
+
+def compiled_memory(cfg: RLConfig, target: Target) -> dict[str, Any]:
+    """The run compiled for `target` (`compile_run`, quietly), as `hfjax sweep --target` records it: the target, the
+    largest program peak in bytes per device, whether every program fits, and the lines of those that do not."""
+    programs = compile_run(cfg, target, progress=lambda _: None)
+    problems = fits(programs, target)
+    return {"target": target.name, "peak_bytes": max(p.peak for p in programs), "fits": not problems,
+            "problems": problems}  # fmt: skip
 
 
 def predicted_peak(cfg: RLConfig, target: Target) -> tuple[float | None, str | None]:

@@ -2,7 +2,8 @@
 micro-batch sizes, rematerialisation or packing) trains `warmup + steps` iterations in fresh worker groups on the
 current cluster. Its row holds, measured after the warm-up (medians over the steps), the seconds of each stage of the
 cost model (generation, inference, training) and of the whole iteration, tokens per second and the peak device memory
-(where the platform counts it), with the cost model's prediction beside each. A candidate that does not load, fit or
+(where the platform counts it), with the cost model's prediction beside each, and with a target (`hfjax sweep
+--target`) the compiler's peak per device of the candidate compiled for it. A candidate that does not load, fit or
 run is a row with its reason, and the sweep goes on. Candidates come from a YAML file (`read_candidates`) or are the
 auto-mapper's best (`auto_candidates`)."""
 
@@ -54,8 +55,10 @@ class SweepCandidate:
 
 @dataclasses.dataclass
 class SweepRow:
-    """A candidate's measurement (`MEASURED_KEYS`; None where not measured) and prediction (seconds per stage and
-    `step_s`, `device_peak_bytes`), or the reason it failed (`error`) or could not be predicted (`prediction_error`)."""
+    """A candidate's measurement (`MEASURED_KEYS`; None where not measured), prediction (seconds per stage and
+    `step_s`, `device_peak_bytes`) and, with a target, its compiled memory (`target`, `peak_bytes`, `fits`,
+    `problems`); or the reason it failed (`error`), could not be predicted (`prediction_error`) or compiled
+    (`compile_error`)."""
 
     name: str
     overrides: list[str]
@@ -63,6 +66,8 @@ class SweepRow:
     predicted: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str | None = None
     prediction_error: str | None = None
+    compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compile_error: str | None = None
     run_dir: str | None = None
     config: dict[str, Any] | None = None  # the run config as it loaded (what `hfjax automap --calibrate` re-predicts)
 
@@ -153,10 +158,20 @@ def _reason(error: BaseException) -> str:
     return " ".join(f"{type(error).__name__}: {error}".split())[-600:]
 
 
-def sweep_one(candidate: SweepCandidate, cluster: ClusterSpec, steps: int, warmup: int, run_dir: Path) -> SweepRow:
+CompileFor = Callable[[RLConfig], dict[str, Any]]  # a run config -> its compiled memory (`SweepRow.compiled`)
+
+
+def sweep_one(
+    candidate: SweepCandidate,
+    cluster: ClusterSpec,
+    steps: int,
+    warmup: int,
+    run_dir: Path,
+    compile_for: CompileFor | None = None,
+) -> SweepRow:
     """Trains `candidate` for `warmup + steps` iterations into `run_dir` (no validation, checkpoints or plots) and
-    measures it beside its prediction on `cluster`. Never raises for the candidate's own failures: they are the
-    row's `error`."""
+    measures it beside its prediction on `cluster`, and first compiles it with `compile_for` when given. Never raises
+    for the candidate's own failures: they are the row's `error` (or `compile_error`)."""
     row = SweepRow(candidate.name, list(candidate.overrides), run_dir=str(run_dir))
     settings = [
         f"trainer.total_steps={warmup + steps}",
@@ -179,6 +194,11 @@ def sweep_one(candidate: SweepCandidate, cluster: ClusterSpec, steps: int, warmu
         row.predicted = _predicted(cfg, cluster)
     except Exception as error:  # a mapping the cost model cannot price still runs
         row.prediction_error = _reason(error)
+    if compile_for is not None:
+        try:
+            row.compiled = compile_for(cfg)
+        except Exception as error:  # what does not compile for the target may still run here
+            row.compile_error = _reason(error)
     try:
         row.measured = measured(run_rl(cfg), warmup)
     except Exception as error:  # a candidate that does not fit or fails is a row, the sweep goes on
@@ -188,12 +208,14 @@ def sweep_one(candidate: SweepCandidate, cluster: ClusterSpec, steps: int, warmu
 
 @dataclasses.dataclass
 class SweepResult:
-    """Every candidate's row, the iterations each ran, and the cluster its predictions are for."""
+    """Every candidate's row, the iterations each ran, the cluster its predictions are for, and the target its
+    candidates were compiled for (None: not compiled)."""
 
     rows: list[SweepRow]
     steps: int
     warmup: int
     cluster: ClusterSpec
+    target: str | None = None
 
     @property
     def rank_correlation(self) -> float | None:
@@ -207,6 +229,7 @@ class SweepResult:
             "warmup": self.warmup,
             "spearman_step_s": self.rank_correlation,
             "cluster": cluster_dict(self.cluster),
+            "target": self.target,
             "candidates": [dataclasses.asdict(r) for r in self.rows],
         }
 
@@ -218,19 +241,21 @@ def run_sweep(
     warmup: int,
     out_dir: Path,
     progress: Callable[[SweepRow], None] | None = None,
+    compile_for: CompileFor | None = None,
+    target: str | None = None,
 ) -> SweepResult:
-    """Measures every candidate in turn (`sweep_one`), each into `out_dir/runs/<index>-<name>`, on one Ray session
-    for all of them; `progress(row)` is called after each."""
+    """Measures every candidate in turn (`sweep_one`, compiled with `compile_for` for `target` when given), each
+    into `out_dir/runs/<index>-<name>`, on one Ray session for all of them; `progress(row)` is called after each."""
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
     rows: list[SweepRow] = []
     with _ray_session(candidates):
         for index, candidate in enumerate(candidates):
             run_dir = out_dir / "runs" / f"{index:02d}-{_slug(candidate.name)}"
-            rows.append(sweep_one(candidate, cluster, steps, warmup, run_dir))
+            rows.append(sweep_one(candidate, cluster, steps, warmup, run_dir, compile_for))
             if progress is not None:
                 progress(rows[-1])
-    return SweepResult(rows, steps, warmup, cluster)
+    return SweepResult(rows, steps, warmup, cluster, target)
 
 
 def _ray_session(candidates: Sequence[SweepCandidate]) -> contextlib.AbstractContextManager[None]:

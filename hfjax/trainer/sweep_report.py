@@ -30,9 +30,18 @@ def _pair(row: SweepRow, key: str, show=_seconds) -> str:
     return f"{show(row.measured.get(key))} / {show(row.predicted.get(key))}"
 
 
+def _compiled(row: SweepRow) -> str:
+    """The compiler's peak GiB per device of a candidate, marked when it does not fit ('-': not compiled)."""
+    if not row.compiled:
+        return "-"
+    peak = _gib(row.compiled["peak_bytes"])
+    return peak if row.compiled["fits"] else f"[red]{peak} (does not fit)[/red]"
+
+
 def print_sweep(result: SweepResult, title: str) -> None:
     """The sweep as a table: per candidate, measured / predicted seconds per stage and per iteration, tokens per
-    second, peak GiB per device, the measured and predicted ranks, or the reason it failed."""
+    second, peak GiB per device (and the compiler's, with a target), the measured and predicted ranks, or the reason
+    it failed."""
     from rich.console import Console
     from rich.table import Table
 
@@ -41,7 +50,9 @@ def print_sweep(result: SweepResult, title: str) -> None:
     priced = [r for r in ok if "step_s" in r.predicted]
     predicted_rank = {id(r): i for i, r in enumerate(sorted(priced, key=lambda r: r.predicted["step_s"]), 1)}
     table = Table(title=title)
-    columns = ("#", "candidate", *(f"{s} s" for s in STAGES), "iteration s", "tokens/s", "peak GiB/device", "rank")
+    compiled = result.target is not None
+    columns = ("#", "candidate", *(f"{s} s" for s in STAGES), "iteration s", "tokens/s", "peak GiB/device")
+    columns += (f"compiled GiB ({result.target})",) * compiled + ("rank",)
     for column in columns:
         table.add_column(column, justify="left" if column == "candidate" else "right")
     for row in result.rows:
@@ -56,6 +67,7 @@ def print_sweep(result: SweepResult, title: str) -> None:
             _pair(row, "step_s"),
             f"{row.measured['tokens_per_s']:.4g}",
             _pair(row, "device_peak_bytes", _gib),
+            *([_compiled(row)] if compiled else []),
             rank,
         )
     Console(width=220).print(table)
@@ -63,6 +75,10 @@ def print_sweep(result: SweepResult, title: str) -> None:
     for row in result.rows:
         if row.prediction_error:
             print(f"{row.name}: not predicted: {row.prediction_error}")
+        if row.compile_error:
+            print(f"{row.name}: not compiled for {result.target}: {row.compile_error}")
+        for problem in row.compiled.get("problems", []):
+            print(f"{row.name}: {problem}")
     rho = result.rank_correlation
     print(
         f"Spearman rank correlation of predicted and measured seconds per iteration: "
