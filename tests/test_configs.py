@@ -10,8 +10,8 @@ import jax
 import pytest
 from flax import nnx
 
-from hfjax.automap import ClusterSpec
-from hfjax.automap.run_config import predict_run, run_models
+from hfjax.automap import ClusterSpec, CostModel, role_shapes
+from hfjax.automap.run_config import predict_run, run_cost_options, run_dataflow, run_models, run_workload
 from hfjax.cli.quickstart import QuickstartConfig
 from hfjax.config.rl import load_rl_config
 from hfjax.config.supervised import RMConfig, SFTConfig
@@ -105,3 +105,25 @@ def test_other_shipped_configs_load():
     load_config(QuickstartConfig, CONFIGS / "quickstart.yaml")
     load_config(SFTConfig, CONFIGS / "sft_addition.yaml")
     load_config(RMConfig, CONFIGS / "rm_example.yaml")
+
+
+def test_cost_model_prices_no_old_log_prob_pass_that_the_update_computes():
+    """GRPO with one optimizer step per iteration (`actor.old_log_prob: auto`) takes the old log probs from the update's
+    own forward, so the actor has no inference pass; `recompute` adds the pass, priced as the actor's `infer` seconds
+    plus one call's overhead, and its activations."""
+    path = CONFIGS / "gsm8k" / "qwen2.5-0.5b-grpo-1gpu.yaml"
+    cluster = ClusterSpec.builtin("h100", 1, 1)
+    shape = named_config("qwen2.5-0.5b")
+    base = load_rl_config(path)
+    whole = f"actor.ppo_mini_batch_size={base.data.train_batch_size * base.rollout.n}"  # one optimizer step
+    reused, recomputed = (load_rl_config(path, [whole, f"actor.old_log_prob={m}"]) for m in ("auto", "recompute"))
+    assert reused.reuses_update_log_probs and not recomputed.reuses_update_log_probs
+    auto, separate = (predict_run(c, cluster, {role: shape for role in run_models(c)}) for c in (reused, recomputed))
+    assert auto.roles["actor"].seconds["inference"] == 0 and "infer_activations" not in auto.roles["actor"].memory
+    flow = run_dataflow(recomputed)
+    model = CostModel(cluster, flow, run_workload(recomputed), run_cost_options(recomputed))
+    actor = separate.roles["actor"]
+    actor_shape = role_shapes(flow, {"actor": shape})["actor"]
+    expected = model.infer("actor", actor_shape, actor.sizes)["seconds"] + cluster.profile.call_overhead_s
+    assert actor.seconds["inference"] == pytest.approx(expected)
+    assert auto.roles["ref"].seconds == separate.roles["ref"].seconds  # the reference pass runs in both

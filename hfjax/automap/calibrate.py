@@ -21,8 +21,8 @@ import numpy as np
 
 from hfjax.automap.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.automap.cost import CostModel, DeviceMapping, InfeasibleError
-from hfjax.automap.dataflow import STAGES, Dataflow, ModelShape, dataflow, role_shapes
-from hfjax.automap.run_config import run_cost_options, run_models, run_workload
+from hfjax.automap.dataflow import STAGES, Dataflow, ModelShape, role_shapes
+from hfjax.automap.run_config import run_cost_options, run_dataflow, run_models, run_workload
 from hfjax.automap.trainer_runs import config_mapping
 from hfjax.config.rl import load_rl_config
 
@@ -64,7 +64,7 @@ def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
         if row.get("error") or row.get("prediction_error") or not row.get("config") or not row.get("measured"):
             continue
         cfg = load_rl_config(row["config"])
-        flow = dataflow(cfg.algorithm.name)
+        flow = run_dataflow(cfg)
         shapes = role_shapes(flow, run_models(cfg))
         mapping = config_mapping(row["config"], tuple(r for r in flow.roles if r in shapes))
         seconds = {s: float(row["measured"][s]) for s in STAGES}

@@ -11,6 +11,7 @@ predicts a config's own mapping instead (e.g. to check that it fits its hardware
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Mapping
@@ -21,9 +22,19 @@ import yaml
 
 from hfjax.automap import ClusterSpec, CostModel, CostOptions, Workload, dataflow, print_candidates, role_shapes
 from hfjax.automap.cost import Prediction
+from hfjax.automap.dataflow import Dataflow
 from hfjax.automap.trainer_runs import config_mapping, run_config, trainer_candidates, without_mapping
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.typed_config import to_dict
+
+
+def run_dataflow(cfg: RLConfig) -> Dataflow:
+    """The algorithm's roles per stage as `cfg` runs them: without the actor's old-log-prob pass where its update
+    computes those itself (`RLConfig.reuses_update_log_probs`: GRPO's default with one optimizer step)."""
+    flow = dataflow(cfg.algorithm.name)
+    if cfg.reuses_update_log_probs:
+        flow = dataclasses.replace(flow, inference=tuple(r for r in flow.inference if r != "actor"))
+    return flow
 
 
 def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
@@ -74,7 +85,7 @@ def predict_run(cfg: RLConfig, cluster: ClusterSpec, models: Mapping[str, Any] |
     generation copy, KV cache, activations) for `cfg`'s own placement and layouts on `cluster`. `models`: each
     role's model (a `ModelConfig`, a preset name or a checkpoint path; default: the config's checkpoints).
     Raises `InfeasibleError` naming what does not fit."""
-    flow = dataflow(cfg.algorithm.name)
+    flow = run_dataflow(cfg)
     shapes = role_shapes(flow, dict(models) if models is not None else run_models(cfg))
     mapping = config_mapping(to_dict(cfg), tuple(r for r in flow.roles if r in shapes))
     actor = mapping.layouts["actor"]
@@ -90,7 +101,7 @@ def automap_run(cluster_path: str, config_path: str, out: str | None, top: int =
     raw: dict[str, Any] = yaml.safe_load(Path(config_path).read_text()) or {}
     cfg = load_rl_config(without_mapping(raw))  # its layouts and devices may be another cluster's
     cluster = ClusterSpec.from_yaml(cluster_path)
-    flow = dataflow(cfg.algorithm.name)
+    flow = run_dataflow(cfg)
     model = CostModel(cluster, flow, run_workload(cfg), run_cost_options(cfg))
     candidates = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
     title = f"{cfg.algorithm.name} on {cluster.hosts}x{cluster.devices_per_host} devices (placements hfjax train runs)"

@@ -21,10 +21,10 @@ from typing import Any
 
 import yaml
 
-from hfjax.automap import ClusterSpec, CostModel, dataflow, role_shapes
+from hfjax.automap import ClusterSpec, CostModel, role_shapes
 from hfjax.automap.calibrate import cluster_dict, spearman
 from hfjax.automap.dataflow import STAGES
-from hfjax.automap.run_config import predict_run, run_cost_options, run_models, run_workload
+from hfjax.automap.run_config import predict_run, run_cost_options, run_dataflow, run_models, run_workload
 from hfjax.automap.trainer_runs import run_config, trainer_candidates, without_mapping
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.trainer.launch import ray_session, run_rl
@@ -108,7 +108,7 @@ def read_candidates(path: str | Path, base: Mapping[str, Any], common: Sequence[
 def auto_candidates(base: Mapping[str, Any], cluster: ClusterSpec, top: int) -> list[SweepCandidate]:
     """The auto-mapper's `top` mappings of `base` on `cluster` that the trainer runs, best predicted first."""
     cfg = load_rl_config(without_mapping(base))
-    flow = dataflow(cfg.algorithm.name)
+    flow = run_dataflow(cfg)
     model = CostModel(cluster, flow, run_workload(cfg), run_cost_options(cfg))
     ranked = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
     out = []
