@@ -500,7 +500,7 @@ def test_trainer_candidates_on_several_hosts_run_one_generation_loop_per_host():
     workload = Workload(global_batch_prompts=16, prompt_len=32, response_len=32)
     candidates = trainer_candidates(CostModel(cluster, flow, workload), shapes)
     placements = {trainer_placement(c.mapping.groups, cluster) for c in candidates}
-    assert placements == {"colocate", "split"}  # standalone: 3 groups on 2 hosts
+    assert placements == {("colocate", None), ("split", None), ("disaggregated", None)}  # standalone: 3 groups
     assert any(c.mapping.layouts["actor"].tensor == 8 for c in candidates)
     for c in candidates:
         hosts = 2 if len(c.mapping.groups) == 1 else 1
@@ -587,3 +587,57 @@ def test_automap_rejects_a_bad_run_config(tmp_path, capsys):
         capsys.readouterr().err.strip()
         == "hfjax automap: actor.ppo_epochs: expected >= 1, got 0 (from the given mapping)"
     )
+
+
+def test_a_disaggregated_run_is_priced_as_its_two_groups_in_turn():
+    """GRPO with 6 devices generating and 2 training (a synchronous disaggregated run): generation is the rollout
+    group's alone (its weights in bfloat16, its KV cache and prefill beside them, and the weight sync: every weight
+    once over the host's link), inference and training the trainer group's, and the actor's group never generates."""
+    flow = dataflow("grpo")
+    shapes = role_shapes(flow, {"actor": TINY, "ref": TINY})
+    cluster = ClusterSpec.builtin("h100", 1, 8)
+    workload = Workload(global_batch_prompts=16, n_samples=4, prompt_len=32, response_len=32, kv_slots=64)
+    model = CostModel(cluster, flow, workload)
+    groups = trainer_groups(("actor", "ref"), 1, 8, "disaggregated", [6, 2])
+    assert groups == ((("rollout",), 6), (("actor", "ref"), 2))
+    fsdp2, data6 = Sizes(1, 2, 1), Sizes(6, 1, 1)
+    prediction = model.predict(shapes, DeviceMapping(groups, {"actor": fsdp2, "ref": fsdp2}, data6))
+    actor, rollout = prediction.roles["actor"], prediction.roles["rollout"]
+    assert actor.gen is None and actor.seconds["generation"] == 0 and "kv_cache" not in actor.memory
+    alone = model.generate(shapes["actor"], None, data6, None)  # one wave: the lower bound of any budget
+    sync = shapes["actor"].params * 2 / cluster.profile.bandwidth("intra")
+    assert rollout.detail["gen_reshard"] == pytest.approx(sync)
+    assert rollout.detail["gen_waves"] == alone["waves"] == 1
+    expected_gen = alone["prefill"] + alone["decode"] + sync + cluster.profile.call_overhead_s
+    assert prediction.stage_seconds["generation"] == pytest.approx(expected_gen)
+    trainer = [model.role_cost(r, shapes[r], fsdp2) for r in ("actor", "ref")]
+    for stage in ("inference", "training"):
+        assert prediction.stage_seconds[stage] == pytest.approx(sum(c.seconds[stage] for c in trainer))
+    params = shapes["actor"].shard_elements(layout_of(data6, GEN_RULES)) * 2
+    assert rollout.memory["params"] == params
+    generation = rollout.memory["kv_cache"] + rollout.memory["prefill"]
+    assert prediction.group_peak_bytes[0] == params + max(params, generation)  # a sync's second copy, or generating
+    # the rollout's generation layout must cover its group
+    with pytest.raises(InfeasibleError, match="has 4 devices, the rollout's 6"):
+        model.predict(shapes, DeviceMapping(groups, {"actor": fsdp2, "ref": fsdp2}, Sizes(4, 1, 1)))
+
+
+def test_trainer_candidates_search_uneven_splits_and_disaggregated_placements():
+    """On one host of 8 devices, GRPO's candidates include every split of the host between a rollout group and a
+    trainer group, and the chosen one becomes a run config with `trainer.group_devices` that maps back to itself."""
+    from hfjax.automap.trainer_runs import config_mapping
+
+    flow = dataflow("grpo")
+    shapes = role_shapes(flow, {"actor": TINY, "ref": TINY})
+    cluster = ClusterSpec.builtin("h100", 1, 8)
+    workload = Workload(global_batch_prompts=16, n_samples=4, prompt_len=32, response_len=32)
+    candidates = trainer_candidates(CostModel(cluster, flow, workload), shapes)
+    found = {trainer_placement(c.mapping.groups, cluster) for c in candidates}
+    splits = {tuple(split) for placement, split in found if placement == "disaggregated" and split}
+    assert ("colocate", None) in found and ("disaggregated", None) in found
+    assert splits == {(n, 8 - n) for n in range(1, 8) if n != 4}
+    uneven = next(c for c in candidates if trainer_placement(c.mapping.groups, cluster)[1])
+    config = run_config(uneven, {"algorithm": {"name": "grpo"}}, cluster)
+    assert config["trainer"]["placement"] == "disaggregated"
+    assert config["trainer"]["group_devices"] == [n for _, n in uneven.mapping.groups]
+    assert config_mapping(config, ("actor", "ref")) == uneven.mapping

@@ -58,7 +58,7 @@ class Measurement:
 
 def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
     """The candidates of a sweep's JSON that ran, were predicted and kept their config (failed ones, and those the
-    cost model does not place, e.g. a disaggregated run, are left out)."""
+    cost model does not price, e.g. an asynchronous disaggregated run, are left out)."""
     out = []
     for row in sweep.get("candidates", []):
         if row.get("error") or row.get("prediction_error") or not row.get("config") or not row.get("measured"):

@@ -46,6 +46,7 @@ from hfjax.parallel.layout_compare import table2_moved_bytes
 
 TRAIN_RULES = "fsdp_tp"
 GEN_RULES = "dp_tp_gen"
+ROLLOUT = "rollout"  # the group of a disaggregated placement that only generates, with a copy of the actor's weights
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -120,7 +121,9 @@ class RoleCost:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMapping:
-    """Placement (groups of colocated roles with their device counts) and per-role layouts."""
+    """Placement (groups of colocated roles with their device counts) and per-role layouts. A group of the single
+    role `ROLLOUT` (a disaggregated placement) generates under `gen_layout` with its own copy of the actor's weights,
+    and the actor's group does not generate."""
 
     groups: tuple[tuple[tuple[str, ...], int], ...]
     layouts: Mapping[str, Sizes]
@@ -259,9 +262,13 @@ class CostModel:
             return gen_elems * opt.param_bytes
         return (gen_elems - shape.shard_elements(layout_of(train, TRAIN_RULES))) * opt.param_bytes
 
-    def generate(self, shape: ModelShape, train: Sizes, gen: Sizes, kv_budget: float | None) -> dict[str, float] | str:
+    def generate(
+        self, shape: ModelShape, train: Sizes | None, gen: Sizes, kv_budget: float | None, sync_link: str = "intra"
+    ) -> dict[str, float] | str:
         """Generation seconds (prefill, decode, train -> gen transition) with `kv_budget` bytes per device free
-        for the KV cache (None: unlimited, one wave; a lower bound of any budget), or the reason it cannot run."""
+        for the KV cache (None: unlimited, one wave; a lower bound of any budget), or the reason it cannot run.
+        `train` None: a rollout group of its own, whose transition is the weight sync, every weight once in the
+        compute dtype over the `sync_link` between the groups."""
         w, cfg, opt, profile = self.workload, shape.config, self.options, self.cluster.profile
         t, L, d = gen.tensor, cfg.num_layers, cfg.hidden_size
         kv_token = shape.kv_elements_per_token() * opt.param_bytes / t
@@ -295,10 +302,13 @@ class CostModel:
         step_compute = b * (2 * mm + shape.attention_flops(ctx)) / t / flops
         all_reduce = self.collective("reduce", 2 * L * b * d * opt.param_bytes, t, t, 2 * L, share)
         step = max(step_read, step_compute) + all_reduce + L * profile.decode_layer_overhead_s
-        moved = table2_moved_bytes(
-            shape.params * opt.param_bytes, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)
-        )
-        reshard = moved / (share * profile.bandwidth(self.cluster.link(train.fsdp * train.tensor)))
+        if train is None:
+            reshard = shape.params * opt.param_bytes / profile.bandwidth(sync_link)
+        else:
+            moved = table2_moved_bytes(
+                shape.params * opt.param_bytes, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)
+            )
+            reshard = moved / (share * profile.bandwidth(self.cluster.link(train.fsdp * train.tensor)))
         return {
             "prefill": waves * prefill,
             "decode": waves * w.response_len * step,
@@ -375,11 +385,28 @@ class CostModel:
             f"{self.usable_bytes / GIB:.1f} GiB usable"
         )
 
+    def rollout_group(self, shape: ModelShape, gen: Sizes, sync_link: str) -> tuple[RoleCost, float] | str:
+        """The generation of a disaggregated placement's rollout group under `gen` (the actor's weights in the compute
+        dtype, its KV cache and largest prefill beside them; the weight sync before each generation), and the group's
+        peak bytes per device (the larger of generation and the sync's second copy of the weights, which
+        `async.weight_swap: atomic` places beside the first); or the reason it does not fit."""
+        params = shape.shard_elements(layout_of(gen, GEN_RULES)) * self.options.param_bytes
+        out = self.generate(shape, None, gen, self.usable_bytes - params, sync_link)
+        if isinstance(out, str):
+            return out.replace("actor generation", "rollout generation", 1)
+        seconds = dict.fromkeys(STAGES, 0.0)
+        seconds["generation"] = out["seconds"] + self.cluster.profile.call_overhead_s
+        memory = {"params": params, "kv_cache": out["kv_bytes"], "prefill": out["prefill_bytes"]}
+        detail = {f"gen_{k}": v for k, v in out.items() if k != "seconds"}
+        cost = RoleCost(ROLLOUT, gen, seconds, params, 0.0, memory, detail, gen)
+        return cost, params + max(params, out["kv_bytes"] + out["prefill_bytes"])
+
     def finish_group(
         self, costs: Sequence[RoleCost], shapes: Mapping[str, ModelShape], devices: int, gen: Sizes | None
     ) -> tuple[list[RoleCost], float] | str:
-        """Checks the memory of colocated roles and adds the actor's generation with the KV budget they leave.
-        Returns the costs and the peak bytes per device, or the reason they do not fit."""
+        """Checks the memory of colocated roles and adds the actor's generation with the KV budget they leave (none
+        when `gen` is None: a rollout group generates). Returns the costs and the peak bytes per device, or the
+        reason they do not fit."""
         reason = self.memory_reason(costs, devices)
         if reason:
             return reason
@@ -387,9 +414,7 @@ class CostModel:
         peak = static + max((c.transient_bytes for c in costs), default=0.0)
         out = list(costs)
         for i, cost in enumerate(costs):
-            if cost.role in self.flow.generation:
-                if gen is None:
-                    return f"{cost.role}: no generation layout given"
+            if cost.role in self.flow.generation and gen is not None:
                 extra = self.gen_extra_bytes(shapes[cost.role], cost.sizes, gen)
                 with_gen = self.with_generation(cost, shapes[cost.role], gen, self.usable_bytes - static - extra)
                 if isinstance(with_gen, str):
@@ -405,9 +430,26 @@ class CostModel:
         missing = sorted(set(shapes) - {r for roles, _ in mapping.groups for r in roles})
         if missing:
             raise InfeasibleError(f"mapping places no devices for roles {missing}")
+        gen = mapping.gen_layout
+        disaggregated = any(group == (ROLLOUT,) for group, _ in mapping.groups)
+        if gen is None:
+            raise InfeasibleError("mapping has no generation layout")
         roles: dict[str, RoleCost] = {}
         peaks, placed = [], []
         for group, devices in mapping.groups:
+            if group == (ROLLOUT,):
+                if gen.size != devices:
+                    raise InfeasibleError(
+                        f"gen_layout {gen.describe()} has {gen.size} devices, the rollout's {devices}"
+                    )
+                link = self.cluster.link(sum(n for _, n in mapping.groups))
+                done = self.rollout_group(shapes[self.flow.generation[0]], gen, link)
+                if isinstance(done, str):
+                    raise InfeasibleError(done)
+                roles[ROLLOUT] = done[0]
+                placed.append([done[0]])
+                peaks.append(done[1])
+                continue
             costs = []
             for role in group:
                 sizes = mapping.layouts[role]
@@ -416,10 +458,10 @@ class CostModel:
                         f"{role}: layout {sizes.describe()} has {sizes.size} devices, group {devices}"
                     )
                 costs.append(self.role_cost(role, shapes[role], sizes))
-            gen = mapping.gen_layout
-            if gen is not None and any(r in self.flow.generation for r in group) and gen.size != devices:
+            generates = not disaggregated and any(r in self.flow.generation for r in group)
+            if generates and gen.size != devices:
                 raise InfeasibleError(f"gen_layout {gen.describe()} has {gen.size} devices, its group {devices}")
-            done = self.finish_group(costs, shapes, devices, gen)
+            done = self.finish_group(costs, shapes, devices, gen if generates else None)
             if isinstance(done, str):
                 raise InfeasibleError(done)
             roles.update({c.role: c for c in done[0]})

@@ -16,6 +16,9 @@ def _layouts(candidate: Candidate) -> str:
     for role, sizes in candidate.mapping.layouts.items():
         gen = candidate.prediction.roles[role].gen
         parts.append(f"{role} {sizes.describe()}" + (f" gen t{gen.tensor}" if gen else ""))
+    rollout = candidate.prediction.roles.get("rollout")  # a disaggregated placement's generation group
+    if rollout is not None:
+        parts.append(f"rollout gen {rollout.sizes.describe()}")
     return ", ".join(parts)
 
 

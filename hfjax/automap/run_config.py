@@ -85,6 +85,11 @@ def predict_run(cfg: RLConfig, cluster: ClusterSpec, models: Mapping[str, Any] |
     generation copy, KV cache, activations) for `cfg`'s own placement and layouts on `cluster`. `models`: each
     role's model (a `ModelConfig`, a preset name or a checkpoint path; default: the config's checkpoints).
     Raises `InfeasibleError` naming what does not fit."""
+    if cfg.disaggregated and cfg.async_.max_staleness:
+        raise ValueError(
+            f"async.max_staleness={cfg.async_.max_staleness}: the cost model prices a disaggregated run as the "
+            "synchronous loop (generation, then inference and training), not one that overlaps them"
+        )
     flow = run_dataflow(cfg)
     shapes = role_shapes(flow, dict(models) if models is not None else run_models(cfg))
     mapping = config_mapping(to_dict(cfg), tuple(r for r in flow.roles if r in shapes))

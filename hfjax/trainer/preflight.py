@@ -307,8 +307,10 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     except LayoutError as exc:
         raise ConfigError(f"memory: {exc} ({source})") from exc
     except ValueError:
-        roles = {}  # a placement or mesh the cost model does not model (disaggregated, other mesh axes)
-    if "actor" in roles:
+        roles = {}  # a run the cost model does not model (asynchronous disaggregated, other mesh axes)
+    if "rollout" in roles:  # disaggregated: the KV cache sits beside the rollout group's copy of the weights
+        resident = roles["rollout"].static_bytes
+    elif "actor" in roles:
         actor_cost = roles["actor"]
         resident = actor_cost.static_bytes + actor_cost.memory.get("gen_extra_params", 0.0)
         resident += roles["ref"].static_bytes if "ref" in roles else 0.0
