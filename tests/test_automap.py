@@ -36,6 +36,7 @@ from hfjax.automap.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stag
 from hfjax.automap.dataflow import STAGES, model_shape
 from hfjax.automap.search import allocations, device_counts, train_sizes
 from hfjax.automap.trainer_runs import (
+    PLACEMENTS,
     host_gen_sizes,
     run_config,
     trainer_candidates,
@@ -534,7 +535,7 @@ def test_automap_writes_a_run_config_that_trains(ray_cluster, tmp_path, capsys):
         k: v for k, v in run.items() if k not in ("actor", "rollout", "critic", "trainer")
     }
     cfg = load_rl_config(mapped)
-    assert cfg.trainer.placement in ("colocate", "split", "standalone")
+    assert cfg.trainer.placement in PLACEMENTS
     assert (cfg.trainer.hosts, cfg.trainer.devices_per_host) == (1, 8)
     assert cfg.actor.train_layout and cfg.rollout.gen_layout and cfg.critic.layout
     assert "placements hfjax train runs" in capsys.readouterr().out

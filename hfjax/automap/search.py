@@ -20,6 +20,7 @@ from typing import Any
 from hfjax.automap.cluster import ClusterSpec
 from hfjax.automap.cost import (
     GEN_RULES,
+    ROLLOUT,
     CostModel,
     CostOptions,
     DeviceMapping,
@@ -113,10 +114,13 @@ class Candidate:
 
     @property
     def kind(self) -> str:
-        """`colocate` (one group), `standalone` (every role alone) or `split`."""
+        """`colocate` (one group), `disaggregated` (a rollout group beside the rest), `standalone` (every role
+        alone) or `split`."""
         groups = self.mapping.groups
         if len(groups) == 1:
             return "colocate"
+        if any(roles == (ROLLOUT,) for roles, _ in groups):
+            return "disaggregated"
         return "standalone" if all(len(roles) == 1 for roles, _ in groups) else "split"
 
 
