@@ -47,13 +47,8 @@ LAYOUT_KEYS = {
     "reward": ("reward", "reward_model", "layout"),
     "cost": ("reward", "cost_model", "layout"),
 }
-TRAINER_KEYS = (
-    "placement",
-    "hosts",
-    "devices_per_host",
-    "group_devices",
-    "devices",
-)  # `devices`: replaced by the two before it
+# `devices`: the older spelling that `hosts` and `devices_per_host` replace
+TRAINER_KEYS = ("placement", "hosts", "devices_per_host", "group_devices", "devices")
 MAPPED_KEYS = (
     *(("trainer", key) for key in TRAINER_KEYS),
     ("actor", "train_layout"),
@@ -124,12 +119,12 @@ def _fastest_layouts(model: CostModel, role: str, shape: ModelShape, devices: in
     return [sizes for _, sizes in sorted(timed)]
 
 
-def _splits(hosts: int, devices_per_host: int, groups: int) -> list[list[int] | None]:
+def _splits(hosts: int, devices_per_host: int, groups: int) -> list[tuple[int, int] | None]:
     """The device splits the trainer runs for `groups` worker groups: even (None), and on one host every uneven
     split between two groups (`trainer.group_devices`)."""
     if hosts != 1 or groups != 2:
         return [None]
-    return [None, *([n, devices_per_host - n] for n in range(1, devices_per_host) if 2 * n != devices_per_host)]
+    return [None, *((n, devices_per_host - n) for n in range(1, devices_per_host) if 2 * n != devices_per_host)]
 
 
 def trainer_candidates(model: CostModel, shapes: Mapping[str, ModelShape]) -> list[Candidate]:
@@ -142,9 +137,9 @@ def trainer_candidates(model: CostModel, shapes: Mapping[str, ModelShape]) -> li
         names = placement_roles(roles, placement)
         for split in _splits(hosts, per_host, len(names)):
             group_shape = group_shapes(hosts, per_host, len(names), split)
-            if group_shape is None or (names, str(split)) in seen:
+            if group_shape is None or (names, split) in seen:
                 continue
-            seen.add((names, str(split)))
+            seen.add((names, split))
             groups = tuple((g, h * n) for g, (h, n) in zip(names, group_shape, strict=True))
             out += _group_candidates(model, shapes, roles, groups, dict(zip(names, group_shape, strict=True)))
     return sorted(out, key=lambda c: c.iteration_seconds)
@@ -199,7 +194,7 @@ def trainer_placement(groups: Groups, cluster: ClusterSpec) -> tuple[str, tuple[
             except ValueError:  # a split of more than two groups
                 continue
             if found is not None and {(frozenset(g), n) for g, n in found} == wanted:
-                return placement, None if split is None else tuple(split)
+                return placement, split
     return None
 
 
