@@ -65,13 +65,19 @@ def choose_implementation(
     return "xla"
 
 
+def configured_implementation() -> str:
+    """The `HFJAX_ATTENTION` setting now (unset: `auto`): part of the key of a program shared between callers, since
+    a trace keeps the choice it read."""
+    return os.environ.get(ENV_VAR) or "auto"
+
+
 def resolve_implementation(implementation: str | None = None) -> str:
     """The implementation that runs (`xla`, `cudnn`, `pallas_tpu` or `pallas_interpret`) for `implementation`,
     else for the `HFJAX_ATTENTION` environment variable (unset: `auto`). Raises ValueError on any other value."""
     if implementation is not None:
         source, name = "implementation", implementation
     else:
-        source, name = ENV_VAR, os.environ.get(ENV_VAR) or "auto"
+        source, name = ENV_VAR, configured_implementation()
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"{source}={name!r} is not an attention implementation: expected one of {IMPLEMENTATIONS}")
     if name != "auto":

@@ -13,14 +13,18 @@ Why constrain: left to propagation, XLA follows the weights, which under `fsdp` 
 residual stream along `embed` too, so every device computes every row and all-reduces activations. Pinned activations
 make `fsdp` data parallel over rows with weights gathered per layer (ZeRO-3), and `tensor` Megatron-style.
 Jit caches a trace by the function and its static arguments, not by this context: enter it with a layout fixed for
-that function or given by one of its static arguments.
+that function or given by one of its static arguments. `bind(fn, *settings)` is `fn` with its settings fixed, equal to
+any other binding of the same function to equal settings, so that the workers of two runs in one process (equal
+configs, equal model structure) share one traced program instead of tracing it again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -81,3 +85,39 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = layout.activation_spec(logical_axes, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+
+
+def setting_key(value: Any) -> Any:
+    """A hashable value that is equal for equal settings: a dataclass (a config section) by the repr of all its
+    fields, anything else as itself (it must be hashable)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value), repr(dataclasses.asdict(value))
+    hash(value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Bound:
+    """`fn` with its leading arguments `settings` fixed (`bind`): hashed and compared by the function and the
+    settings' values, not by identity, so it keys one jit trace for every binding of equal settings."""
+
+    fn: Callable[..., Any]
+    settings: tuple[Any, ...]
+    key: tuple[Any, ...] = dataclasses.field(repr=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*self.settings, *args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Bound) and (self.fn, self.key) == (other.fn, other.key)
+
+    def __hash__(self) -> int:
+        return hash((self.fn, self.key))
+
+
+def bind(fn: Callable[..., Any], *settings: Any) -> Bound:
+    """`functools.partial(fn, *settings)` that equals every other binding of `fn` to equal settings (config
+    dataclasses compare by their fields' values): a static jit argument, or a function a jitted program is built
+    from, that stays one program across workers and runs in one process. `fn` must be a module-level function whose
+    result depends only on the settings' values."""
+    return Bound(fn, settings, tuple(setting_key(value) for value in settings))

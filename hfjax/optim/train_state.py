@@ -262,9 +262,11 @@ class TrainState:
 
         `loss_fn(model, batch, **static) -> (loss, aux)`: each micro-batch's loss must already be normalised by the
         whole step's counts (tokens, sequences), so the summed gradients are the step's gradient. `loss_fn` and the
-        `static` values must be hashable and stable (a module-level function, or one `functools.partial` of it kept
-        for the caller's life; not a new lambda per call): they key the compiled program, and JAX's compile cache
-        keeps them alive, so a bound method of an object holding arrays would keep those arrays alive too. Returns
+        `static` values must be hashable and stable (a module-level function, or `hfjax.models.program.bind` of one
+        to its settings, which equals every binding of equal settings; not a new lambda per call): they key the
+        compiled program, shared by every `TrainState` of the same model structure and layout in this process, and
+        JAX's compile cache keeps them alive, so a bound method of an object holding arrays would keep those arrays
+        alive too. Returns
         `loss` (sum over micro-batches), `grad_norm` (before clipping), `lr` (of this update), `skipped` (1 when the
         norm was not finite) and each aux metric combined over micro-batches by `combine_metric` (the mean; the max
         or min of `..._max` / `..._min` metrics).

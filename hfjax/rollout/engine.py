@@ -14,7 +14,9 @@ multi-turn observation) without re-prefilling their history, at shapes bucketed 
 bounded number of compiled programs, `max_extend_programs`); `generate` advances every slot by one token, attending
 over the prompt blocks of the longest prompt held and the own blocks that the longest response has reached when told
 its length (one compiled step per pair of block counts). The jitted steps donate the decode state, trace attention
-under the layout (`program_layout`: Pallas kernels run per shard), and `compiles` counts traces. Parameters are
+under the layout (`program_layout`: Pallas kernels run per shard). An engine of the same settings as a recent one in
+this process (the next run's rollout worker) reuses its jitted steps and their traces; `compiles` counts, per step,
+the programs an engine called (traced by it or by an earlier engine) plus any retrace. Parameters are
 passed on every call (JetStream's convention), so new weights of the same shapes and shardings never recompile.
 `prefill_insert` fuses `prefill` and `insert` into one compiled call (what `OfflineGenerator` runs); it gives the
 tokens of the two calls made one after the other.
@@ -23,7 +25,10 @@ tokens of the two calls made one after the other.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -33,7 +38,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
-from hfjax.models.program import constrain, program_layout
+from hfjax.models.attention import configured_implementation
+from hfjax.models.program import constrain, program_layout, setting_key
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cache_layout import CacheLayout, batch_sharded
@@ -55,6 +61,16 @@ from hfjax.rollout.interface import (
 )
 from hfjax.rollout.prompt_pool import Placement, PromptPool, prefix_blocks, write_pool
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
+
+# The jitted steps of recent engines by their settings (model structure and config, dtype, layout, slots, lengths,
+# the attention setting):
+# an engine of equal settings (the next run's rollout worker in this process) reuses them and their traces.
+_SHARED_ENGINES = 8
+_PROGRAMS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+# the traces of the engine call in progress (`JaxEngine._counting`)
+_TRACES: contextvars.ContextVar[collections.Counter[str] | None] = contextvars.ContextVar(
+    "hfjax_engine_traces", default=None
+)
 
 
 def _split_rows(*arrays: jax.Array) -> list[jax.Array]:
@@ -113,38 +129,71 @@ class JaxEngine:
         )
         self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
         self.compiles: collections.Counter[str] = collections.Counter()
+        self._used: set[tuple[Any, ...]] = set()  # the programs this engine has called (`_counting`)
         self.extend_shapes = ExtendShapes(
             slots=self._slots, capacity=self.cache.own_capacity, blocks=self.blocks, max_programs=max_extend_programs
         )
         self.state_sharding = self.cache.sharding
-        self._prefill = self._jit("prefill", self._prefill_fn)
-        self._prefill_extend = self._jit("prefill", self._prefill_extend_fn)
-        self._extend = self._jit(
-            "extend", self._extend_fn, ("kind", "live"), donate_argnums=1, out_shardings=(self.state_sharding, None)
-        )
-        self._insert = self._jit("insert", self._insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None))
-        self._generate = self._jit(
-            "generate",
-            self._generate_fn,
-            ("kind", "live", "prompt_live"),
-            donate_argnums=1,
-            out_shardings=(self.state_sharding, None),
-        )
-        self._prefill_insert = self._jit(
-            "prefill_insert", self._prefill_insert_fn, donate_argnums=1, out_shardings=(self.state_sharding, None)
+        key = None
+        if not jax.tree.leaves(self._rest):
+            settings = (max_concurrent_decodes, max_prefill_length, max_new_tokens, prompt_cache_tokens)
+            key = (
+                self.graphdef,
+                setting_key(cfg),
+                str(model.dtype),
+                self.layout,
+                settings,
+                configured_implementation(),
+            )
+        programs = _PROGRAMS.pop(key, None) or self._programs()
+        if key is not None:  # the most recently used last; the oldest go past `_SHARED_ENGINES`
+            _PROGRAMS[key] = programs
+            while len(_PROGRAMS) > _SHARED_ENGINES:
+                _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        self._prefill, self._prefill_extend, self._extend, self._insert, self._generate, self._prefill_insert = programs
+
+    def _programs(self) -> tuple[Any, ...]:
+        """The jitted steps over this engine's model structure, layout and cache, shared with every later engine of
+        equal settings (`_PROGRAMS`): the traced methods read only what those settings fix (graph definition,
+        layout, slots, cache blocks), never parameters or decode state, which are arguments."""
+        state_out = {"donate_argnums": 1, "out_shardings": (self.state_sharding, None)}
+        return (
+            self._jit("prefill", self._prefill_fn),
+            self._jit("prefill", self._prefill_extend_fn),
+            self._jit("extend", self._extend_fn, ("kind", "live"), **state_out),
+            self._jit("insert", self._insert_fn, **state_out),
+            self._jit("generate", self._generate_fn, ("kind", "live", "prompt_live"), **state_out),
+            self._jit("prefill_insert", self._prefill_insert_fn, **state_out),
         )
 
     def _jit(self, name: str, fn: Any, static: tuple[str, ...] = ("kind",), **jit_kwargs: Any) -> Any:
-        """`jax.jit` of fn (with `static` argument names) that counts its traces in `compiles[name]` and traces its
-        attention under the engine's layout (`program_layout`)."""
+        """`jax.jit` of fn (with `static` argument names) that counts its traces for the engine that calls it
+        (`_counting`) and traces its attention under the engine's layout (`program_layout`)."""
+        layout = self.layout
 
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.compiles[name] += 1
-            with program_layout(self.layout):
+            traces = _TRACES.get()
+            if traces is not None:
+                traces[name] += 1
+            with program_layout(layout):
                 return fn(*args, **kwargs)
 
         return jax.jit(counted, static_argnames=static, compiler_options=FORWARD_COMPILER_OPTIONS, **jit_kwargs)
+
+    @contextlib.contextmanager
+    def _counting(self, name: str, *program: Any) -> Iterator[None]:
+        """A call of program `name` at `program` (its static arguments and shapes): counts in `compiles[name]` the
+        traces it causes, or one when it is this engine's first call of a program that another engine traced."""
+        traces: collections.Counter[str] = collections.Counter()
+        token = _TRACES.set(traces)
+        try:
+            yield
+        finally:
+            _TRACES.reset(token)
+            first_use = (name, *program) not in self._used
+            self._used.add((name, *program))
+            self.compiles[name] += max(traces.total(), int(first_use))
 
     # ----------------------------------------------------------------------------------------------- interface
     @property
@@ -233,7 +282,8 @@ class JaxEngine:
         if existing_prefix is None:
             for n in lengths:
                 self.bucket(int(n))
-            prefix, first = self._prefill(params, tokens, lengths, *arrays, kind=SamplerKind.of(sampler))
+            with self._counting("prefill", tokens.shape, SamplerKind.of(sampler)):
+                prefix, first = self._prefill(params, tokens, lengths, *arrays, kind=SamplerKind.of(sampler))
         else:
             total = np.asarray(existing_prefix.cache.lengths) + lengths
             for n in total:
@@ -241,9 +291,10 @@ class JaxEngine:
             width = existing_prefix.cache.keys[0].shape[1]
             if width + tokens.shape[1] > self._max_prefill:  # keep the joined prefix within the prefill limit
                 tokens = tokens[:, : max(int(lengths.max()), self._max_prefill - width)]
-            prefix, first = self._prefill_extend(
-                params, existing_prefix.cache, tokens, lengths, *arrays, kind=SamplerKind.of(sampler)
-            )
+            with self._counting("prefill", "extend", width, tokens.shape, SamplerKind.of(sampler)):
+                prefix, first = self._prefill_extend(
+                    params, existing_prefix.cache, tokens, lengths, *arrays, kind=SamplerKind.of(sampler)
+                )
         if np.ndim(padded_tokens) == 1:
             return prefix, ResultTokens(first.tokens[0], first.logprobs[0])
         return prefix, first
@@ -287,7 +338,8 @@ class JaxEngine:
         reach = -(-int(own_end.max()) // self.block)  # own blocks the rows reach
         shape = self.extend_shapes.choose(len(slot_ids), int(lengths.max()), reach, kind)
         arrays = pad_extend(shape, self._slots, slot_ids, tokens, lengths, starts, steps)
-        return self._extend(params, decode_state, *arrays, kind=kind, live=shape.live)
+        with self._counting("extend", shape):
+            return self._extend(params, decode_state, *arrays, kind=kind, live=shape.live)
 
     def insert(
         self, prefix: PrefillResult, decode_state: DecodeState, slot: Any, rows: Any = None, sample_ids: Any = None
@@ -306,7 +358,8 @@ class JaxEngine:
         samples = np.zeros(len(slots), np.int32) if sample_ids is None else np.asarray(sample_ids, np.int32)
         width = prefix.cache.keys[0].shape[1]
         placement = self._placement(np.asarray(prefix.cache.lengths), slots, rows, width)
-        return self._insert(prefix, decode_state, slots, rows, samples, placement, kind=ALL_FILTERS)
+        with self._counting("insert", prefix.cache.keys[0].shape, len(slots)):
+            return self._insert(prefix, decode_state, slots, rows, samples, placement, kind=ALL_FILTERS)
 
     def generate(
         self, params: Any, decode_state: DecodeState, kind: SamplerKind = ALL_FILTERS, context: int | None = None
@@ -317,7 +370,8 @@ class JaxEngine:
         a slot holds (empty and released slots may compute garbage)."""
         live = self.blocks if context is None else min(self.blocks, max(1, -(-context // self.block)))
         prompt_live = min(self.prompt_blocks, -(-int(self.pool.prompt_lengths.max()) // self.block))
-        return self._generate(params, decode_state, kind=kind, live=live, prompt_live=prompt_live)
+        with self._counting("generate", kind, live, prompt_live):
+            return self._generate(params, decode_state, kind=kind, live=live, prompt_live=prompt_live)
 
     def prefill_insert(
         self,
@@ -334,10 +388,11 @@ class JaxEngine:
         """`prefill` then `insert` in one compiled call (what `OfflineGenerator` uses)."""
         arrays = self._sampling_arrays(sampling, request_ids)
         placement = self._placement(lengths, slots, rows, tokens.shape[1])
-        return self._prefill_insert(
-            params, decode_state, tokens, lengths, *arrays, slots, rows, sample_ids, placement,
-            kind=SamplerKind.of(sampling),
-        )  # fmt: skip
+        with self._counting("prefill_insert", tokens.shape, len(slots), SamplerKind.of(sampling)):
+            return self._prefill_insert(
+                params, decode_state, tokens, lengths, *arrays, slots, rows, sample_ids, placement,
+                kind=SamplerKind.of(sampling),
+            )  # fmt: skip
 
     def _placement(self, lengths: np.ndarray, slots: np.ndarray, rows: np.ndarray, width: int) -> Placement:
         """The pool blocks of an insert of prefill rows padded to `width` (`PromptPool.placement`)."""

@@ -11,7 +11,6 @@ Log probs follow the engine's convention: log-softmax of logits / rollout temper
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from hfjax.algos import (
 )
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, register
+from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
 from hfjax.parallel import HybridEngine, layout_or_default
@@ -61,8 +61,9 @@ def actor_loss(
     seq-mean-token-sum-norm by the untrimmed `response_length`, whatever width the micro-batch is trimmed to), with
     the rollout-correction weights and the KL loss as configured, and its metrics (this micro-batch's shares of the
     mini-batch's values, which sum over micro-batches, or its extremes `..._max` / `..._min`). A module function
-    bound to its settings (`functools.partial`), not a worker method: the compile cache keeps its static arguments
-    alive, and a bound method would keep the whole worker (parameters, optimizer state) alive after the run."""
+    bound to its settings (`hfjax.models.program.bind`), not a worker method: the compile cache keeps its static
+    arguments alive (a bound method would keep the whole worker, parameters and optimizer state, alive after the
+    run), and the next run in the process with equal settings reuses its trace."""
     mask = batch["response_mask"]
     counts = {
         "global_tokens": batch["global_tokens"][0],
@@ -115,6 +116,18 @@ def actor_loss(
     return loss, metrics
 
 
+def logprob_rows(temperature: float, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The policy's log probs and entropies of a micro-batch's response tokens (`compute_log_prob`)."""
+    logp, entropies = response_logprobs(model, batch, temperature, with_entropy=True)
+    return {"log_probs": logp, "entropys": entropies}
+
+
+def ref_logprob_rows(temperature: float, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The reference policy's log probs of a micro-batch's response tokens; no entropy (one reduction fewer over
+    every chunk's logits)."""
+    return {"log_probs": response_logprobs(model, batch, temperature, with_entropy=False)[0]}
+
+
 class ActorRolloutRefWorker(TrainedRole):
     """One policy checkpoint serving the roles named by `role` (one of `ROLES`)."""
 
@@ -151,8 +164,8 @@ class ActorRolloutRefWorker(TrainedRole):
         self.ref_params = None
         if self.has_ref:
             self.ref_params = LoadedModel(cfg.model_path, layout, dtype=cfg.dtype, head="causal_lm").params
-        self._logprob = self.policy.rows_fn(self._logprob_rows)
-        self._ref_logprob = self.policy.rows_fn(self._ref_logprob_rows)
+        self._logprob = self.policy.rows_fn(bind(logprob_rows, rollout.temperature))
+        self._ref_logprob = self.policy.rows_fn(bind(ref_logprob_rows, rollout.temperature))
         info: dict[str, Any] = {"train_layout": layout.describe(), "params": self.policy.config.num_params}
         if self.has_rollout:
             gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
@@ -218,14 +231,6 @@ class ActorRolloutRefWorker(TrainedRole):
         timing["reshard_seconds"] = transitions["to_gen_s"][-1] + transitions["to_train_s"][-1]
         return DataProto.from_dict(batch, meta_info={"metrics": timing})
 
-    def _logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        logp, entropies = response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=True)
-        return {"log_probs": logp, "entropys": entropies}
-
-    def _ref_logprob_rows(self, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        # log probs only: the entropy would be one more reduction over every chunk's logits
-        return {"log_probs": response_logprobs(model, batch, self.rollout_cfg.temperature, with_entropy=False)[0]}
-
     def _log_probs(self, jitted: Any, params: Any, data: DataProto) -> dict[str, np.ndarray]:
         keys = ("input_ids", "attention_mask", "position_ids", "responses")
         arrays = {k: data.batch[k] for k in keys}
@@ -269,9 +274,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 f"(ppo_epochs={cfg.ppo_epochs}, {len(data)} rows, ppo_mini_batch_size={cfg.ppo_mini_batch_size})"
             )
         length = arrays["responses"].shape[1]
-        loss_fn = self.loss_fns.setdefault(
-            length, functools.partial(actor_loss, cfg, self.rollout_cfg.temperature, length)
-        )
+        loss_fn = self.loss_fns.setdefault(length, bind(actor_loss, cfg, self.rollout_cfg.temperature, length))
         return self.ppo_epochs(
             arrays,
             loss_fn,

@@ -6,7 +6,6 @@ the positions that predict each response token (the same positions as the policy
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy as np
 from hfjax.algos import value_loss
 from hfjax.config.roles import CriticConfig
 from hfjax.controller import Dispatch, register
+from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
 from hfjax.parallel import layout_or_default
@@ -33,12 +33,17 @@ def response_values(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     return to_response_rows(response_positions(values, batch)[0], batch)
 
 
+def value_rows(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The critic's values of a micro-batch's response positions (`compute_values`)."""
+    return {"values": response_values(model, batch)}
+
+
 def critic_loss(
     cfg: CriticConfig, response_length: int, model: Any, batch: dict[str, jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped value loss of one micro-batch and its metrics, normalised as `actor_loss` is (mini-batch counts,
     untrimmed `response_length`; the metrics are shares that sum over micro-batches). A module function bound with
-    `functools.partial`, for the reason `actor_loss` gives."""
+    `hfjax.models.program.bind`, for the reasons `actor_loss` gives."""
     vpreds = response_values(model, batch)
     loss, clipfrac = value_loss(
         vpreds,
@@ -71,7 +76,7 @@ class CriticWorker(TrainedRole):
         )
         optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
         self.state = TrainState(self.critic.model, layout, optimizer, cfg.optim.grad_clip)
-        self._values = self.critic.rows_fn(lambda model, batch: {"values": response_values(model, batch)})
+        self._values = self.critic.rows_fn(value_rows)
         return {"layout": layout.describe(), "params": self.critic.config.num_params}
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -92,7 +97,7 @@ class CriticWorker(TrainedRole):
         keys = (*VALUE_KEYS, "response_mask", "values", "returns")
         arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
         length = arrays["responses"].shape[1]
-        loss_fn = self.loss_fns.setdefault(length, functools.partial(critic_loss, cfg, length))
+        loss_fn = self.loss_fns.setdefault(length, bind(critic_loss, cfg, length))
         return self.ppo_epochs(
             arrays,
             loss_fn,

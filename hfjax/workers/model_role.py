@@ -20,6 +20,7 @@ from hfjax.algos import mask_counts
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
+from hfjax.models.attention import configured_implementation
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
 from hfjax.optim.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
@@ -122,8 +123,23 @@ def rows_program(
 ) -> Callable[..., Any]:
     """`fn(model, batch) -> arrays with rows first` jitted over (params, batch), traced under `layout`
     (`hfjax.models.program.program_layout`); the outputs keep the batch's row sharding (so each process of a group
-    holds the rows it passed in)."""
+    holds the rows it passed in). A model without non-parameter state gets the one program of its structure, layout
+    and `fn` in this process (an `fn` from `hfjax.models.program.bind` equals every binding of equal settings), so
+    a later worker of the same model and settings reuses its traces."""
+    if not jax.tree.leaves(rest):
+        return _shared_rows_program(graphdef, layout, fn, configured_implementation())
+    return _rows_program(graphdef, rest, layout, fn)
 
+
+@functools.lru_cache(maxsize=64)
+def _shared_rows_program(graphdef: Any, layout: Layout, fn: Callable[..., Any], attention: str) -> Callable[..., Any]:
+    """The rows program of a model without non-parameter state, by structure, layout, `fn` and attention setting."""
+    return _rows_program(graphdef, nnx.State({}), layout, fn)
+
+
+def _rows_program(
+    graphdef: Any, rest: Any, layout: Layout, fn: Callable[[nnx.Module, dict[str, jax.Array]], Any]
+) -> Callable[..., Any]:
     def rows(params: Any, batch: dict[str, jax.Array]) -> Any:
         with program_layout(layout):
             out = fn(nnx.merge(graphdef, params, rest), batch)
