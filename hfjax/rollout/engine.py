@@ -63,14 +63,11 @@ from hfjax.rollout.prompt_pool import Placement, PromptPool, prefix_blocks, writ
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
 
 # The jitted steps of recent engines by their settings (model structure and config, dtype, layout, slots, lengths,
-# the attention setting):
-# an engine of equal settings (the next run's rollout worker in this process) reuses them and their traces.
+# the attention setting): an engine of equal settings (the next run's rollout worker in this process) reuses them.
 _SHARED_ENGINES = 8
 _PROGRAMS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-# the traces of the engine call in progress (`JaxEngine._counting`)
-_TRACES: contextvars.ContextVar[collections.Counter[str] | None] = contextvars.ContextVar(
-    "hfjax_engine_traces", default=None
-)
+# how many traces the engine call in progress caused (`JaxEngine._counting`), in a one-element list
+_TRACES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("hfjax_engine_traces", default=None)
 
 
 def _split_rows(*arrays: jax.Array) -> list[jax.Array]:
@@ -145,7 +142,7 @@ class JaxEngine:
                 settings,
                 configured_implementation(),
             )
-        programs = _PROGRAMS.pop(key, None) or self._programs()
+        programs = (key is not None and _PROGRAMS.pop(key, None)) or self._programs()
         if key is not None:  # the most recently used last; the oldest go past `_SHARED_ENGINES`
             _PROGRAMS[key] = programs
             while len(_PROGRAMS) > _SHARED_ENGINES:
@@ -158,15 +155,15 @@ class JaxEngine:
         layout, slots, cache blocks), never parameters or decode state, which are arguments."""
         state_out = {"donate_argnums": 1, "out_shardings": (self.state_sharding, None)}
         return (
-            self._jit("prefill", self._prefill_fn),
-            self._jit("prefill", self._prefill_extend_fn),
-            self._jit("extend", self._extend_fn, ("kind", "live"), **state_out),
-            self._jit("insert", self._insert_fn, **state_out),
-            self._jit("generate", self._generate_fn, ("kind", "live", "prompt_live"), **state_out),
-            self._jit("prefill_insert", self._prefill_insert_fn, **state_out),
+            self._jit(self._prefill_fn),
+            self._jit(self._prefill_extend_fn),
+            self._jit(self._extend_fn, ("kind", "live"), **state_out),
+            self._jit(self._insert_fn, **state_out),
+            self._jit(self._generate_fn, ("kind", "live", "prompt_live"), **state_out),
+            self._jit(self._prefill_insert_fn, **state_out),
         )
 
-    def _jit(self, name: str, fn: Any, static: tuple[str, ...] = ("kind",), **jit_kwargs: Any) -> Any:
+    def _jit(self, fn: Any, static: tuple[str, ...] = ("kind",), **jit_kwargs: Any) -> Any:
         """`jax.jit` of fn (with `static` argument names) that counts its traces for the engine that calls it
         (`_counting`) and traces its attention under the engine's layout (`program_layout`)."""
         layout = self.layout
@@ -175,7 +172,7 @@ class JaxEngine:
         def counted(*args: Any, **kwargs: Any) -> Any:
             traces = _TRACES.get()
             if traces is not None:
-                traces[name] += 1
+                traces[0] += 1
             with program_layout(layout):
                 return fn(*args, **kwargs)
 
@@ -185,7 +182,7 @@ class JaxEngine:
     def _counting(self, name: str, *program: Any) -> Iterator[None]:
         """A call of program `name` at `program` (its static arguments and shapes): counts in `compiles[name]` the
         traces it causes, or one when it is this engine's first call of a program that another engine traced."""
-        traces: collections.Counter[str] = collections.Counter()
+        traces = [0]
         token = _TRACES.set(traces)
         try:
             yield
@@ -193,7 +190,7 @@ class JaxEngine:
             _TRACES.reset(token)
             first_use = (name, *program) not in self._used
             self._used.add((name, *program))
-            self.compiles[name] += max(traces.total(), int(first_use))
+            self.compiles[name] += max(traces[0], int(first_use))
 
     # ----------------------------------------------------------------------------------------------- interface
     @property
