@@ -139,6 +139,8 @@ class JaxEngine:
                 setting_key(cfg),
                 str(model.dtype),
                 self.layout,
+                self.layout.platform,  # the cache blocks and the attention kernel follow it
+                (self.block, self.prompt_blocks),
                 settings,
                 configured_implementation(),
             )

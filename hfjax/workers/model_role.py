@@ -127,13 +127,14 @@ def rows_program(
     and `fn` in this process (an `fn` from `hfjax.models.program.bind` equals every binding of equal settings), so
     a later worker of the same model and settings reuses its traces."""
     if not jax.tree.leaves(rest):
-        return _shared_rows_program(graphdef, layout, fn, configured_implementation())
+        return _shared_rows_program(graphdef, layout, fn, (layout.platform, configured_implementation()))
     return _rows_program(graphdef, rest, layout, fn)
 
 
 @functools.lru_cache(maxsize=64)
-def _shared_rows_program(graphdef: Any, layout: Layout, fn: Callable[..., Any], attention: str) -> Callable[..., Any]:
-    """The rows program of a model without non-parameter state, by structure, layout, `fn` and attention setting."""
+def _shared_rows_program(graphdef: Any, layout: Layout, fn: Callable[..., Any], attention: Any) -> Callable[..., Any]:
+    """The rows program of a model without non-parameter state, by structure, layout, `fn` and attention choice
+    (the layout's platform and the attention setting)."""
     return _rows_program(graphdef, nnx.State({}), layout, fn)
 
 
