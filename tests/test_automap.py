@@ -262,13 +262,15 @@ def test_generation_seconds_and_transition_bytes_by_hand():
     assert got == pytest.approx(expected, rel=1e-12)
     assert "exceeds" in model.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=0.9 * kv_seq)
     # with the engine's slots (6, over 4 replicas): every slot's cache, 2 per device, whatever the batch; the largest
-    # prefill call (4 rows, 1 per device) adds a copy of the cache, its prompts' keys and values, a layer's activations
+    # prefill call (4 rows, 1 per device) adds a copy of the cache, its prompts' keys and values, a layer's
+    # activations; the budget must hold the cache and that prefill, else the reason names the slots
     slots = CostModel(cluster, dataflow("remax"), dataclasses.replace(w, kv_slots=6))
-    got = slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=3.5 * kv_seq)
     layer = 14 * d + (10 * d + 8 * 128) / 2
+    peak = 2 * kv_seq + 2 * kv_seq + P * (kv_token + layer)
+    got = slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=peak * 1.001)
     assert got["kv_bytes"] == 2 * kv_seq and got["waves"] == math.ceil(batch / 2)
     assert got["prefill_bytes"] == pytest.approx(2 * kv_seq + P * (kv_token + layer), rel=1e-12)
-    assert "rollout.slots=6" in slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=1.5 * kv_seq)
+    assert "rollout.slots=6" in slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=peak * 0.999)
     # a device 1000x slower at matmuls: decode is compute-bound
     slow = dataclasses.replace(cluster, profile=dataclasses.replace(p, matmul_flops=p.matmul_flops / 1000))
     got = CostModel(slow, dataflow("remax"), w).generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), 3.5 * kv_seq)
@@ -642,3 +644,106 @@ def test_trainer_candidates_search_uneven_splits_and_disaggregated_placements():
     assert config["trainer"]["placement"] == "disaggregated"
     assert config["trainer"]["group_devices"] == [n for _, n in uneven.mapping.groups]
     assert config_mapping(config, ("actor", "ref")) == uneven.mapping
+
+
+REFERENCE_SHAPE = ModelConfig(  # the benchmarks' 25.8M reference checkpoint
+    family="llama",
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_layers=6,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+)
+
+
+def test_two_hosts_with_slow_links_keep_fsdp_inside_a_host():
+    """GRPO of the reference model on 2 hosts x 4 devices: the slower the cross-host link, the more FSDP over all 8
+    devices costs against FSDP inside a host with data parallelism across hosts; with a link 50x slower than the
+    host's (a measured simulated cluster is slower still), the best colocated layout shards inside a host only."""
+    flow = dataflow("grpo")
+    shapes = role_shapes(flow, {"actor": REFERENCE_SHAPE, "ref": REFERENCE_SHAPE})
+    workload = Workload(64, 4, 64, 128, mini_batches=1, micro_batch_seqs=8, kv_slots=256)
+    profile = ClusterSpec.builtin("h100", 2, 4).profile
+    gaps, best = [], {}
+    for slowdown in (1, 10, 50):
+        slow = dataclasses.replace(profile, inter_host_bandwidth=profile.intra_host_bandwidth / slowdown)
+        model = CostModel(ClusterSpec(2, 4, 80 * GIB, slow), flow, workload)
+        colocated = [c for c in trainer_candidates(model, shapes) if c.kind == "colocate"]
+        seconds = {c.mapping.layouts["actor"]: c.prediction.stage_seconds["training"] for c in colocated}
+        gaps.append(seconds[Sizes(1, 8, 1)] - seconds[Sizes(2, 4, 1)])
+        best[slowdown] = colocated[0].mapping.layouts["actor"]
+    assert gaps[0] < gaps[1] < gaps[2] and gaps[2] > 0
+    assert best[50].fsdp * best[50].tensor <= 4 and best[50].data >= 2
+
+
+def test_the_search_trades_micro_batch_and_remat_for_memory(tmp_path):
+    """`run_candidates` prices every per-rank micro-batch size and remat of each mapping, and the configs written
+    from its candidates hold them. On roomy devices the fastest keeps every activation (`remat: none`); on devices
+    on which the config's own micro-batch size and remat fit nowhere, it still finds mappings that fit, with smaller
+    micro-batches or remat, and every candidate it returns fits."""
+    from support.rl_setup import build_run_inputs, rl_config
+
+    from hfjax.automap.run_config import run_candidates
+    from hfjax.config.rl import load_rl_config
+
+    inputs = build_run_inputs(tmp_path / "inputs")
+    base = rl_config(inputs, tmp_path / "run", "grpo", actor={"ppo_mini_batch_size": 8, "micro_batch_size": 8})
+    cfg = load_rl_config(base)
+    roomy = ClusterSpec(1, 4, 4 * GIB, ClusterSpec.builtin("h100", 1, 4).profile)
+    ranked = run_candidates(cfg, roomy)
+    assert dict(ranked[0].settings)["actor.remat"] == "none"
+    searched = {(dict(c.settings)["actor.remat"], dict(c.settings)["actor.micro_batch_size"]) for c in ranked}
+    assert {remat for remat, _ in searched} == {"none", "full"} and {rows for _, rows in searched} >= {1, 2, 4, 8}
+    for candidate in ranked[:5]:
+        loaded = load_rl_config(run_config(candidate, base, roomy))
+        layout = candidate.mapping.layouts["actor"]
+        assert loaded.actor.micro_batch_size % (layout.data * layout.fsdp) == 0
+        assert ("actor.micro_batch_size", loaded.actor.micro_batch_size) in candidate.settings
+        assert ("actor.remat", loaded.actor.remat) in candidate.settings
+    own = min(max(c.prediction.group_peak_bytes) for c in run_candidates(cfg, roomy, tune=False))
+    least = min(max(c.prediction.group_peak_bytes) for c in ranked)
+    assert least < own
+    usable = (least + own) / 2
+    tight = dataclasses.replace(roomy, device_memory_bytes=int(usable / 0.9))
+    assert run_candidates(cfg, tight, tune=False) == []
+    fitted = run_candidates(cfg, tight)
+    assert fitted and all(max(c.prediction.group_peak_bytes) <= usable for c in fitted)
+
+
+def test_automap_writes_the_first_mapping_its_check_passes(tmp_path, capsys):
+    """`automap_run` with a check (what `--target` passes: the compiler's memory check) walks the ranking: here the
+    check drops the two best, and the written config is the third's, each drop printed with the check's reason."""
+    from support.rl_setup import build_run_inputs, rl_config
+
+    from hfjax.automap.run_config import automap_run, run_candidates
+    from hfjax.cli.main import main
+    from hfjax.config.rl import load_rl_config
+
+    inputs = build_run_inputs(tmp_path / "inputs")
+    raw = rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "devices_per_host": 8, "profile": "h100"}))
+    cluster = ClusterSpec.from_yaml(tmp_path / "cluster.yaml")
+    ranked = run_candidates(load_rl_config(raw), cluster)
+    seen = []
+
+    def check(cfg) -> str | None:
+        seen.append(cfg)
+        return None if len(seen) == 3 else f"too big ({len(seen)})"
+
+    out = tmp_path / "mapped.yaml"
+    assert automap_run(str(tmp_path / "cluster.yaml"), str(tmp_path / "run.yaml"), str(out), check=check) == 0
+    assert yaml.safe_load(out.read_text()) == run_config(ranked[2], raw, cluster)
+    printed = capsys.readouterr().out
+    assert "mapping 1 dropped: too big (1)" in printed and "mapping 2 dropped: too big (2)" in printed
+    assert "mapping 3 passes the check" in printed
+    assert automap_run(str(tmp_path / "cluster.yaml"), str(tmp_path / "run.yaml"), None, 2, check=check) == 1
+    # --keep-batch-settings: the config's own micro-batch sizes and remat, priced and written unchanged
+    assert main(["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml"),
+                 "--out", str(out), "--keep-batch-settings"]) == 0  # fmt: skip
+    kept = load_rl_config(yaml.safe_load(out.read_text()))
+    for role in ("actor", "critic"):
+        assert getattr(kept, role).micro_batch_size == raw[role]["micro_batch_size"]
+        assert getattr(kept, role).remat == "none"

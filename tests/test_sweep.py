@@ -15,12 +15,12 @@ import pytest
 import yaml
 from support.rl_setup import build_run_inputs, rl_config
 
-from hfjax.automap import BUILTIN, ClusterSpec, CostModel, dataflow, role_shapes
+from hfjax.automap import BUILTIN, ClusterSpec, dataflow, role_shapes
 from hfjax.automap.calibrate import calibrate, log_error, measurements, predict, spearman
 from hfjax.automap.cluster import GIB
 from hfjax.automap.dataflow import STAGES
-from hfjax.automap.run_config import run_cost_options, run_models, run_workload
-from hfjax.automap.trainer_runs import config_mapping, trainer_candidates
+from hfjax.automap.run_config import predict_run, run_candidates, run_models
+from hfjax.automap.trainer_runs import config_mapping, run_config
 from hfjax.cli.main import main
 from hfjax.cli.quickstart import BaseModelSection, build_base_model
 from hfjax.config.rl import load_rl_config
@@ -105,8 +105,9 @@ def test_candidate_files_and_their_errors(tmp_path):
 
 
 def test_auto_candidates_are_the_automappers_best_as_run_configs_that_load(tmp_path):
-    """`--candidates auto`: the `top` mappings `trainer_candidates` ranks first, each the run config `run_config`
-    writes (the mapping read back from it is the ranked one), that `hfjax train` would load."""
+    """`--candidates auto`: the `top` mappings `run_candidates` ranks first (micro-batch sizes and remat searched),
+    each the run config `run_config` writes, that `hfjax train` would load: the mapping, micro-batch sizes and remat
+    read back from it are the ranked ones, and the cost model predicts the written config as it ranked it."""
     inputs = build_run_inputs(tmp_path)
     base = rl_config(inputs, tmp_path / "run", "ppo", trainer={"backend": "ray"})
     cluster = ClusterSpec(1, 8, 8 * GIB, BUILTIN["h100"][0])
@@ -114,12 +115,18 @@ def test_auto_candidates_are_the_automappers_best_as_run_configs_that_load(tmp_p
     cfg = load_rl_config(base)
     flow = dataflow("ppo")
     shapes = role_shapes(flow, run_models(cfg))
-    ranked = trainer_candidates(CostModel(cluster, flow, run_workload(cfg), run_cost_options(cfg)), shapes)
+    ranked = run_candidates(cfg, cluster)
     assert len(candidates) == 3 and len({c.name for c in candidates}) == 3
     for candidate, expected in zip(candidates, ranked, strict=False):
         assert candidate.name.startswith(f"auto{candidates.index(candidate) + 1} ")
         loaded = load_rl_config(candidate.config, list(candidate.overrides))
         assert config_mapping(to_dict(loaded), tuple(r for r in flow.roles if r in shapes)) == expected.mapping
+        settings = dict(expected.settings)
+        assert settings.keys() == {f"{r}.{k}" for r in ("actor", "critic") for k in ("micro_batch_size", "remat")}
+        for key, value in settings.items():
+            section, name = key.split(".")
+            assert getattr(getattr(loaded, section), name) == value
+        assert predict_run(loaded, cluster).iteration_seconds == pytest.approx(expected.iteration_seconds, rel=1e-12)
 
 
 def test_calibration_recovers_the_profile_that_made_the_measurements(tmp_path):
@@ -237,17 +244,42 @@ def test_a_sweep_of_six_layouts_and_two_broken_ones(tmp_path, capsys):
     assert after < before
 
 
-@pytest.mark.compile_target
-def test_a_sweep_compiled_for_a_tpu_target(tmp_path, capsys):
-    """With --target every candidate is also compiled for the target as it runs (its overrides applied): its row
-    holds what `hfjax compile` of that run config reports. Built without PyTorch (the compile virtualenv has none)."""
+def _inputs_without_torch(tmp_path: Path) -> dict[str, str]:
+    """A one-layer policy, the addition task and its tokenizer, built without PyTorch (the compile virtualenv has
+    none)."""
     tokenizer = build_addition_tokenizer()
     policy = build_base_model(
         tmp_path / "policy", BaseModelSection(hidden_size=32, intermediate_size=64, num_layers=1), tokenizer
     )
     files = write_addition_task(AdditionTask(min_digits=1, max_digits=2, num_train=16, num_test=8, num_sft=8), tmp_path)
-    inputs = {"policy": str(policy), "scorer": str(policy), "train": str(files["train"]), "test": str(files["test"])}
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(rl_config(inputs, tmp_path / "unused", "grpo")))
+    return {"policy": str(policy), "scorer": str(policy), "train": str(files["train"]), "test": str(files["test"])}
+
+
+@pytest.mark.compile_target
+def test_automap_with_a_target_writes_the_best_mapping_that_compiles_and_fits(tmp_path, capsys):
+    """`hfjax automap --target`: the best mapping is compiled for the target and, fitting, written; its run config is
+    the one `run_candidates` ranks first. A cluster of another device count than the target is an error before any
+    compile."""
+    run = rl_config(_inputs_without_torch(tmp_path), tmp_path / "unused", "grpo")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 2, "devices_per_host": 4, "profile": "tpu-v5e"}))
+    args = ["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config", str(tmp_path / "run.yaml")]
+    assert main([*args, "--target", "v5e:2x4", "--out", str(tmp_path / "mapped.yaml")]) == 0
+    assert "mapping 1 passes the check" in capsys.readouterr().out
+    raw = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    cluster = ClusterSpec.from_yaml(tmp_path / "cluster.yaml")
+    best = run_candidates(load_rl_config(raw), cluster)[0]
+    assert yaml.safe_load((tmp_path / "mapped.yaml").read_text()) == run_config(best, raw, cluster)
+    assert main([*args, "--target", "v5e:2x2"]) == 2
+    assert "--target v5e:2x2: has 4 devices, but the cluster" in capsys.readouterr().err
+
+
+@pytest.mark.compile_target
+def test_a_sweep_compiled_for_a_tpu_target(tmp_path, capsys):
+    """With --target every candidate is also compiled for the target as it runs (its overrides applied): its row
+    holds what `hfjax compile` of that run config reports. Built without PyTorch (the compile virtualenv has none)."""
+    run = rl_config(_inputs_without_torch(tmp_path), tmp_path / "unused", "grpo")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
     candidates = [
         {"name": "fsdp8", "overrides": {"actor.train_layout": {"mesh": {"fsdp": 8}}}},
         {"name": "data8 mb2", "overrides": {"actor.train_layout": {"mesh": {"data": 8}}, "actor.micro_batch_size": 2}},

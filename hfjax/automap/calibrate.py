@@ -164,7 +164,7 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def _spearman_step(cluster: ClusterSpec, ms: Sequence[Measurement]) -> float | None:
+def iteration_spearman(cluster: ClusterSpec, ms: Sequence[Measurement]) -> float | None:
     """Spearman's rho of predicted against measured seconds per iteration (sum of the stages) over `ms`."""
     predicted = [predict(cluster, m) for m in ms]
     if any(p is None for p in predicted):
@@ -186,7 +186,7 @@ def calibrate_run(sweep_path: str, out: str) -> int:
     cluster = ClusterSpec.from_dict(sweep["cluster"], f"{sweep_path}: cluster")
     ms = measurements(sweep)
     fit = calibrate(cluster, ms)
-    before, after = _spearman_step(cluster, ms), _spearman_step(fit.cluster, ms)
+    before, after = iteration_spearman(cluster, ms), iteration_spearman(fit.cluster, ms)
     print(f"calibrated on {len(ms)} candidates of {sweep_path}")
     print(f"mean squared log error of stage seconds: {fit.error_before:.3f} -> {fit.error_after:.3f}")
     print(f"Spearman rho of seconds per iteration: {_rho(before)} -> {_rho(after)}")

@@ -276,13 +276,15 @@ class CostModel:
         batch = math.ceil(self.sequences("generation") / gen.data)
         if w.kv_slots is not None:  # the engine allocates every slot's cache whatever the batch
             slots = math.ceil(w.kv_slots / gen.data)
-            if kv_budget is not None and slots * kv_seq > kv_budget:
+            cache = slots * kv_seq
+            prefill_peak = self.prefill_bytes(shape, gen, cache)
+            if kv_budget is not None and cache + prefill_peak > kv_budget:
                 return (
                     f"actor generation {gen.describe()}: the KV cache of rollout.slots={w.kv_slots} "
-                    f"({slots * kv_seq / GIB:.2f} GiB per device) exceeds the {max(kv_budget, 0) / GIB:.2f} GiB "
-                    "left by resident state"
+                    f"({cache / GIB:.2f} GiB per device) and its largest prefill ({prefill_peak / GIB:.2f} GiB) "
+                    f"exceed the {max(kv_budget, 0) / GIB:.2f} GiB left by resident state"
                 )
-            kv_budget = slots * kv_seq
+            kv_budget = cache
         if kv_budget is None:
             kv_budget = batch * kv_seq
         if kv_budget < kv_seq:
@@ -315,7 +317,7 @@ class CostModel:
             "reshard": reshard,
             "waves": waves,
             "kv_bytes": kv_budget if w.kv_slots is not None else b * kv_seq,
-            "prefill_bytes": self.prefill_bytes(shape, gen, kv_budget) if w.kv_slots is not None else 0.0,
+            "prefill_bytes": prefill_peak if w.kv_slots is not None else 0.0,
             "seconds": waves * (prefill + w.response_len * step) + reshard,
         }
 

@@ -19,6 +19,7 @@ def _layouts(candidate: Candidate) -> str:
     rollout = candidate.prediction.roles.get("rollout")  # a disaggregated placement's generation group
     if rollout is not None:
         parts.append(f"rollout gen {rollout.sizes.describe()}")
+    parts += [f"{key}={value}" for key, value in candidate.settings]
     return ", ".join(parts)
 
 

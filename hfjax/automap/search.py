@@ -103,10 +103,13 @@ def _pareto(costs: list[RoleCost], generating: bool) -> list[RoleCost]:
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One mapping with its predicted iteration."""
+    """One mapping with its predicted iteration, and the run-config keys (`section.key`, value) it was priced
+    with besides the mapping (the micro-batch sizes and rematerialisation an RL config search chose; empty: the
+    run config's own)."""
 
     mapping: DeviceMapping
     prediction: Prediction
+    settings: tuple[tuple[str, Any], ...] = ()
 
     @property
     def iteration_seconds(self) -> float:

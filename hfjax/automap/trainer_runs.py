@@ -248,8 +248,8 @@ def without_mapping(base: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_config(candidate: Candidate, base: Mapping[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
-    """`base` (a run config dict) with the candidate's placement and layouts on `cluster` filled in (its hosts and
-    devices per host as `trainer.hosts` and `trainer.devices_per_host`; a `trainer.devices` key removed)."""
+    """`base` (a run config dict) with the candidate's placement, layouts and settings on `cluster` filled in (its
+    hosts and devices per host as `trainer.hosts` and `trainer.devices_per_host`; a `trainer.devices` key removed)."""
     mapping = candidate.mapping
     found = trainer_placement(mapping.groups, cluster)
     if found is None:
@@ -277,6 +277,8 @@ def run_config(candidate: Candidate, base: Mapping[str, Any], cluster: ClusterSp
         put(("trainer", "group_devices"), list(split))
     if placement != "colocate" or cluster.hosts > 1:
         put(("trainer", "backend"), "ray")  # the in-process backend runs colocated roles on one host only
+    for key, value in candidate.settings:
+        put(tuple(key.split(".")), value)
     put(("actor", "train_layout"), mapping.layouts["actor"].config(TRAIN_RULES))
     put(("rollout", "gen_layout"), mapping.gen_layout.config(GEN_RULES))
     for role, keys in LAYOUT_KEYS.items():

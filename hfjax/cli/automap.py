@@ -17,6 +17,16 @@ def add_parser(sub: Any) -> None:
     )
     automap.add_argument("--top", type=int, default=10)
     automap.add_argument(
+        "--keep-batch-settings",
+        action="store_true",
+        help="price the config's own micro-batch sizes and rematerialisation instead of searching them",
+    )
+    automap.add_argument(
+        "--target",
+        help="compile the best mappings for this TPU/GPU target (as `hfjax compile`; needs the compile extra) in "
+        "ranked order and write the first that the compiler says fits",
+    )
+    automap.add_argument(
         "--calibrate",
         metavar="SWEEP_JSON",
         help="fit the cost model's profile to a sweep's measurements (hfjax sweep's sweep.json); write the cluster "
@@ -36,4 +46,29 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("hfjax automap: --cluster and --config are required (or --calibrate SWEEP_JSON --out C.yaml)")
     from hfjax.automap.run_config import automap_run
 
-    return automap_run(args.cluster, args.config, args.out, args.top)
+    check = _compiler_check(args.target, args.cluster) if args.target else None
+    return automap_run(args.cluster, args.config, args.out, args.top, not args.keep_batch_settings, check)
+
+
+def _compiler_check(name: str, cluster_path: str) -> Any:
+    """A check of a mapped run config: compiled for the target `name`, None where every program fits, else the
+    compiler's reasons. The target and the cluster are checked against each other before anything compiles."""
+    from hfjax.automap import ClusterSpec
+    from hfjax.compiled import parse_target, target_devices
+    from hfjax.compiled.report import compiled_memory
+
+    target = parse_target(name)
+    target_devices(target)  # a missing compiler plugin, before the search
+    cluster = ClusterSpec.from_yaml(cluster_path)
+    if cluster.num_devices != target.num_devices:
+        raise SystemExit(
+            f"--target {name}: has {target.num_devices} devices, but the cluster {cluster_path} has "
+            f"{cluster.hosts} x {cluster.devices_per_host} = {cluster.num_devices}"
+        )
+
+    def check(cfg: Any) -> str | None:
+        compiled = compiled_memory(cfg, target)
+        peak = f"compiled peak {compiled['peak_bytes'] / 2**30:.2f} GiB per device on {target.name}"
+        return None if compiled["fits"] else f"{peak}; " + "; ".join(compiled["problems"])
+
+    return check

@@ -21,11 +21,11 @@ from typing import Any
 
 import yaml
 
-from hfjax.automap import ClusterSpec, CostModel, role_shapes
+from hfjax.automap import ClusterSpec
 from hfjax.automap.calibrate import cluster_dict, spearman
 from hfjax.automap.dataflow import STAGES
-from hfjax.automap.run_config import predict_run, run_cost_options, run_dataflow, run_models, run_workload
-from hfjax.automap.trainer_runs import run_config, trainer_candidates, without_mapping
+from hfjax.automap.run_config import predict_run, run_candidates
+from hfjax.automap.trainer_runs import run_config, without_mapping
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.trainer.launch import ray_session, run_rl
 from hfjax.typed_config import to_dict
@@ -106,16 +106,15 @@ def read_candidates(path: str | Path, base: Mapping[str, Any], common: Sequence[
 
 
 def auto_candidates(base: Mapping[str, Any], cluster: ClusterSpec, top: int) -> list[SweepCandidate]:
-    """The auto-mapper's `top` mappings of `base` on `cluster` that the trainer runs, best predicted first."""
-    cfg = load_rl_config(without_mapping(base))
-    flow = run_dataflow(cfg)
-    model = CostModel(cluster, flow, run_workload(cfg), run_cost_options(cfg))
-    ranked = trainer_candidates(model, role_shapes(flow, run_models(cfg)))
+    """The auto-mapper's `top` mappings of `base` on `cluster` that the trainer runs (with their micro-batch sizes
+    and rematerialisation, `run_candidates`), best predicted first."""
+    ranked = run_candidates(load_rl_config(without_mapping(base)), cluster)
     out = []
     for rank, candidate in enumerate(ranked[:top], 1):
         groups = "|".join(f"{'+'.join(g)}:{n}" for g, n in candidate.mapping.groups)
         layouts = " ".join(f"{r}:{s.describe()}" for r, s in candidate.mapping.layouts.items() if r != "ref")
-        name = f"auto{rank} {groups} {layouts} gen:t{candidate.mapping.gen_layout.tensor}"
+        settings = " ".join(f"{key.replace('_size', '')}={value}" for key, value in candidate.settings)
+        name = f"auto{rank} {groups} {layouts} gen:t{candidate.mapping.gen_layout.tensor} {settings}"
         out.append(SweepCandidate(name, run_config(candidate, base, cluster)))
     return out
 
