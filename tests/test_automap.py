@@ -47,6 +47,7 @@ from hfjax.controller.resource_pool import group_hosts
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
+from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.parallel import HybridEngine, Layout, LayoutError
 from hfjax.parallel.layout import is_param_leaf
 
@@ -646,16 +647,7 @@ def test_trainer_candidates_search_uneven_splits_and_disaggregated_placements():
     assert config_mapping(config, ("actor", "ref")) == uneven.mapping
 
 
-REFERENCE_SHAPE = ModelConfig(  # the benchmarks' 25.8M reference checkpoint
-    family="llama",
-    vocab_size=8192,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_layers=6,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-)
+REFERENCE_SHAPE = NAMED_CONFIGS["bench-25m"]  # the benchmarks' 25.8M reference checkpoint
 
 
 def test_two_hosts_with_slow_links_keep_fsdp_inside_a_host():
