@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import math
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -739,3 +740,25 @@ def test_automap_writes_the_first_mapping_its_check_passes(tmp_path, capsys):
     for role in ("actor", "critic"):
         assert getattr(kept, role).micro_batch_size == raw[role]["micro_batch_size"]
         assert getattr(kept, role).remat == "none"
+
+
+def test_automap_of_a_shipped_config_with_hub_ids_runs_offline(tmp_path, capsys, monkeypatch):
+    """The documented `hfjax automap` of a shipped GSM8K config: its Hub ids are known shapes (no download), and the
+    written config loads; a Hub id that is neither known nor cached is one line naming it (exit 2), offline."""
+    from hfjax.cli.main import main
+    from hfjax.config.rl import load_rl_config
+
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"hosts": 1, "profile": "h100"}))
+    config = "configs/gsm8k/qwen2.5-1.5b-grpo-8gpu.yaml"
+    args = ["automap", "--cluster", str(tmp_path / "cluster.yaml"), "--config"]
+    assert main([*args, config, "--out", str(tmp_path / "mapped.yaml")]) == 0
+    mapped = load_rl_config(yaml.safe_load((tmp_path / "mapped.yaml").read_text()))
+    assert mapped.actor.model_path == "Qwen/Qwen2.5-1.5B-Instruct" and mapped.trainer.devices_per_host == 8
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    unknown = {**yaml.safe_load(Path(config).read_text()), "model_path": "some-org/not-cached"}
+    (tmp_path / "unknown.yaml").write_text(yaml.safe_dump(unknown))
+    capsys.readouterr()
+    assert main([*args, str(tmp_path / "unknown.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "'some-org/not-cached' is not in the local Hugging Face cache" in err and err.count("\n") == 1

@@ -20,8 +20,11 @@ from flax import nnx
 
 from hfjax.models.config import ModelConfig, config_from_hf
 from hfjax.models.hf import abstract_model, read_config
-from hfjax.models.presets import NAMED_CONFIGS
+from hfjax.models.hub import is_hub_id
+from hfjax.models.hub import resolve_model as hub_model
+from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
 from hfjax.parallel.layout import Layout, is_param_leaf
+from hfjax.typed_config import ConfigError
 
 STAGES = ("generation", "inference", "training")
 ROLE_HEADS = {
@@ -145,8 +148,8 @@ PAPER_MODELS: dict[str, ModelConfig] = {
 
 
 def resolve_model(spec: ModelConfig | str | Mapping[str, Any], where: str = "model") -> ModelConfig:
-    """A `ModelConfig` from itself, a named shape (`PAPER_MODELS` or `hfjax.models.presets`), a Hugging Face
-    model directory, or an HF `config.json` dict."""
+    """A `ModelConfig` from itself, a named shape (`PAPER_MODELS` or `hfjax.models.presets`, whose Hub ids of the
+    shipped configs need no download), a Hugging Face model directory or Hub id, or an HF `config.json` dict."""
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, Mapping):
@@ -154,13 +157,15 @@ def resolve_model(spec: ModelConfig | str | Mapping[str, Any], where: str = "mod
     if isinstance(spec, str):
         if spec in PAPER_MODELS:
             return PAPER_MODELS[spec]
-        if spec in NAMED_CONFIGS:
-            return NAMED_CONFIGS[spec]
+        if spec in NAMED_CONFIGS or spec in HUB_SHAPES:
+            return NAMED_CONFIGS[HUB_SHAPES.get(spec, spec)]
         if Path(spec).is_dir():
             return read_config(spec)[0]
-    raise ValueError(
-        f"{where}: {spec!r} is not a ModelConfig, an HF config dict, a model directory, or a named shape "
-        f"({sorted({*PAPER_MODELS, *NAMED_CONFIGS})})"
+        if is_hub_id(spec):  # the local Hugging Face cache, downloaded when missing and online
+            return read_config(hub_model(spec, where))[0]
+    raise ConfigError(
+        f"{where}: {spec!r} is not a ModelConfig, an HF config dict, a model directory, a Hugging Face Hub id, or a "
+        f"named shape ({sorted({*PAPER_MODELS, *NAMED_CONFIGS})})"
     )
 
 

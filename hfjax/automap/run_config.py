@@ -98,7 +98,7 @@ def run_candidates(cfg: RLConfig, cluster: ClusterSpec, tune: bool = True) -> li
     trained = ("actor", "critic") if cfg.uses_critic else ("actor",)
     rows = min(cfg.actor.ppo_mini_batch_size, cfg.data.train_batch_size * cfg.rollout.n)
     out = []
-    for remat in REMAT_CHOICES:  # no remat first, and larger micro-batches first: they win ties (stable sort)
+    for remat in REMAT_CHOICES:
         priced = dataclasses.replace(options, remat=remat != "none")
         for per_rank in reversed([2**i for i in range(rows.bit_length())]):
             model = CostModel(cluster, flow, dataclasses.replace(workload, micro_batch_seqs=per_rank), priced)
@@ -107,7 +107,8 @@ def run_candidates(cfg: RLConfig, cluster: ClusterSpec, tune: bool = True) -> li
                 if sizes is not None:
                     settings = (*sizes.items(), *((f"{role}.remat", remat) for role in trained))
                     out.append(dataclasses.replace(candidate, settings=settings))
-    return sorted(out, key=lambda c: c.iteration_seconds)
+    # of two predicted equally fast (the model prices no per-row kernel efficiency), the one with more memory left
+    return sorted(out, key=lambda c: (c.iteration_seconds, max(c.prediction.group_peak_bytes)))
 
 
 def run_models(cfg: RLConfig) -> dict[str, str]:

@@ -32,7 +32,7 @@ from hfjax.compiled.targets import Target, target_devices
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
-from hfjax.models.presets import NAMED_CONFIGS
+from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
 from hfjax.parallel.layout import Layout, LayoutError
 from hfjax.trainer.preflight import MEMORY_ONLY_PROFILE, with_default_gen_layout
 from hfjax.typed_config import ConfigError
@@ -46,12 +46,6 @@ KNOBS = {  # what shrinks each program
     "values": "critic.micro_batch_size",
     "prefill": "rollout.slots (the largest prefill call) or data.max_prompt_length",
     "decode": "rollout.slots (the KV cache) or rollout.gen_layout (more tensor)",
-}
-HUB_SHAPES = {  # Hub ids of the shipped configs -> the shapes of hfjax.models.presets (no download to compile)
-    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
-    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
-    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
-    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
 }
 
 

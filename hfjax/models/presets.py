@@ -101,3 +101,12 @@ def named_config(name: str) -> ModelConfig:
             f"unknown model name {name!r}; expected a Hugging Face directory or one of {sorted(NAMED_CONFIGS)}"
         )
     return NAMED_CONFIGS[name]
+
+
+# Hub ids of the shipped configs -> their named shapes above: planning and compile-only checks need no download
+HUB_SHAPES = {
+    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
+    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
+    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+}
