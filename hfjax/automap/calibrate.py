@@ -189,7 +189,7 @@ def calibrate_run(sweep_path: str, out: str) -> int:
     before, after = iteration_spearman(cluster, ms), iteration_spearman(fit.cluster, ms)
     print(f"calibrated on {len(ms)} candidates of {sweep_path}")
     print(f"mean squared log error of stage seconds: {fit.error_before:.3f} -> {fit.error_after:.3f}")
-    print(f"Spearman rho of seconds per iteration: {_rho(before)} -> {_rho(after)}")
+    print(f"Spearman rho of seconds per iteration: {format_rho(before)} -> {format_rho(after)}")
     for name in (*RATES, *FIXED_COSTS):
         print(f"  {name}: {getattr(cluster.profile, name):.4g} -> {getattr(fit.cluster.profile, name):.4g}")
     Path(out).write_text(yaml.safe_dump(cluster_dict(fit.cluster), sort_keys=False))
@@ -197,5 +197,6 @@ def calibrate_run(sweep_path: str, out: str) -> int:
     return 0
 
 
-def _rho(value: float | None) -> str:
+def format_rho(value: float | None) -> str:
+    """A rank correlation as printed (3 decimals), `-` where there is none."""
     return "-" if value is None else f"{value:.3f}"

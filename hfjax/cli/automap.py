@@ -54,6 +54,7 @@ def _compiler_check(name: str, cluster_path: str) -> Any:
     """A check of a mapped run config: compiled for the target `name`, None where every program fits, else the
     compiler's reasons. The target and the cluster are checked against each other before anything compiles."""
     from hfjax.automap import ClusterSpec
+    from hfjax.automap.cluster import GIB
     from hfjax.compiled import parse_target, target_devices
     from hfjax.compiled.report import compiled_memory
 
@@ -68,7 +69,7 @@ def _compiler_check(name: str, cluster_path: str) -> Any:
 
     def check(cfg: Any) -> str | None:
         compiled = compiled_memory(cfg, target)
-        peak = f"compiled peak {compiled['peak_bytes'] / 2**30:.2f} GiB per device on {target.name}"
+        peak = f"compiled peak {compiled['peak_bytes'] / GIB:.2f} GiB per device on {target.name}"
         return None if compiled["fits"] else f"{peak}; " + "; ".join(compiled["problems"])
 
     return check

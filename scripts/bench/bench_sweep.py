@@ -83,7 +83,7 @@ def main() -> None:
     from workload import write_workload
 
     from hfjax.automap import CostModel, local_cpu, role_shapes
-    from hfjax.automap.calibrate import calibrate, iteration_spearman, measurements, predict
+    from hfjax.automap.calibrate import calibrate, format_rho, iteration_spearman, measurements, predict
     from hfjax.automap.run_config import run_cost_options, run_dataflow, run_models, run_workload
     from hfjax.automap.trainer_runs import trainer_candidates
     from hfjax.config.rl import load_rl_config
@@ -140,8 +140,8 @@ def main() -> None:
     ]
     report(
         f"{title}: seconds per iteration, measured / predicted before and after calibration "
-        f"(Spearman {_rho(before)} -> {_rho(after)}; automap's choice after: {choice}; its best colocated: actor "
-        f"{colocated.describe()}, FSDP x tensor {'inside' if inside else 'across'} a host)",
+        f"(Spearman {format_rho(before)} -> {format_rho(after)}; automap's choice after: {choice}; its best "
+        f"colocated: actor {colocated.describe()}, FSDP x tensor {'inside' if inside else 'across'} a host)",
         ["layout", "measured s", "predicted s", "calibrated s", "error"],
         rows,
         args.out,
@@ -159,10 +159,6 @@ def main() -> None:
 
 
 _FITTED = ("matmul_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth", "call_overhead_s")
-
-
-def _rho(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 if __name__ == "__main__":
