@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # CI's packaging check: builds the wheel, installs it with its declared dependencies (at the pinned versions) into a
 # clean virtualenv, runs `pip check`, and runs hfjax from a directory outside the checkout: --version, the shipped
-# quickstart config's --help, the layout presets, and `hfjax plot` of a finished run's metrics. Nothing is
-# byte-compiled at install (`--no-compile`, as in scripts/venv.sh): the commands compile what they import.
+# quickstart config's --help, the layout presets, and `hfjax plot` of a finished run's metrics.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -10,7 +9,7 @@ WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WORK/dist" "$ROOT" >&2
 "$PY" -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile -c "$ROOT/requirements.txt" "$WORK"/dist/hfjax-*.whl
+"$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/requirements.txt" "$WORK"/dist/hfjax-*.whl
 "$WORK/venv/bin/python" -m pip check
 mkdir "$WORK/outside" && cd "$WORK/outside"
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1

@@ -13,7 +13,7 @@ STAMP="$VENV/.requirements.sha256"
 WANT="$(cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "installing the compile extra into .venv-compile (first run: a few minutes)" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile -c "$ROOT/requirements.txt" -e "$ROOT[compile]" \
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$ROOT/requirements.txt" -e "$ROOT[compile]" \
     "pytest==9.2.0" >&2
   echo "$WANT" > "$STAMP"
 fi
