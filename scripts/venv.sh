@@ -9,8 +9,8 @@ if [ ! -x "$ROOT/.venv/bin/python" ]; then
   "$PY" -m venv "$ROOT/.venv"
 fi
 # pip byte-compiles every installed file (the dev environment: about 100 of its 182 CPU-s on a 2-core VM). Keep it:
-# where PYTHONDONTWRITEBYTECODE is set (it is on the 2-core VM measured), `--no-compile` leaves every test process and Ray worker
-# compiling its imports from source, and the default suite took 992 s against 802 s.
+# where PYTHONDONTWRITEBYTECODE is set (it is on the VM measured), `--no-compile` leaves every test process and Ray
+# worker compiling its imports from source, and the default suite took 992 s against 802 s.
 pip_install() { "$ROOT/.venv/bin/python" -m pip install -q --disable-pip-version-check "$@" >&2; }
 STAMP="$ROOT/.venv/.requirements-$KIND.sha256"
 FILES=("$ROOT/requirements.txt" "$ROOT/pyproject.toml")
