@@ -310,6 +310,7 @@ def _signal_train(config: Path, due: Callable[[], bool], signum: int) -> tuple[i
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 300
@@ -323,6 +324,13 @@ def _signal_train(config: Path, due: Callable[[], bool], signum: int) -> tuple[i
     finally:
         driver.kill()
         driver.wait()
+
+
+def _default_sigint() -> None:
+    """Gives the driver the SIGINT of a terminal's foreground command: a test run started in the background of a
+    non-interactive shell (`cmd &` in a CI script) inherits SIGINT ignored, and Python then installs no handler, so
+    Ctrl-C would never reach the driver."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _spans_of(run_dir: Path, step_index: int) -> list[dict]:
