@@ -301,16 +301,24 @@ def test_an_interrupt_stays_the_error_when_closing_the_run_also_fails(monkeypatc
     assert "closing the stopped run also failed: writing step 2 failed" in caplog.text
 
 
+# Gives the driver the SIGINT of a terminal's foreground command, then becomes it (same process): a test run started
+# in the background of a non-interactive shell (`cmd &` in a CI script) inherits SIGINT ignored, and Python then
+# installs no handler, so Ctrl-C would never reach the driver. (Not `preexec_fn`: a fork of this multithreaded process.)
+DEFAULT_SIGINT_EXEC = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 def _signal_train(config: Path, due: Callable[[], bool], signum: int) -> tuple[int, str, float]:
     """Runs `hfjax train config` in a subprocess, sends it `signum` once `due()` (polled), and returns its exit code,
     its stderr and the seconds from the signal to its exit."""
     driver = subprocess.Popen(
-        [sys.executable, "-m", "hfjax.cli.main", "train", str(config)],
+        [sys.executable, "-c", DEFAULT_SIGINT_EXEC, "-m", "hfjax.cli.main", "train", str(config)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_default_sigint,
     )
     try:
         deadline = time.monotonic() + 300
@@ -324,13 +332,6 @@ def _signal_train(config: Path, due: Callable[[], bool], signum: int) -> tuple[i
     finally:
         driver.kill()
         driver.wait()
-
-
-def _default_sigint() -> None:
-    """Gives the driver the SIGINT of a terminal's foreground command: a test run started in the background of a
-    non-interactive shell (`cmd &` in a CI script) inherits SIGINT ignored, and Python then installs no handler, so
-    Ctrl-C would never reach the driver."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _spans_of(run_dir: Path, step_index: int) -> list[dict]:
