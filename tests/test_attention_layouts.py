@@ -40,6 +40,7 @@ from hfjax.models.attention import (
 from hfjax.models.program import program_layout
 from hfjax.optim import OptimConfig, TrainState, make_optimizer
 from hfjax.parallel import Layout
+from hfjax.parallel.layout import RULE_PRESETS
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.workers.model_role import LoadedModel
 
@@ -48,7 +49,10 @@ DATA2_TENSOR2 = Layout.from_config({"mesh": {"data": 2, "tensor": 2}, "rules": "
 FSDP4 = Layout.from_config({"mesh": {"fsdp": 4}, "rules": "fsdp", "devices": [0, 1, 2, 3]})
 DATA4_TENSOR2 = Layout.from_config({"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"})
 FSDP4_TENSOR2 = Layout.from_config({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"})
-TENSOR2_FSDP_UNUSED = Layout.from_config({"mesh": {"fsdp": 2, "tensor": 2}, "rules": "tp", "devices": [0, 1, 2, 3]})
+# built directly: `Layout.from_config` refuses a mesh axis that no rule uses
+TENSOR2_FSDP_UNUSED = Layout(
+    axes=(("data", 1), ("fsdp", 2), ("tensor", 2)), rules=RULE_PRESETS["tp"], device_ids=(0, 1, 2, 3)
+)
 
 
 def _in_layout(layout: Layout | None, fn):

@@ -61,6 +61,8 @@ def test_device_order_is_respected():
         ({"mesh": {"fsdp": 8}, "rule": "fsdp"}, "unknown keys \\['rule'\\]"),
         ({"mesh": {"fsdp": 0}}, "positive integer"),
         ({"mesh": {"fsdp": 8}, "devices": [0, 1, 2]}, "expected 8 distinct device ids"),
+        ({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp"}, "axis 'tensor' has size 2, but no rule of 'fsdp'"),
+        ({"mesh": {"data": 2, "fsdp": 4}, "rules": "tp"}, "axis 'fsdp' has size 4, but no rule of 'tp'"),
     ],
 )
 def test_bad_layouts_are_named(config, needle):

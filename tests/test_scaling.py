@@ -1,8 +1,9 @@
 """Scaling read from compiled programs (not timed): the actor's loss-and-gradient, its log-prob pass and the engine's
-decode step of a small model (4 layers, 8 heads, a 32k vocabulary) on 8 fake devices. Under `fsdp=8` and
-`fsdp=4,tensor=2` each device does about 1/8 of one device's FLOPs, and under `fsdp` the collectives are the weights'
-(gathers of parameters, reductions of gradients), never an activation's or the logits'. The engine's largest prefill
-under `data=4` does about 1/4 of one device's FLOPs on each device (each data shard prefills its own rows)."""
+decode step of a small model (4 layers, 8 heads, a 32k vocabulary) on 8 fake devices. Under `data=2,fsdp=4` and
+`fsdp=4,tensor=2` each device does about 1/8 of one device's FLOPs, and under `data=2,fsdp=4` the collectives are
+the weights' (gathers of parameters, reductions of gradients), never an activation's or the logits'. The engine's
+largest prefill under `data=4` does about 1/4 of one device's FLOPs on each device (each data shard prefills its
+own rows)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ LAYOUTS = {
         {"mesh": {"fsdp": 1}, "rules": "fsdp", "devices": [0]},
         {"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]},
     ),
-    "fsdp=8": ({"mesh": {"fsdp": 8}, "rules": "fsdp"}, {"mesh": {"data": 8}, "rules": "dp_tp_gen"}),
+    "data=2,fsdp=4": ({"mesh": {"data": 2, "fsdp": 4}, "rules": "fsdp"}, {"mesh": {"data": 8}, "rules": "dp_tp_gen"}),
     "fsdp=4,tensor=2": (
         {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"},
         {"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"},
@@ -80,7 +81,7 @@ def flops(compiled: jax.stages.Compiled) -> float:
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
-@pytest.mark.parametrize("layout", ["fsdp=8", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("layout", ["data=2,fsdp=4", "fsdp=4,tensor=2"])
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_flops_per_device_split_eight_ways(layout, program):
     one, eight = flops(compiled_programs("1 device")[program]), flops(compiled_programs(layout)[program])
@@ -95,20 +96,38 @@ def _collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
     ]
 
 
-def test_fsdp_moves_weights_not_activations():
-    """Under fsdp=8 the loss-and-gradient program all-reduces only gradients (arrays of a weight's size, some
-    reshaped as [heads * head_dim, embed]; XLA:CPU does not turn them into reduce-scatters) and scalars, and gathers
-    about the weights twice (forward and backward): no all-reduce of a [rows, length, ...] activation or of logits."""
-    program = compiled_programs("fsdp=8")["loss+grad"]
-    weight_sizes = {math.prod(leaf.shape) for leaf in jax.tree.leaves(_abstract_params())}
+@pytest.mark.parametrize("program", ["loss+grad", "log probs"])
+def test_fsdp_moves_weights_not_activations(program):
+    """Under data=2,fsdp=4 the programs all-reduce only gradients (arrays of a weight's or its shard's size,
+    some reshaped as [heads * head_dim, embed]; XLA:CPU does not turn them into reduce-scatters) and scalars, gather
+    about the weights twice (forward and backward), and move no [rows, length, ...] activation, token ids or logits:
+    the rows stay split over both batch axes from the embedding lookup on (a lookup in the table as stored had the
+    partitioner gather the [rows, length, embed] embeddings whole)."""
+    program = compiled_programs("data=2,fsdp=4")[program]
+    # a weight's gradient, or that of its fsdp shard (all-reduced over data)
+    weight_sizes = {math.prod(leaf.shape) // parts for leaf in jax.tree.leaves(_abstract_params()) for parts in (1, 4)}
     collectives = _collectives(program.as_text())
     reduced = [s for kind, shapes in collectives if kind == "all-reduce" for s in shapes]
     activations = [s for s in reduced if math.prod(s) > 1 and math.prod(s) not in weight_sizes]
     assert not activations, f"all-reduces of non-weight arrays: {activations}"
+    length = _rl_config().data.max_prompt_length + _rl_config().rollout.response_length
+    moved = [(kind, s) for kind, shapes in collectives for s in shapes if length in s]
+    assert not moved, f"collectives of [rows, length, ...] arrays: {moved}"
     gathered = sum(math.prod(s) * 4 for kind, shapes in collectives if kind == "all-gather" for s in shapes)
     weights = bytes_per_device(_abstract_params()) * 8  # float32 master: what one device gathers of every weight
     assert gathered <= 2.2 * weights, (gathered, weights)
     assert sum(math.prod(s) * 4 for s in reduced) <= 1.2 * weights
+
+
+@pytest.mark.parametrize("program", ["loss+grad", "log probs"])
+def test_tensor_parallelism_never_collects_the_vocabulary(program):
+    """Under fsdp=4,tensor=2 the LM head's logits, its kernel and its gradient stay split over `tensor`: no
+    collective moves an array with a dimension of the whole vocabulary (the log-softmax reduces [rows, chunk]
+    statistics over `tensor` instead). A layout whose rules leave `tensor` unused fails here: each device then
+    computes the whole [rows, chunk, vocab] logits."""
+    collectives = _collectives(compiled_programs("fsdp=4,tensor=2")[program].as_text())
+    whole = [(kind, s) for kind, shapes in collectives for s in shapes if SHAPE.vocab_size in s]
+    assert not whole, f"collectives of whole-vocabulary arrays: {whole}"
 
 
 def _abstract_params():

@@ -102,8 +102,8 @@ def _forward(
         else:
             total = jnp.sum(exps, axis=-1)
         lse = top[..., 0] + jnp.log(total)
-        # the label's logit from the label's kernel row ([rows, chunk, embed]), not a gather from the logits: no
-        # second pass over [rows, chunk, vocab], and no logits collected across a tensor-sharded vocabulary
+        # the label's logit picked from the chunk's logits: over a tensor-sharded vocabulary the partitioner picks
+        # it where it lives and sums [rows, chunk] over `tensor`, collecting no logits (tests/test_scaling.py)
         logp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
         if not ent:
             return None, (logp, lse)

@@ -116,11 +116,20 @@ class Layout:
             (name, size) for name, size in mesh.items()
         )
         devices = config.get("devices")
-        return cls(
+        layout = cls(
             axes=axes,
             rules=_parse_rules(config.get("rules", "fsdp_tp"), where),
             device_ids=None if devices is None else tuple(int(d) for d in devices),
         )
+        ruled = {axis for _, mesh_axes in layout.rules for axis in mesh_axes}
+        for name, size in axes:
+            if size > 1 and name not in ruled:
+                raise LayoutError(
+                    f"{where}.mesh: axis {name!r} has size {size}, but no rule of {config.get('rules', 'fsdp_tp')!r} "
+                    f"maps a logical axis to it, so its {size} devices would each hold and compute the same arrays; "
+                    f"use rules that name {name!r} (e.g. 'fsdp_tp', the default) or drop the axis"
+                )
+        return layout
 
     def on_devices(self, devices: Sequence[Any]) -> Layout:
         """This layout over `devices` instead of this process's `jax.devices()`: e.g. the compile-only devices of a

@@ -87,10 +87,12 @@ def config(
 
 
 def train_layout(mesh: str | None) -> dict | None:
-    """`data=2,fsdp=4` as a training layout config (`fsdp` rules); None keeps the default."""
+    """`data=2,fsdp=4` as a training layout config (`fsdp_tp` rules: rows over data and fsdp, weights over fsdp,
+    heads, MLP and vocabulary over tensor); None keeps the default."""
     if not mesh:
         return None
-    return {"mesh": {axis: int(size) for axis, size in (item.split("=") for item in mesh.split(","))}, "rules": "fsdp"}
+    sizes = {axis: int(size) for axis, size in (item.split("=") for item in mesh.split(","))}
+    return {"mesh": sizes, "rules": "fsdp_tp"}
 
 
 def main() -> None:
