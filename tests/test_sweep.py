@@ -104,6 +104,23 @@ def test_candidate_files_and_their_errors(tmp_path):
             read_candidates(path, base)
 
 
+def test_calibrating_a_file_that_is_not_a_sweep_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"candidates": []}))
+    assert main(["automap", "--calibrate", str(path), "--out", str(tmp_path / "out.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hfjax automap: {path}: no 'cluster' key; expected the sweep.json that `hfjax sweep` writes"
+    )
+    cluster = {"hosts": 1, "devices_per_host": 8, "profile": "h100"}
+    path.write_text(json.dumps({"cluster": cluster, "candidates": [{"name": "a", "error": "ConfigError: x"}]}))
+    assert main(["automap", "--calibrate", str(path), "--out", str(tmp_path / "out.yaml")]) == 2
+    assert (
+        "calibration needs at least 2 candidates that ran and were predicted; the sweep has 0"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "out.yaml").exists()
+
+
 def test_auto_candidates_are_the_automappers_best_as_run_configs_that_load(tmp_path):
     """`--candidates auto`: the `top` mappings `run_candidates` ranks first (micro-batch sizes and remat searched),
     each the run config `run_config` writes, that `hfjax train` would load: the mapping, micro-batch sizes and remat

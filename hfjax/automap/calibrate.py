@@ -25,6 +25,7 @@ from hfjax.automap.dataflow import STAGES, Dataflow, ModelShape, role_shapes
 from hfjax.automap.run_config import run_cost_options, run_dataflow, run_models, run_workload
 from hfjax.automap.trainer_runs import config_mapping
 from hfjax.config.rl import load_rl_config
+from hfjax.typed_config import ConfigError
 
 RATES = ("matmul_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth")  # scaled by a factor
 FIXED_COSTS = ("collective_latency_s", "decode_layer_overhead_s", "call_overhead_s")  # fitted in seconds
@@ -70,7 +71,9 @@ def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
         seconds = {s: float(row["measured"][s]) for s in STAGES}
         out.append(Measurement(row["name"], flow, shapes, mapping, cfg, seconds))
     if len(out) < 2:
-        raise ValueError(f"calibration needs at least 2 candidates that ran; the sweep has {len(out)}")
+        raise ConfigError(
+            f"calibration needs at least 2 candidates that ran and were predicted; the sweep has {len(out)}"
+        )
     return out
 
 
@@ -182,7 +185,7 @@ def calibrate_run(sweep_path: str, out: str) -> int:
 
     sweep = json.loads(Path(sweep_path).read_text())
     if "cluster" not in sweep:
-        raise ValueError(f"{sweep_path}: no 'cluster' key; expected the sweep.json that `hfjax sweep` writes")
+        raise ConfigError(f"{sweep_path}: no 'cluster' key; expected the sweep.json that `hfjax sweep` writes")
     cluster = ClusterSpec.from_dict(sweep["cluster"], f"{sweep_path}: cluster")
     ms = measurements(sweep)
     fit = calibrate(cluster, ms)
