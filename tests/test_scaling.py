@@ -100,9 +100,9 @@ def _collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
 def test_fsdp_moves_weights_not_activations(program):
     """Under data=2,fsdp=4 the programs all-reduce only gradients (arrays of a weight's or its shard's size,
     some reshaped as [heads * head_dim, embed]; XLA:CPU does not turn them into reduce-scatters) and scalars, gather
-    about the weights twice (forward and backward), and move no [rows, length, ...] activation, token ids or logits:
-    the rows stay split over both batch axes from the embedding lookup on (a lookup in the table as stored had the
-    partitioner gather the [rows, length, embed] embeddings whole)."""
+    about the weights twice (forward and backward), and gather or reduce no [rows, length, ...] activation: the
+    embeddings, looked up where the table's `embed` shards live, reach rows split over both batch axes by all-to-all
+    (the lookup as first written had the partitioner gather the [rows, length, embed] embeddings whole)."""
     program = compiled_programs("data=2,fsdp=4")[program]
     # a weight's gradient, or that of its fsdp shard (all-reduced over data)
     weight_sizes = {math.prod(leaf.shape) // parts for leaf in jax.tree.leaves(_abstract_params()) for parts in (1, 4)}
@@ -111,8 +111,13 @@ def test_fsdp_moves_weights_not_activations(program):
     activations = [s for s in reduced if math.prod(s) > 1 and math.prod(s) not in weight_sizes]
     assert not activations, f"all-reduces of non-weight arrays: {activations}"
     length = _rl_config().data.max_prompt_length + _rl_config().rollout.response_length
-    moved = [(kind, s) for kind, shapes in collectives for s in shapes if length in s]
-    assert not moved, f"collectives of [rows, length, ...] arrays: {moved}"
+    gathered_activations = [
+        (kind, dtype, dims)
+        for result, kind in COLLECTIVE.findall(program.as_text())
+        for dtype, dims in ARRAY.findall(result)
+        if kind != "all-to-all" and dtype.startswith(("f", "bf")) and str(length) in dims.split(",")
+    ]
+    assert not gathered_activations, f"gathers or reductions of [rows, length, ...] activations: {gathered_activations}"
     gathered = sum(math.prod(s) * 4 for kind, shapes in collectives if kind == "all-gather" for s in shapes)
     weights = bytes_per_device(_abstract_params()) * 8  # float32 master: what one device gathers of every weight
     assert gathered <= 2.2 * weights, (gathered, weights)

@@ -23,11 +23,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from hfjax.parallel.layout import Layout
 
@@ -85,6 +86,26 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = layout.activation_spec(logical_axes, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+
+
+def constrain_lookup(ids: jax.Array, lookup: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """`lookup(ids)` [rows, ..., embed] of a table whose `embed` dimension is split over the layout's `embed` mesh
+    axes, with the ids split only over the other `batch` axes and the result pinned to rows over those and `embed`
+    over the table's axes, so that the caller's rows-over-every-batch-axis constraint is one all-to-all; the plain
+    lookup outside a layout of several devices."""
+    layout = _LAYOUT.get()
+    if layout is None or layout.size == 1:
+        return lookup(ids)
+    rules = dict(layout.rules)
+    embed_axes = tuple(a for a in rules.get("embed", ()) if layout.axis_size(a) > 1)
+    row_axes = tuple(a for a in rules.get("batch", ()) if a not in embed_axes and layout.axis_size(a) > 1)
+    if not embed_axes or ids.shape[0] % math.prod(layout.axis_size(a) for a in row_axes):
+        return lookup(ids)
+    rows = row_axes if len(row_axes) != 1 else row_axes[0]
+    ids = jax.lax.with_sharding_constraint(ids, NamedSharding(layout.mesh, PartitionSpec(rows or None)))
+    out = lookup(ids)
+    spec = PartitionSpec(rows or None, *([None] * (out.ndim - 2)), embed_axes if len(embed_axes) > 1 else embed_axes[0])
+    return jax.lax.with_sharding_constraint(out, NamedSharding(layout.mesh, spec))
 
 
 def setting_key(value: Any) -> Any:

@@ -28,7 +28,7 @@ from hfjax.models.layers import (
     rope_tables,
 )
 from hfjax.models.lm_head import chunk_length, token_logprobs
-from hfjax.models.program import constrain
+from hfjax.models.program import constrain, constrain_lookup
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -126,13 +126,10 @@ class Decoder(nnx.Module):
         return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
-        """Token embeddings [..., embed] in the compute dtype. The table is looked up with its `embed` dimension
-        whole (gathered over `fsdp`, as every weight is for its use) and only its vocabulary split: a lookup of
-        rows split over the batch axes then stays split, each tensor shard adding its part. A lookup in the table as
-        stored splits the result over `embed`, which the partitioner cannot turn into rows split over `data` and
-        `fsdp` together without replicating it first."""
-        table = constrain(self.embed_tokens[...], ("vocab", None))
-        return jnp.take(table, input_ids, axis=0).astype(self.dtype)
+        """Token embeddings [..., embed] in the compute dtype (`constrain_lookup`: looked up where the table's
+        `embed` shards live, then one all-to-all to rows split over every batch axis)."""
+        table = self.embed_tokens[...]
+        return constrain_lookup(input_ids, lambda ids: jnp.take(table, ids, axis=0)).astype(self.dtype)
 
     def rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rotary cos and sin tables [batch, length, head_dim] for integer positions [batch, length]."""
