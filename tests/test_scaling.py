@@ -88,10 +88,10 @@ def test_flops_per_device_split_eight_ways(layout, program):
     assert eight <= 1.15 * one / 8, f"{program} under {layout}: {eight:.3e} FLOPs per device, one device {one:.3e}"
 
 
-def _collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
-    """(kind, shapes of its result arrays) of every collective in an HLO module's text."""
+def _collectives(hlo: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """(kind, (dtype, shape) of each of its result arrays) of every collective in an HLO module's text."""
     return [
-        (kind, [tuple(int(n) for n in dims.split(",") if n) for _, dims in ARRAY.findall(result)])
+        (kind, [(dtype, tuple(int(n) for n in dims.split(",") if n)) for dtype, dims in ARRAY.findall(result)])
         for result, kind in COLLECTIVE.findall(hlo)
     ]
 
@@ -107,18 +107,18 @@ def test_fsdp_moves_weights_not_activations(program):
     # a weight's gradient, or that of its fsdp shard (all-reduced over data)
     weight_sizes = {math.prod(leaf.shape) // parts for leaf in jax.tree.leaves(_abstract_params()) for parts in (1, 4)}
     collectives = _collectives(program.as_text())
-    reduced = [s for kind, shapes in collectives if kind == "all-reduce" for s in shapes]
+    reduced = [s for kind, arrays in collectives if kind == "all-reduce" for _, s in arrays]
     activations = [s for s in reduced if math.prod(s) > 1 and math.prod(s) not in weight_sizes]
     assert not activations, f"all-reduces of non-weight arrays: {activations}"
     length = _rl_config().data.max_prompt_length + _rl_config().rollout.response_length
     gathered_activations = [
-        (kind, dtype, dims)
-        for result, kind in COLLECTIVE.findall(program.as_text())
-        for dtype, dims in ARRAY.findall(result)
-        if kind != "all-to-all" and dtype.startswith(("f", "bf")) and str(length) in dims.split(",")
+        (kind, dtype, s)
+        for kind, arrays in collectives
+        for dtype, s in arrays
+        if kind != "all-to-all" and dtype.startswith(("f", "bf")) and length in s
     ]
     assert not gathered_activations, f"gathers or reductions of [rows, length, ...] activations: {gathered_activations}"
-    gathered = sum(math.prod(s) * 4 for kind, shapes in collectives if kind == "all-gather" for s in shapes)
+    gathered = sum(math.prod(s) * 4 for kind, arrays in collectives if kind == "all-gather" for _, s in arrays)
     weights = bytes_per_device(_abstract_params()) * 8  # float32 master: what one device gathers of every weight
     assert gathered <= 2.2 * weights, (gathered, weights)
     assert sum(math.prod(s) * 4 for s in reduced) <= 1.2 * weights
@@ -131,7 +131,7 @@ def test_tensor_parallelism_never_collects_the_vocabulary(program):
     statistics over `tensor` instead). A layout whose rules leave `tensor` unused fails here: each device then
     computes the whole [rows, chunk, vocab] logits."""
     collectives = _collectives(compiled_programs("fsdp=4,tensor=2")[program].as_text())
-    whole = [(kind, s) for kind, shapes in collectives for s in shapes if SHAPE.vocab_size in s]
+    whole = [(kind, s) for kind, arrays in collectives for _, s in arrays if SHAPE.vocab_size in s]
     assert not whole, f"collectives of whole-vocabulary arrays: {whole}"
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from hfjax.parallel.layout import Layout
@@ -88,23 +89,26 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
 
 
-def constrain_lookup(ids: jax.Array, lookup: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """`lookup(ids)` [rows, ..., embed] of a table whose `embed` dimension is split over the layout's `embed` mesh
-    axes, with the ids split only over the other `batch` axes and the result pinned to rows over those and `embed`
-    over the table's axes, so that the caller's rows-over-every-batch-axis constraint is one all-to-all; the plain
-    lookup outside a layout of several devices."""
+def _spec_entry(axes: tuple[str, ...]) -> tuple[str, ...] | str | None:
+    return axes if len(axes) > 1 else (axes[0] if axes else None)
+
+
+def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """`table[ids]` ([rows, ..., embed]) looked up where the table's `embed` shards live: the ids split only over the
+    `batch` mesh axes that `embed` does not use, the result pinned to rows over those and `embed` over the table's
+    axes, so that a later constraint to rows over every batch axis is one all-to-all (looked up with rows over every
+    batch axis, the result is split over `fsdp` twice, and the partitioner replicates it). A plain lookup outside a
+    layout of several devices or where no mesh axis splits `embed`."""
     layout = _LAYOUT.get()
-    if layout is None or layout.size == 1:
-        return lookup(ids)
-    rules = dict(layout.rules)
+    rules = dict(layout.rules) if layout is not None else {}
     embed_axes = tuple(a for a in rules.get("embed", ()) if layout.axis_size(a) > 1)
     row_axes = tuple(a for a in rules.get("batch", ()) if a not in embed_axes and layout.axis_size(a) > 1)
     if not embed_axes or ids.shape[0] % math.prod(layout.axis_size(a) for a in row_axes):
-        return lookup(ids)
-    rows = row_axes if len(row_axes) != 1 else row_axes[0]
-    ids = jax.lax.with_sharding_constraint(ids, NamedSharding(layout.mesh, PartitionSpec(rows or None)))
-    out = lookup(ids)
-    spec = PartitionSpec(rows or None, *([None] * (out.ndim - 2)), embed_axes if len(embed_axes) > 1 else embed_axes[0])
+        return jnp.take(table, ids, axis=0)
+    rows = _spec_entry(row_axes)
+    ids = jax.lax.with_sharding_constraint(ids, NamedSharding(layout.mesh, PartitionSpec(rows)))
+    out = jnp.take(table, ids, axis=0)
+    spec = PartitionSpec(rows, *([None] * (out.ndim - 2)), _spec_entry(embed_axes))
     return jax.lax.with_sharding_constraint(out, NamedSharding(layout.mesh, spec))
 
 

@@ -28,7 +28,7 @@ from hfjax.models.layers import (
     rope_tables,
 )
 from hfjax.models.lm_head import chunk_length, token_logprobs
-from hfjax.models.program import constrain, constrain_lookup
+from hfjax.models.program import constrain, lookup_rows
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -126,10 +126,9 @@ class Decoder(nnx.Module):
         return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
-        """Token embeddings [..., embed] in the compute dtype (`constrain_lookup`: looked up where the table's
-        `embed` shards live, then one all-to-all to rows split over every batch axis)."""
-        table = self.embed_tokens[...]
-        return constrain_lookup(input_ids, lambda ids: jnp.take(table, ids, axis=0)).astype(self.dtype)
+        """Token embeddings [..., embed] in the compute dtype (`lookup_rows`: looked up where the table's `embed`
+        shards live, then one all-to-all to rows split over every batch axis)."""
+        return lookup_rows(self.embed_tokens[...], input_ids).astype(self.dtype)
 
     def rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rotary cos and sin tables [batch, length, head_dim] for integer positions [batch, length]."""
