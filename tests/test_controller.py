@@ -390,3 +390,69 @@ def test_killed_worker_is_reported_while_others_hang(ray_cluster):
         assert time.perf_counter() - start < 30
     finally:
         group.shutdown()
+
+
+class Counter(Worker):
+    """A worker with state of its own: a reused process must start it afresh."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def count(self) -> tuple[int, int]:
+        self.calls += 1
+        return os.getpid(), self.calls
+
+
+def _run_counter(devices_per_host: list[int]) -> list[int]:
+    """Pids of a `Counter` group on a fresh pool, each checked to count from 1; the group and pool end."""
+    pool = ResourcePool(devices_per_host)
+    group = RayWorkerGroup(pool, Counter)
+    try:
+        counted = group.count()
+        assert [calls for _, calls in counted] == [1] * len(devices_per_host)
+        return [pid for pid, _ in counted]
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+def _ended(pid: int, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.ray
+def test_warm_workers_reuse_one_process_groups_of_the_same_shape_only(ray_cluster, monkeypatch):
+    """HFJAX_WARM_WORKERS keeps an ended one-process group's process for the next pool of the same shape, with a
+    fresh worker in it; other shapes, two-process groups and a process that died while idle get new ones; beyond
+    the setting the oldest idle process ends; without it every group's process ends with the group."""
+    monkeypatch.setenv("HFJAX_WARM_WORKERS", "0")
+    first = _run_counter([3])
+    assert _ended(first[0]) and _run_counter([3]) != first
+
+    monkeypatch.setenv("HFJAX_WARM_WORKERS", "1")
+    kept = _run_counter([3])
+    assert _run_counter([3]) == kept  # the same process, its worker new (it counts from 1 again)
+    assert _run_counter([5]) != kept  # another shape: a new process, which the one kept so far makes room for
+    assert _ended(kept[0])
+    two = _run_counter([1, 1])
+    assert all(_ended(pid) for pid in two) and not set(two) & set(_run_counter([1, 1]))
+
+    died = _run_counter([5])
+    os.kill(died[0], signal.SIGKILL)
+    assert _run_counter([5]) != died
+
+
+def test_warm_workers_setting_must_be_a_count(monkeypatch):
+    from hfjax.controller import warm_hosts
+
+    monkeypatch.setenv("HFJAX_WARM_WORKERS", "yes")
+    with pytest.raises(ValueError, match=r"HFJAX_WARM_WORKERS: expected .*\(an int >= 0\), got 'yes'"):
+        warm_hosts.capacity()
