@@ -25,11 +25,6 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # this session's programs.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 enable_compilation_cache()  # the command line's cache settings, in a directory of this session's own
-# Ray tests start many small runs one after another: an ended run's single-process workers stay idle for the next run
-# of the same shape, which then skips process start-up and the tracing of programs it shares with the last run
-# (hfjax/controller/warm_hosts.py). One per test process: each idle process keeps Ray's background threads busy
-# (about 1% of a core), and with four per test process the whole default suite took longer (898 s against 794 s).
-os.environ.setdefault("HFJAX_WARM_WORKERS", "1")
 
 import jax  # noqa: E402 (after the environment above)
 

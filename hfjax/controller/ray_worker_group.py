@@ -9,7 +9,6 @@ once (with its traceback), even while other ranks still wait in a collective for
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from hfjax.controller import warm_hosts
 from hfjax.controller.liveness import LivenessConfig, Watchdog
 from hfjax.controller.resource_pool import ResourcePool
 from hfjax.controller.worker import Worker, WorkerInfo, check_worker_cls, start_worker
@@ -50,18 +48,9 @@ class WorkerHost:
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def start(
-        self, worker_cls: type[Worker], info: WorkerInfo, args: tuple[Any, ...], kwargs: dict[str, Any], label: str
-    ) -> int:
+    def start(self, worker_cls: type[Worker], info: WorkerInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Joins jax.distributed when needed, builds the worker; returns this process's pid."""
-        self.label = label
         self.worker = start_worker(worker_cls, info, args, kwargs)
-        return os.getpid()
-
-    def reset(self) -> int:
-        """Drops the worker and its arrays, keeping the process (and JAX's caches) for another group's worker."""
-        self.worker = None
-        gc.collect()
         return os.getpid()
 
     def execute(self, path: str, *args: Any, **kwargs: Any) -> Any:
@@ -107,17 +96,11 @@ class RayWorkerGroup(WorkerGroup):
         check_worker_cls(worker_cls)
         self.resource_pool, self._label = resource_pool, worker_cls.__name__
         self.liveness = liveness or LivenessConfig()
-        world_size, label = resource_pool.world_size, name or self._label
-        warm = resource_pool.take_idle_host() if world_size == 1 else None
-        if warm is not None and not warm_hosts.reset(warm):  # it died while idle
-            warm_hosts.end(None, [warm])
-            warm = None
+        world_size = resource_pool.world_size
         host_cls = ray.remote(concurrency_groups={"liveness": 1})(WorkerHost)
-        self._hosts = (
-            [warm]
-            if warm is not None
-            else [host_cls.options(**resource_pool.actor_options(r)).remote(label, r) for r in range(world_size)]
-        )
+        self._hosts = [
+            host_cls.options(**resource_pool.actor_options(r)).remote(name or self._label, r) for r in range(world_size)
+        ]
         try:
             coordinator = None
             if world_size > 1:
@@ -125,13 +108,13 @@ class RayWorkerGroup(WorkerGroup):
                 coordinator = self._gather(f"{self._label} start", [0], [address_ref], "start")[0]
             starts = [
                 host.start.remote(
-                    worker_cls, WorkerInfo(r, world_size, coordinator, resource_pool.device), args, kwargs, label
+                    worker_cls, WorkerInfo(r, world_size, coordinator, resource_pool.device), args, kwargs
                 )
                 for r, host in enumerate(self._hosts)
             ]
             self.pids = self._gather(f"{self._label}.__init__", list(range(world_size)), starts, "start")
         except BaseException:
-            self.shutdown(keep_idle=False)
+            self.shutdown()
             raise
         super().__init__(worker_cls, world_size)
 
@@ -173,12 +156,8 @@ class RayWorkerGroup(WorkerGroup):
         except RayError as exc:
             raise WorkerError(label, rank, len(self._hosts), f"{type(exc).__name__}: {exc}") from None
 
-    def shutdown(self, keep_idle: bool = True) -> None:
-        """Ends the group: kills its actors, or with warm workers on (`hfjax.controller.warm_hosts`) resets a
-        one-process group's actor and leaves it idle in its pool for the next group. The pool's bundles stay
-        reserved for other groups."""
-        hosts, self._hosts = self._hosts, []
-        warm = keep_idle and len(hosts) == 1 and warm_hosts.capacity() > 0
-        if warm and warm_hosts.reset(hosts[0]) and self.resource_pool.keep_idle_host(hosts[0]):
-            return
-        warm_hosts.end(None, hosts)
+    def shutdown(self) -> None:
+        """Kills the group's actors (the pool's bundles stay reserved for other groups)."""
+        for host in self._hosts:
+            ray.kill(host, no_restart=True)
+        self._hosts = []

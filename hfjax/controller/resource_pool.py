@@ -4,8 +4,6 @@ On Ray a pool reserves one placement-group bundle per host process (when a group
 process only its devices: on CPU `--xla_force_host_platform_device_count` fake devices, on GPU `num_gpus` (Ray sets
 `CUDA_VISIBLE_DEVICES`), on TPU the `TPU` resource (Ray sets `TPU_VISIBLE_CHIPS` and the chip bounds).
 Pools are values: `split` and `merge` describe new pools, each reserving its own bundles when first used.
-A one-host pool keeps the processes its groups leave idle and, with `HFJAX_WARM_WORKERS` set, hands them with its
-bundle to a later pool of the same shape (`hfjax.controller.warm_hosts`).
 """
 
 from __future__ import annotations
@@ -13,8 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-from hfjax.controller import warm_hosts
 
 DEVICES = ("cpu", "gpu", "tpu")
 PLACEMENT_TIMEOUT_S = 120
@@ -84,7 +80,6 @@ class ResourcePool:
         self.devices_per_host, self.device = devices_per_host, device
         self.cpus_per_host, self.strategy = cpus_per_host, strategy
         self._placement_group: Any = None
-        self._idle_hosts: list[Any] = []  # processes of ended groups, reset and kept for the next group
 
     def __repr__(self) -> str:
         return f"ResourcePool(devices_per_host={self.devices_per_host}, device={self.device!r})"
@@ -128,26 +123,8 @@ class ResourcePool:
             bundle[self.device.upper()] = self.devices_per_host[rank]
         return bundle
 
-    def _warm_key(self) -> tuple[Any, ...]:
-        return (
-            self.device,
-            tuple(self.devices_per_host),
-            self.cpus_per_host,
-            self.strategy,
-            tuple(sorted(self.process_env(0).items())),
-        )
-
-    def _warm_reusable(self) -> bool:
-        return self.world_size == 1 and warm_hosts.capacity() > 0
-
     def placement_group(self) -> Any:
-        """The pool's Ray placement group, reserved on first call (or taken over, with its idle process, from an
-        earlier pool of the same shape when warm workers are on); raises if Ray cannot place it in time."""
-        if self._placement_group is None and self._warm_reusable():
-            warm = warm_hosts.take(self._warm_key())
-            if warm is not None:
-                self._placement_group, host = warm
-                self._idle_hosts.append(host)
+        """The pool's Ray placement group, reserved on first call; raises if Ray cannot place it in time."""
         if self._placement_group is None:
             import ray
             from ray.util.placement_group import placement_group, remove_placement_group
@@ -179,27 +156,10 @@ class ResourcePool:
             options["resources"] = {"TPU": self.devices_per_host[rank]}
         return options
 
-    def take_idle_host(self) -> Any | None:
-        """A process an ended group of this one-host pool left idle (see `keep_idle_host`), or None."""
-        self.placement_group()
-        return self._idle_hosts.pop() if self._idle_hosts else None
-
-    def keep_idle_host(self, host: Any) -> bool:
-        """Keeps `host`, a process of an ended group whose worker was dropped, for the pool's next group (and with
-        `release`, for a later pool of this shape); False where it is not kept (several hosts; warm workers off)."""
-        if not self._warm_reusable():
-            return False
-        self._idle_hosts.append(host)
-        return True
-
     def release(self) -> None:
-        """Returns the reserved bundles to Ray (groups on this pool must be shut down first), or with warm workers
-        on, parks one idle process with them for a later pool of the same shape."""
-        if self._placement_group is None:
-            return
-        hosts, self._idle_hosts = self._idle_hosts, []
-        if hosts and warm_hosts.park(self._warm_key(), self._placement_group, hosts.pop()):
-            warm_hosts.end(None, hosts)
-        else:
-            warm_hosts.end(self._placement_group, hosts)
-        self._placement_group = None
+        """Returns the reserved bundles to Ray (groups on this pool must be shut down first)."""
+        if self._placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
