@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hfjax.parallel.layout import Layout
+from hfjax.parallel.layout import Layout, spec_entry
 
 _LAYOUT: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("hfjax_program_layout", default=None)
 
@@ -89,10 +89,6 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
 
 
-def _spec_entry(axes: tuple[str, ...]) -> tuple[str, ...] | str | None:
-    return axes if len(axes) > 1 else (axes[0] if axes else None)
-
-
 def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """`table[ids]` ([rows, ..., embed]) looked up where the table's `embed` shards live: the ids split only over the
     `batch` mesh axes that `embed` does not use, the result pinned to rows over those and `embed` over the table's
@@ -105,10 +101,10 @@ def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     row_axes = tuple(a for a in rules.get("batch", ()) if a not in embed_axes and layout.axis_size(a) > 1)
     if not embed_axes or ids.shape[0] % math.prod(layout.axis_size(a) for a in row_axes):
         return jnp.take(table, ids, axis=0)
-    rows = _spec_entry(row_axes)
+    rows = spec_entry(row_axes)
     ids = jax.lax.with_sharding_constraint(ids, NamedSharding(layout.mesh, PartitionSpec(rows)))
     out = jnp.take(table, ids, axis=0)
-    spec = PartitionSpec(rows, *([None] * (out.ndim - 2)), _spec_entry(embed_axes))
+    spec = PartitionSpec(rows, *([None] * (out.ndim - 2)), spec_entry(embed_axes))
     return jax.lax.with_sharding_constraint(out, NamedSharding(layout.mesh, spec))
 
 

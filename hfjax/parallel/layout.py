@@ -31,6 +31,11 @@ WEIGHT_ONLY_AXES = ("embed", "length", "head_dim")  # logical axes that split we
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 
+def spec_entry(mesh_axes: Sequence[str]) -> tuple[str, ...] | str | None:
+    """One PartitionSpec entry for a dimension split over `mesh_axes`: the tuple, the one name, or None."""
+    return tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None)
+
+
 class LayoutError(ValueError):
     """A layout config that cannot describe a valid mesh or sharding."""
 
@@ -192,7 +197,7 @@ class Layout:
                     if axis not in used and self.axis_size(axis) > 1 and size % parts == 0:
                         mesh_axes.append(axis)
             used.update(mesh_axes)
-            entries.append(tuple(mesh_axes) if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+            entries.append(spec_entry(mesh_axes))
         return PartitionSpec(*entries)
 
     def spec(
@@ -202,7 +207,7 @@ class Layout:
         not reused; size-1 mesh axes are dropped. With `shape`, checks that every dimension divides evenly."""
         rules = dict(self.rules)
         used: set[str] = set()
-        entries: list[tuple[str, ...] | None] = []
+        entries: list[tuple[str, ...] | str | None] = []
         for dim, logical in enumerate(logical_axes):
             mesh_axes = tuple(a for a in rules.get(logical, ()) if a not in used and self.axis_size(a) > 1)
             used.update(mesh_axes)
@@ -213,7 +218,7 @@ class Layout:
                         f"{name}: dimension {dim} ({logical!r}) of shape {tuple(shape)} is not "
                         f"divisible by mesh axes {mesh_axes} (size {parts})"
                     )
-            entries.append(mesh_axes if len(mesh_axes) > 1 else (mesh_axes[0] if mesh_axes else None))
+            entries.append(spec_entry(mesh_axes))
         return PartitionSpec(*entries)
 
     def sharding(
