@@ -16,7 +16,7 @@ import yaml
 from support.rl_setup import build_run_inputs, rl_config
 
 from hfjax.automap import BUILTIN, ClusterSpec, dataflow, role_shapes
-from hfjax.automap.calibrate import calibrate, log_error, measurements, predict, spearman
+from hfjax.automap.calibrate import calibrate, iteration_spearman, log_error, measurements, predict, spearman
 from hfjax.automap.cluster import GIB
 from hfjax.automap.dataflow import STAGES
 from hfjax.automap.run_config import predict_run, run_candidates, run_models
@@ -259,6 +259,7 @@ def test_a_sweep_of_six_layouts_and_two_broken_ones(tmp_path, capsys):
     before, after = log_error(cluster, ms), log_error(calibrated, ms)
     print(capsys.readouterr().out)
     assert after < before
+    assert iteration_spearman(cluster, ms) == pytest.approx(rho)  # one rank correlation: the sweep's and the fit's
 
 
 def _inputs_without_torch(tmp_path: Path) -> dict[str, str]:

@@ -47,7 +47,8 @@ def cluster_dict(cluster: ClusterSpec) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """One candidate of a sweep: what the cost model needs to predict it, and its measured stage seconds."""
+    """One candidate of a sweep: what the cost model needs to predict it, its measured stage seconds and its
+    measured seconds per step (the whole iteration as timed, which the sweep's rank correlation uses too)."""
 
     name: str
     flow: Dataflow
@@ -55,6 +56,7 @@ class Measurement:
     mapping: DeviceMapping
     config: Any
     seconds: dict[str, float]
+    step_seconds: float
 
 
 def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
@@ -69,7 +71,8 @@ def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
         shapes = role_shapes(flow, run_models(cfg))
         mapping = config_mapping(row["config"], tuple(r for r in flow.roles if r in shapes))
         seconds = {s: float(row["measured"][s]) for s in STAGES}
-        out.append(Measurement(row["name"], flow, shapes, mapping, cfg, seconds))
+        step = float(row["measured"].get("step_s") or sum(seconds.values()))
+        out.append(Measurement(row["name"], flow, shapes, mapping, cfg, seconds, step))
     if len(out) < 2:
         raise ConfigError(
             f"calibration needs at least 2 candidates that ran and were predicted; the sweep has {len(out)}"
@@ -168,11 +171,12 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
 
 
 def iteration_spearman(cluster: ClusterSpec, ms: Sequence[Measurement]) -> float | None:
-    """Spearman's rho of predicted against measured seconds per iteration (sum of the stages) over `ms`."""
+    """Spearman's rho of predicted seconds per iteration (the sum of the predicted stages) against the measured
+    seconds per step over `ms`: the sweep's own rank correlation (`spearman_step_s`), under `cluster`'s profile."""
     predicted = [predict(cluster, m) for m in ms]
     if any(p is None for p in predicted):
         return None
-    return spearman([sum(p.values()) for p in predicted], [sum(m.seconds.values()) for m in ms])
+    return spearman([sum(p.values()) for p in predicted], [m.step_seconds for m in ms])
 
 
 def calibrate_run(sweep_path: str, out: str) -> int:
