@@ -28,6 +28,8 @@ TARGETS = {  # each shipped config and the hardware its header names
     "qwen2.5-1.5b-remax-8gpu": "h100x8",
     "llama-3.2-1b-safe_rlhf-8gpu": "h100x8",
     "llama-3.1-8b-ppo-8gpu": "h100x8",
+    "gemma-3-1b-grpo-tpu-v5e-8": "v5e:2x4",
+    "gemma-3-1b-grpo-1gpu": "h100",
 }
 TINY = (  # one config at small shapes: the same programs, compiled in seconds
     "qwen2.5-0.5b-grpo-tpu-v5e-8",

@@ -21,7 +21,7 @@ from support.attention_cases import (
     qkv_inputs,
 )
 
-from hfjax.models import attention_pallas
+from hfjax.models import attention, attention_pallas
 from hfjax.models.attention import (
     attend_blocks,
     attention_mask,
@@ -182,6 +182,33 @@ def test_cudnn_falls_back_to_xla_where_unsupported():
     assert np.array_equal(np.asarray(got), np.asarray(dot_product_attention(q, k, v, mask)))
     with pytest.raises(ValueError, match="needs valid, lengths or mask"):
         causal_attention(q, k, v, implementation="xla")
+
+
+@pytest.mark.parametrize("t", [12, 128])  # 128: the causal-blocks path
+def test_soft_capped_scores_match_numpy_and_every_implementation_falls_back_to_them(t, caplog):
+    """Gemma 2's score soft cap: the xla attention against float64 numpy; the kernels have no cap, so asking for
+    them with one runs xla (the same values, and a logged reason), in full attention and in decode."""
+    softcap = 0.5  # scores of these inputs reach ~2: the cap changes them
+    attention._fall_back.cache_clear()  # each reason is logged once per process
+    q, k, v = qkv_inputs(0, 3, t, 4, 2, 8, jnp.float32)
+    valid = left_padded(t, [t, t - 4, 3])
+    index = jnp.arange(t)
+    mask = attention_mask(valid, index, index, 5)
+    want = dot_product_attention(q, k, v, mask, softcap=softcap)
+    real = np.asarray(valid)
+    assert_close(want, numpy_attention(q, k, v, np.asarray(mask), softcap), real, jnp.float32)
+    uncapped = numpy_attention(q, k, v, np.asarray(mask))
+    assert np.abs(np.asarray(want)[real] - uncapped[real]).max() > 1e-2
+    for name in ("pallas_interpret", "cudnn"):
+        got = causal_attention(q, k, v, mask=mask, valid=valid, window=5, softcap=softcap, implementation=name)
+        assert np.array_equal(np.asarray(got), np.asarray(want)), name
+    assert "soft-capping" in caplog.text
+    keys, values = cache_blocks(4, 3, 2, 8, 16, 2, jnp.float32)
+    lengths = jnp.asarray([3, 17, 30], jnp.int32)
+    q1 = q[:, :1]
+    got = decode_attention(q1, keys, values, lengths, 5, softcap=softcap, implementation="pallas_interpret")
+    allowed = decode_mask(lengths, 32, 5)
+    assert np.array_equal(np.asarray(got), np.asarray(attend_blocks(q1, keys, values, allowed, softcap)))
 
 
 # ------------------------------------------------------------------------------------------------------- decode

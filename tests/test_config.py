@@ -12,9 +12,8 @@ from hfjax.models.layers import rope_inv_freq
 
 def _dict(family, **overrides):
     cfg = hf_config(family, **overrides).to_dict()
-    cfg["architectures"] = [
-        {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family] + "ForCausalLM"
-    ]
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma2": "Gemma2"}
+    cfg["architectures"] = [prefix.get(family, "Gemma3") + "ForCausalLM"]
     return cfg
 
 
@@ -63,10 +62,41 @@ def test_family_options():
     assert sliding_qwen.sliding_windows == (None, 8)
 
 
+def test_gemma_options_and_their_defaults():
+    """Gemma configs as the Hub ships them: Gemma 2 with no layer_types alternates sliding and global layers and has
+    both soft caps; Gemma 3 in the older spelling (rope_theta, rope_local_base_freq, sliding_window_pattern) has a
+    global layer every 6th, its local rotary base on the sliding layers, q/k norms and no caps."""
+    gemma2 = _dict("gemma2", sliding_window=4096, num_hidden_layers=4, layer_types=None)
+    for key in ("layer_types", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        gemma2.pop(key)
+    cfg = config_from_hf(gemma2)[0]
+    assert cfg.sliding_windows == (4096, None, 4096, None)
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
+    assert cfg.norm_offset and cfg.sandwich_norms and cfg.embed_scale and not cfg.qk_norm
+    assert cfg.hidden_act == "gelu_tanh" and cfg.tie_word_embeddings
+    gemma3 = _dict("gemma3", num_hidden_layers=7, sliding_window=512, layer_types=None)
+    for key in ("layer_types", "rope_parameters"):
+        gemma3.pop(key)
+    gemma3.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6)
+    cfg = config_from_hf(gemma3)[0]
+    assert cfg.sliding_windows == (512,) * 5 + (None, 512)
+    assert [r.theta for r in cfg.layer_ropes] == [1e4] * 5 + [1e6, 1e4]
+    assert cfg.qk_norm and cfg.attn_softcap is None and cfg.final_softcap is None
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        config_from_hf({**gemma3, "use_bidirectional_attention": True})
+
+
 def test_param_count_matches_transformers():
     from support.checkpoints import build_hf_model
 
-    for family, kw in (("llama", dict(tie_word_embeddings=True)), ("qwen2", {}), ("qwen3", dict(head_dim=32))):
+    cases = (
+        ("llama", dict(tie_word_embeddings=True)),
+        ("qwen2", {}),
+        ("qwen3", dict(head_dim=32)),
+        ("gemma2", {}),
+        ("gemma3", dict(tie_word_embeddings=False)),
+    )
+    for family, kw in cases:
         model = build_hf_model(family, **kw)
         cfg = config_from_hf(_dict(family, **kw))[0]
         assert cfg.num_params == sum(p.numel() for p in model.parameters()), family

@@ -31,7 +31,14 @@ def _assert_bitwise(a, b):
 
 
 @pytest.mark.parametrize(
-    "family,kw", [("llama", {}), ("qwen3", dict(tie_word_embeddings=True)), ("qwen2", dict(num_key_value_heads=1))]
+    "family,kw",
+    [
+        ("llama", {}),
+        ("qwen3", dict(tie_word_embeddings=True)),
+        ("qwen2", dict(num_key_value_heads=1)),
+        ("gemma2", dict(sliding_window=4)),
+        ("gemma3", dict(sliding_window=4, tie_word_embeddings=False)),
+    ],
 )
 def test_save_round_trip_through_transformers(tmp_path, family, kw):
     reference, path = save_hf_model(tmp_path, family, **kw)

@@ -1,6 +1,7 @@
 """Layouts from config, their validation, and sharded loading on 8 fake devices."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -110,3 +111,35 @@ def test_device_count_mismatch_is_one_error_for_a_whole_model(tmp_path):
     with pytest.raises(LayoutError) as info:
         load_hf(path, layout={"mesh": {"data": 2 * devices}})
     assert str(info.value).count(f"but there are {devices} devices") == 1
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_sharded_logits_and_gradients_equal_one_device(tmp_path, family):
+    """Gemma's extra parameters (the norms around the MLP, q/k norms) carry logical axes like the others: under FSDP x
+    tensor parallelism the logits and every parameter's gradient of a log likelihood equal one device's."""
+    reference, path = save_hf_model(tmp_path, family, sliding_window=4, **WIDE)
+    ids, mask, _ = left_padded_batch(reference.config.vocab_size, [16, 9, 4, 12, 16, 1, 7, 11], seed=0)
+
+    def logits_and_grads(model, ids, mask):
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def log_likelihood(params):
+            logits = nnx.merge(graphdef, params, rest)(ids, mask)
+            picked = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), ids[:, 1:, None], -1)[..., 0]
+            return jnp.sum(picked * mask[:, 1:] * mask[:, :-1]), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(log_likelihood, has_aux=True))(params)
+        return np.asarray(logits), {p: np.asarray(g[...]) for p, g in nnx.to_flat_state(grads)}
+
+    expected_logits, expected_grads = logits_and_grads(load_hf(path), ids, mask)
+    layout = Layout.from_config(LAYOUTS["fsdp4-tp2"])
+    batch = layout.sharding(("batch", "length"), ids.shape)
+    got_logits, got_grads = logits_and_grads(
+        load_hf(path, layout=layout), jax.device_put(ids, batch), jax.device_put(mask, batch)
+    )
+    v = mask.astype(bool)
+    assert relative_error(got_logits[v], expected_logits[v]) <= 1e-5
+    assert got_grads.keys() == expected_grads.keys()
+    assert any("pre_feedforward_layernorm" in "/".join(map(str, p)) for p in got_grads)
+    for p, grad in expected_grads.items():
+        assert relative_error(got_grads[p], grad) <= 1e-5, p

@@ -40,11 +40,18 @@ def _inputs(dtype: jnp.dtype, kernel_dtype: jnp.dtype) -> tuple[jax.Array, ...]:
     return hidden, jnp.asarray(kernel, kernel_dtype), labels, weights
 
 
-def _full(hidden: jax.Array, kernel: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The reference: full float32 logits from the compute-dtype operands, masked, then the `hfjax.algos` losses."""
-    logits = jnp.einsum("rte,ve->rtv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
-    scaled = mask_vocab_padding(logits / TEMPERATURE, VOCAB)
-    return logprobs_from_logits(scaled, labels), entropy_from_logits(scaled)
+def _full(softcap: float | None) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """The reference: full float32 logits from the compute-dtype operands, soft-capped (cap * tanh(z / cap)) when
+    `softcap` is set, divided by the temperature, masked, then the `hfjax.algos` losses."""
+
+    def fn(hidden: jax.Array, kernel: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = jnp.einsum("rte,ve->rtv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        scaled = mask_vocab_padding(logits / TEMPERATURE, VOCAB)
+        return logprobs_from_logits(scaled, labels), entropy_from_logits(scaled)
+
+    return fn
 
 
 def _loss(fn: Callable[..., tuple[jax.Array, jax.Array | None]], entropy: bool) -> Callable[..., Any]:
@@ -56,19 +63,28 @@ def _loss(fn: Callable[..., tuple[jax.Array, jax.Array | None]], entropy: bool) 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def _chunked(chunk: int, entropy: bool) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
+def _chunked(chunk: int, entropy: bool, softcap: float | None) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
     def fn(hidden: jax.Array, kernel: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         return token_logprobs(
-            hidden, kernel, labels, vocab_size=VOCAB, temperature=TEMPERATURE, chunk=chunk, with_entropy=entropy
+            hidden,
+            kernel,
+            labels,
+            vocab_size=VOCAB,
+            temperature=TEMPERATURE,
+            softcap=softcap,
+            chunk=chunk,
+            with_entropy=entropy,
         )
 
     return fn
 
 
-def _compare(dtype: jnp.dtype, kernel_dtype: jnp.dtype, chunk: int, entropy: bool) -> dict[str, float]:
+def _compare(
+    dtype: jnp.dtype, kernel_dtype: jnp.dtype, chunk: int, entropy: bool, softcap: float | None = None
+) -> dict[str, float]:
     hidden, kernel, labels, weights = _inputs(dtype, kernel_dtype)
-    (_, (logp, ent)), grads = _loss(_chunked(chunk, entropy), entropy)(hidden, kernel, labels, weights)
-    (_, (ref_logp, ref_ent)), ref_grads = _loss(_full, entropy)(hidden, kernel, labels, weights)
+    (_, (logp, ent)), grads = _loss(_chunked(chunk, entropy, softcap), entropy)(hidden, kernel, labels, weights)
+    (_, (ref_logp, ref_ent)), ref_grads = _loss(_full(softcap), entropy)(hidden, kernel, labels, weights)
     assert logp.shape == (ROWS, LENGTH) and logp.dtype == jnp.float32
     assert grads[0].dtype == hidden.dtype and grads[1].dtype == kernel.dtype
     assert (ent is None) != entropy
@@ -88,6 +104,16 @@ def _compare(dtype: jnp.dtype, kernel_dtype: jnp.dtype, chunk: int, entropy: boo
 def test_float32_equals_full_computation(chunk: int, entropy: bool) -> None:
     errors = _compare(jnp.float32, jnp.float32, chunk, entropy)
     assert max(errors.values()) <= 1e-6, errors
+
+
+def test_soft_capped_logits_equal_full_computation() -> None:
+    """Gemma 2's final-logit soft cap inside the chunks, forward and hand-written backward; the cap (3 against
+    logits of std ~1.4 before the temperature) changes the result, so a dropped cap would show."""
+    errors = _compare(jnp.float32, jnp.float32, 8, True, softcap=3.0)
+    assert max(errors.values()) <= 1e-6, errors
+    hidden, kernel, labels, _ = _inputs(jnp.float32, jnp.float32)
+    capped, uncapped = _full(3.0)(hidden, kernel, labels)[0], _full(None)(hidden, kernel, labels)[0]
+    assert _relative_error(capped, uncapped) > 1e-2
 
 
 def test_bfloat16_compute_equals_full_computation() -> None:

@@ -34,6 +34,11 @@ CAUSAL_CASES = {
     "qwen3-wide-head": ("qwen3", dict(num_key_value_heads=1, head_dim=32)),
     "mistral-full": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
     "mistral-sliding-4": ("mistral", dict(num_key_value_heads=2, sliding_window=4)),
+    # Gemma (support/checkpoints.py: query scale 24 != head_dim 16, a sliding then a global layer, small soft caps)
+    "gemma2-sliding-4": ("gemma2", dict(sliding_window=4)),
+    "gemma2-mqa-bias-untied": ("gemma2", dict(num_key_value_heads=1, attention_bias=True, tie_word_embeddings=False)),
+    "gemma3-sliding-4": ("gemma3", dict(sliding_window=4)),
+    "gemma3-gqa4-untied": ("gemma3", dict(num_attention_heads=8, sliding_window=6, tie_word_embeddings=False)),
 }
 
 
@@ -71,6 +76,24 @@ def test_sliding_window_changes_the_result(tmp_path):
     assert relative_error(a[_valid(mask)], b[_valid(mask)]) > 1e-2
 
 
+@pytest.mark.parametrize(
+    "family,change",
+    [
+        ("gemma2", dict(attn_logit_softcapping=None)),
+        ("gemma2", dict(final_logit_softcapping=None)),
+        ("gemma3", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+        ("gemma3", dict(query_pre_attn_scalar=16)),
+    ],
+)
+def test_each_gemma_option_changes_the_result(family, change):
+    """The Gemma cases above are only meaningful if what they set (soft caps, the local rotary base, the query
+    scale) changes the logits of these tiny models."""
+    ids, mask, positions = left_padded_batch(97, LENGTHS, seed=1)
+    a = torch_logits(build_hf_model(family, sliding_window=4), ids, mask, positions)
+    b = torch_logits(build_hf_model(family, sliding_window=4, **change), ids, mask, positions)
+    assert relative_error(a[_valid(mask)], b[_valid(mask)]) > 1e-3
+
+
 def test_llama3_rope_scaling_changes_the_result(tmp_path):
     scaled = build_hf_model("llama", rope_parameters=LLAMA3_ROPE)
     plain = build_hf_model("llama", rope_parameters=dict(rope_type="default", rope_theta=500000.0))
@@ -79,7 +102,9 @@ def test_llama3_rope_scaling_changes_the_result(tmp_path):
     assert relative_error(a[_valid(mask)], b[_valid(mask)]) > 1e-3
 
 
-@pytest.mark.parametrize("family,num_labels", [("llama", 1), ("qwen2", 3), ("qwen3", 1), ("mistral", 2)])
+@pytest.mark.parametrize(
+    "family,num_labels", [("llama", 1), ("qwen2", 3), ("qwen3", 1), ("mistral", 2), ("gemma2", 2), ("gemma3", 1)]
+)
 def test_sequence_classification_scores_match_transformers(tmp_path, family, num_labels):
     reference, path = save_hf_model(tmp_path, family, head="SequenceClassification", num_labels=num_labels)
     ids, mask, positions = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=3)
@@ -90,7 +115,7 @@ def test_sequence_classification_scores_match_transformers(tmp_path, family, num
     assert relative_error(got, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 def test_critic_values_match_token_classification(tmp_path, family):
     reference, path = save_hf_model(tmp_path, family, head="TokenClassification", num_labels=1)
     ids, mask, positions = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=4)
@@ -158,7 +183,7 @@ def _log_likelihood_torch(model: torch.nn.Module, ids: np.ndarray, mask: np.ndar
     return (picked * weight).sum() / weight.sum()
 
 
-@pytest.mark.parametrize("case", ["llama-linear-rope-bias", "qwen2-tied-mqa", "qwen3-qknorm"])
+@pytest.mark.parametrize("case", ["llama-linear-rope-bias", "qwen2-tied-mqa", "qwen3-qknorm", "gemma2-sliding-4"])
 def test_parameter_gradients_match_torch_autograd(tmp_path, case):
     """The gradient of a masked next-token log likelihood with respect to every parameter (the model's
     hand-written `dense` backward included) against PyTorch autograd on the same checkpoint."""

@@ -19,7 +19,8 @@ Implementations (`IMPLEMENTATIONS`):
   pallas_tpu on a TPU when the program has one device or its layout is known (below); a TPU program over several
   devices with no known layout stays on xla (XLA cannot partition a Pallas kernel over devices by itself).
 The choice is the `implementation` argument, else the `HFJAX_ATTENTION` environment variable, else `auto`, read when
-the function is traced: a jitted function keeps the choice of its trace.
+the function is traced: a jitted function keeps the choice of its trace. Scores soft-capped by `softcap` (Gemma 2's
+`cap * tanh(s / cap)`, `scale_scores`) exist only in xla: with a cap, the others run as xla and log why, once.
 
 Layout: code that owns a program's `hfjax.parallel.Layout` enters `program_layout(layout)` inside the traced
 function (the engine's steps, a model role's row functions, the training programs). A Pallas kernel traced under a
@@ -31,6 +32,7 @@ not split so, as xla for that call. Outside any layout (a plain `model(...)` cal
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Sequence
 
@@ -46,6 +48,7 @@ from hfjax.models.program import (
     program_platform_version,
 )
 
+logger = logging.getLogger(__name__)
 ENV_VAR = "HFJAX_ATTENTION"
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas_tpu", "pallas_interpret")
 PALLAS = ("pallas_tpu", "pallas_interpret")
@@ -98,14 +101,26 @@ def attention_mask(segments: jax.Array, query_index: jax.Array, key_index: jax.A
     return allowed[None, :, :] & same
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def scale_scores(scores: jax.Array, head_dim: int, softcap: float | None) -> jax.Array:
+    """Raw float32 q.k products scaled by head_dim ** -0.5, then soft-capped to cap * tanh(scores / cap) when
+    `softcap` is set (Gemma 2), before any mask."""
+    scores = scores * (head_dim**-0.5)
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+@functools.cache
+def _fall_back(requested: str, reason: str) -> None:
+    logger.warning("attention: %s runs as xla: %s", requested, reason)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: float | None = None) -> jax.Array:
     """q [b, t, heads, d]; k, v [b, s, kv_heads, d]; mask [b, t, s] -> [b, t, heads, d]. The query heads of one kv
     head are stacked along the query axis, so each product is one batched matmul per (batch, kv head)."""
     b, t, heads, d = q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     q = q.reshape(b, t, kv_heads, group, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, group * t, d)
-    scores = jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    scores = scale_scores(jnp.einsum("bkqd,bskd->bkqs", q, k, preferred_element_type=jnp.float32), d, softcap)
     scores = jnp.where(mask[:, None, None, :, :], scores.reshape(b, kv_heads, group, t, s), MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, group * t, s)
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v).reshape(b, kv_heads, group, t, d)
@@ -113,7 +128,7 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Ar
 
 
 def extend_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, window: int | None = None
+    q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, window: int | None = None, softcap: float | None = None
 ) -> jax.Array:
     """Queries q [b, t, heads, d] at positions `starts` [b] + 0..t-1 over caches k, v [b, s, kv_heads, d] that
     already hold them (an observation appended to a running sequence): each query sees the cache positions up to its
@@ -123,21 +138,21 @@ def extend_attention(
     allowed = key_index[None, None, :] <= query_index[:, :, None]
     if window is not None:
         allowed &= query_index[:, :, None] - key_index[None, None, :] < window
-    return _attend(q, k, v, allowed)
+    return _attend(q, k, v, allowed, softcap)
 
 
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal_blocks: int = 4
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal_blocks: int = 4, softcap: float | None = None
 ) -> jax.Array:
     """The xla implementation: grouped-query attention, scores in float32. q [b, t, heads, d]; k, v
-    [b, s, kv_heads, d]; mask [b, t, s] (causal within it) -> [b, t, heads, d].
+    [b, s, kv_heads, d]; mask [b, t, s] (causal within it) -> [b, t, heads, d]; `softcap` as `scale_scores`.
 
     When queries and keys are the same positions (t == s, e.g. a forward pass), the queries are cut into
     `causal_blocks` blocks and block i attends only to the keys up to its end: (n+1)/(2n) of the 4*b*t*s*heads*d
     FLOPs of the full product, with identical results (the skipped keys are masked anyway)."""
     t, s = q.shape[1], k.shape[1]
     if t != s or t % causal_blocks or t // causal_blocks < 32:
-        return _attend(q, k, v, mask)
+        return _attend(q, k, v, mask, softcap)
     size = t // causal_blocks
     outs = [
         _attend(
@@ -145,6 +160,7 @@ def dot_product_attention(
             k[:, : (i + 1) * size],
             v[:, : (i + 1) * size],
             mask[:, i * size : (i + 1) * size, : (i + 1) * size],
+            softcap,
         )
         for i in range(causal_blocks)
     ]
@@ -213,6 +229,7 @@ def causal_attention(
     lengths: jax.Array | None = None,
     mask: jax.Array | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     implementation: str | None = None,
 ) -> jax.Array:
     """Causal self-attention of a batch: q [b, t, heads, d]; k, v [b, t, kv_heads, d] -> [b, t, heads, d].
@@ -223,16 +240,20 @@ def causal_attention(
     `mask` when given (one mask can serve every layer of a window) and builds it otherwise; the others use the
     structured form (pass `valid` with `mask` for packed segments: a diagonal holds no segment ids). Under an
     `program_layout` of several devices a Pallas kernel runs per shard (xla where the operands do not split by the
-    layout)."""
+    layout). Scores are soft-capped when `softcap` is set (`scale_scores`): only xla does that, so the others fall
+    back to it (logged once)."""
     if valid is None and lengths is None and mask is None:
         raise ValueError("causal_attention needs valid, lengths or mask")
     name = resolve_implementation(implementation)
+    if softcap is not None and name != "xla":
+        _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its kernels")
+        name = "xla"
     if name == "cudnn":
         limit = _cudnn_head_dim_limit()
         if not cudnn_supported(q.shape, k.shape, q.dtype, with_mask=lengths is None, head_dim_limit=limit):
             name = "xla"
     if name == "xla" and mask is not None:
-        return dot_product_attention(q, k, v, mask)
+        return dot_product_attention(q, k, v, mask, softcap=softcap)
     if name == "cudnn" and lengths is not None:
         return cudnn_attention(q, k, v, lengths=lengths, window=window)
     index = jnp.arange(q.shape[1], dtype=jnp.int32)
@@ -249,7 +270,8 @@ def causal_attention(
         out = attention_pallas.per_shard(kernel, (q, k, v, valid), attention_pallas.CAUSAL_AXES, current_layout())
         if out is not None:
             return out
-    return dot_product_attention(q, k, v, mask if mask is not None else attention_mask(valid, index, index, window))
+    mask = mask if mask is not None else attention_mask(valid, index, index, window)
+    return dot_product_attention(q, k, v, mask, softcap=softcap)
 
 
 def decode_key_positions(
@@ -296,7 +318,11 @@ def decode_mask(
 
 
 def attend_blocks(
-    q: jax.Array, key_blocks: Sequence[jax.Array], value_blocks: Sequence[jax.Array], allowed: jax.Array
+    q: jax.Array,
+    key_blocks: Sequence[jax.Array],
+    value_blocks: Sequence[jax.Array],
+    allowed: jax.Array,
+    softcap: float | None = None,
 ) -> jax.Array:
     """The xla decode: grouped-query attention of one query per slot over its cache blocks, scores in float32:
     q [S, 1, heads, d], key blocks [S, kv_heads, d, B], value blocks [S, kv_heads, B, d], allowed [S, blocks x B]
@@ -305,7 +331,7 @@ def attend_blocks(
     kv_heads = key_blocks[0].shape[1]
     q = q.reshape(slots, kv_heads, heads // kv_heads, d)
     scores = [jnp.einsum("skgd,skdt->skgt", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
-    scores = jnp.concatenate(scores, axis=-1) * (d**-0.5)
+    scores = scale_scores(jnp.concatenate(scores, axis=-1), d, softcap)
     scores = jnp.where(allowed[:, None, None, :], scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
     block = value_blocks[0].shape[2]
@@ -324,6 +350,7 @@ def extend_blocks_attention(
     *,
     prompt_lengths: jax.Array | None = None,
     prompt_blocks: int = 0,
+    softcap: float | None = None,
 ) -> jax.Array:
     """`extend_attention` over decode-layout cache blocks that already hold the new keys: queries q [R, T, heads, d]
     at positions `starts` [R] + 0..T-1; key blocks [R, kv_heads, d, B], value blocks [R, kv_heads, B, d]: the first
@@ -334,7 +361,7 @@ def extend_blocks_attention(
     kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[-1]
     q = q.reshape(rows, length, kv_heads, heads // kv_heads, d)
     scores = [jnp.einsum("rtkgd,rkdb->rkgtb", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
-    scores = jnp.concatenate(scores, axis=-1) * (d**-0.5)
+    scores = scale_scores(jnp.concatenate(scores, axis=-1), d, softcap)
     query_index = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
     own_positions = block * (len(key_blocks) - prompt_blocks)
     key_index, real = decode_key_positions(own_positions, prompt_lengths, block * prompt_blocks)
@@ -356,6 +383,7 @@ def decode_attention(
     *,
     prompt_lengths: jax.Array | None = None,
     prompt_blocks: int = 0,
+    softcap: float | None = None,
     implementation: str | None = None,
 ) -> jax.Array:
     """One query per slot at position `lengths` [S] over the slot's cache blocks: q [S, 1, heads, d]; key blocks
@@ -363,8 +391,11 @@ def decode_attention(
     the slot's shared-prompt blocks (prompt block j holds positions j*B.., real below `prompt_lengths` [S]), the
     others its own (own block i holds positions prompt length + i*B..; without prompt lengths, i*B..). A slot sees
     the real positions <= its length (and within `window`). Under an `program_layout` of several devices the Pallas
-    kernel runs per shard (xla where the operands do not split by the layout)."""
+    kernel runs per shard (xla where the operands do not split by the layout); with `softcap` it runs as xla."""
     name = resolve_implementation(implementation)
+    if softcap is not None and name in PALLAS:
+        _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its decode kernel")
+        name = "xla"
     if name in PALLAS:
         from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
@@ -384,4 +415,4 @@ def decode_attention(
     allowed = decode_mask(
         lengths, own_positions, window, prompt_lengths=prompt_lengths, prompt_positions=block * prompt_blocks
     )
-    return attend_blocks(q, key_blocks, value_blocks, allowed)
+    return attend_blocks(q, key_blocks, value_blocks, allowed, softcap)

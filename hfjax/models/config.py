@@ -9,18 +9,33 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# HF model type (our family) -> the prefix of its architecture classes.
+FAMILY_CLASS_PREFIX = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "gemma2": "Gemma2",
+    "gemma3_text": "Gemma3",
+}
+HEAD_CLASS_SUFFIX = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification", "token_cls": "TokenClassification"}
+# Where a family's class is not prefix + "For" + suffix. transformers has no Gemma 3 token classifier: an hfjax critic
+# of Gemma 3 is saved under this name, which hfjax reads back (transformers does not).
+ARCHITECTURE_EXCEPTIONS = {("gemma3_text", "seq_cls"): "Gemma3TextForSequenceClassification"}
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+
+
+def architecture_name(family: str, head: str) -> str:
+    """The HF architecture string of a family (HF `model_type`) and head kind (`causal_lm`, `seq_cls`, `token_cls`)."""
+    default = f"{FAMILY_CLASS_PREFIX[family]}For{HEAD_CLASS_SUFFIX[head]}"
+    return ARCHITECTURE_EXCEPTIONS.get((family, head), default)
+
+
 # HF architecture name -> (family, head kind). Head kinds: causal_lm, seq_cls, token_cls (our critic).
 ARCHITECTURES: dict[str, tuple[str, str]] = {
-    f"{family_cls}For{head_cls}": (family, head)
-    for family, family_cls in (("llama", "Llama"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("mistral", "Mistral"))
-    for head_cls, head in (
-        ("CausalLM", "causal_lm"),
-        ("SequenceClassification", "seq_cls"),
-        ("TokenClassification", "token_cls"),
-    )
+    architecture_name(family, head): (family, head) for family in FAMILY_CLASS_PREFIX for head in HEAD_CLASS_SUFFIX
 }
-FAMILY_CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
-HEAD_CLASS_SUFFIX = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification", "token_cls": "TokenClassification"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # HF name -> ours
 ROPE_TYPES = ("default", "linear", "llama3")
 # Stored vocabulary rows are a multiple of this (whatever the layout, so one checkpoint shape serves every layout):
 # it divides by every power-of-two tensor-parallel size up to 128; real vocabularies such as 32000 or 151936 already
@@ -47,7 +62,8 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3.x, Qwen2, Qwen3, Mistral)."""
+    """Shape and numerics of a decoder: Llama 2/3.x, Qwen2, Qwen3, Mistral, and Gemma 2 and 3 (text), whose
+    differences are the options below `sliding_windows`."""
 
     family: str
     vocab_size: int
@@ -67,6 +83,15 @@ class ModelConfig:
     qk_norm: bool = False
     # Per layer: None for full attention, else the sliding-window width (keys with q_idx - k_idx < window).
     sliding_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 (Gemma)
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs too (Gemma: post_attention_layernorm is
+    # the attention output's norm, pre_feedforward_layernorm the MLP input's)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the compute dtype (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, not head_dim's (Gemma)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
+    local_rope: RopeConfig | None = None  # rotary embedding of the sliding-window layers when it differs (Gemma 3)
     num_labels: int = 1
     pad_token_id: int | None = None
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -96,12 +121,24 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"rope type {self.rope.rope_type!r} is not supported; expected one of {ROPE_TYPES}"
             )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise UnsupportedModelError(f"hidden_act {self.hidden_act!r} is not supported; expected silu or gelu_tanh")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not float(value) > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
             raise ValueError(
                 f"ModelConfig.sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers"
             )
+
+    @property
+    def layer_ropes(self) -> tuple[RopeConfig, ...]:
+        """Each layer's rotary embedding: `local_rope` for sliding-window layers when set, else `rope`."""
+        local = self.local_rope or self.rope
+        return tuple(self.rope if window is None else local for window in self.sliding_windows)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -125,28 +162,19 @@ class ModelConfig:
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * self.head_dim * self.qk_norm
         m = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
-        per_layer = attn + m + 2 * d
+        per_layer = attn + m + (4 if self.sandwich_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
     def architecture(self, head: str) -> str:
         """The HF architecture string for this family and head kind (`causal_lm`, `seq_cls`, `token_cls`)."""
-        return FAMILY_CLASS_PREFIX[self.family] + "For" + HEAD_CLASS_SUFFIX[head]
+        return architecture_name(self.family, head)
 
     def to_hf_dict(self, head: str, dtype: str) -> dict[str, Any]:
         """A transformers `config.json` dict for this config, keeping unrelated keys of the original."""
         out = dict(self.hf_config)
         for stale in ("rope_scaling", "rope_parameters", "rope_theta", "torch_dtype", "id2label", "label2id"):
             out.pop(stale, None)
-        rope: dict[str, Any] = {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta}
-        if self.rope.rope_type in ("linear", "llama3"):
-            rope["factor"] = self.rope.factor
-        if self.rope.rope_type == "llama3":
-            rope.update(
-                low_freq_factor=self.rope.low_freq_factor,
-                high_freq_factor=self.rope.high_freq_factor,
-                original_max_position_embeddings=self.rope.original_max_position_embeddings,
-            )
         out.update(
             architectures=[self.architecture(head)],
             model_type=self.family,
@@ -160,17 +188,52 @@ class ModelConfig:
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
-            hidden_act="silu",
-            rope_parameters=rope,
+            rope_parameters=_rope_to_hf(self.rope),
             dtype=dtype,
             pad_token_id=self.pad_token_id,
         )
+        if self.family in GEMMA_FAMILIES:
+            out.update(self._gemma_hf_keys())
+        else:
+            out["hidden_act"] = "silu"
         if self.family == "llama":
             out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
         if head != "causal_lm":
             out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
             out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         return out
+
+    def _gemma_hf_keys(self) -> dict[str, Any]:
+        windows = sorted({w for w in self.sliding_windows if w is not None})
+        keys: dict[str, Any] = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "attn_logit_softcapping": self.attn_softcap,
+            "final_logit_softcapping": self.final_softcap,
+            "sliding_window": windows[0] if windows else None,
+            "layer_types": ["full_attention" if w is None else "sliding_attention" for w in self.sliding_windows],
+            "attention_bias": self.qkv_bias,
+        }
+        if self.family == "gemma3_text":
+            keys["rope_parameters"] = {
+                "full_attention": _rope_to_hf(self.rope),
+                "sliding_attention": _rope_to_hf(self.local_rope or self.rope),
+            }
+        return keys
+
+
+def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
+    """A `RopeConfig` as transformers 5 `rope_parameters`."""
+    out: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
+    if rope.rope_type in ("linear", "llama3"):
+        out["factor"] = rope.factor
+    if rope.rope_type == "llama3":
+        out.update(
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+        )
+    return out
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
@@ -199,13 +262,18 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
 
 
 def _sliding_windows_from_hf(cfg: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding windows from `layer_types` / `use_sliding_window` / `sliding_window`."""
+    """Per-layer sliding windows from `layer_types` / `use_sliding_window` / `sliding_window` (Gemma: `layer_types`,
+    else its fixed pattern: every 2nd layer global in Gemma 2, every `sliding_window_pattern`-th (6) in Gemma 3)."""
     window = cfg.get("sliding_window")
     if family == "mistral":
         return (window,) * num_layers if window else (None,) * num_layers
-    if family == "llama" or not cfg.get("use_sliding_window", False) or not window:
+    gemma = family in GEMMA_FAMILIES
+    if family == "llama" or not window or not (gemma or cfg.get("use_sliding_window", False)):
         return (None,) * num_layers
     layer_types = cfg.get("layer_types")
+    if layer_types is None and gemma:
+        period = 2 if family == "gemma2" else int(cfg.get("sliding_window_pattern", 6))
+        layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers)]
     if layer_types is None:
         first_sliding = cfg.get("max_window_layers", num_layers)
         layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
@@ -213,6 +281,34 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], family: str, num_layers: int) 
     if bad:
         raise UnsupportedModelError(f"config.json: layer_types {bad} are not supported")
     return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _gemma_options(cfg: dict[str, Any], family: str, source: str) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Gemma 2 or Gemma 3 (text) config, with transformers' defaults where absent."""
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention=true is not supported (causal LMs only)")
+    gemma2 = family == "gemma2"
+    bias = bool(cfg.get("attention_bias", False))
+    options: dict[str, Any] = {
+        "norm_offset": True,
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "qk_norm": not gemma2,
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),  # as written: transformers wants an int
+        "attn_softcap": cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None),
+        "final_softcap": cfg.get("final_logit_softcapping", 30.0 if gemma2 else None),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+    }
+    params = cfg.get("rope_parameters") or {}
+    if not gemma2 and "full_attention" in params:
+        options["rope"] = _rope_from_hf({"rope_parameters": params["full_attention"]})
+        options["local_rope"] = _rope_from_hf({"rope_parameters": params.get("sliding_attention") or {}})
+    elif not gemma2:
+        options["rope"] = _rope_from_hf({"rope_theta": 1_000_000.0, **cfg})
+        options["local_rope"] = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10_000.0)))
+    return options
 
 
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> tuple[ModelConfig, str]:
@@ -223,9 +319,13 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> tuple[Mo
             f"{source}: architectures {archs!r} not supported; expected one of {sorted(ARCHITECTURES)}"
         )
     family, head = ARCHITECTURES[archs[0]]
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
+    gemma = family in GEMMA_FAMILIES
+    act_key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    act = cfg.get(act_key) or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{source}: {act_key} {act!r} is not supported; expected one of {sorted(ACTIVATIONS)}"
+        )
     for key in ("attention_dropout", "hidden_dropout"):
         if float(cfg.get(key, 0.0) or 0.0) != 0.0:
             raise UnsupportedModelError(f"{source}: {key}={cfg[key]} is not supported; expected 0.0")
@@ -240,6 +340,15 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> tuple[Mo
     num_layers = int(cfg["num_hidden_layers"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     attention_bias = bool(cfg.get("attention_bias", False))
+    options = {
+        "rope": _rope_from_hf(cfg),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "qkv_bias": family == "qwen2" or (family in ("llama", "qwen3") and attention_bias),
+        "o_bias": family in ("llama", "qwen3") and attention_bias,
+        "qk_norm": family == "qwen3",
+    }
+    if gemma:
+        options.update(_gemma_options(cfg, family, source))
     model_cfg = ModelConfig(
         family=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -250,18 +359,15 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> tuple[Mo
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(cfg),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or (family in ("llama", "qwen3") and attention_bias),
-        o_bias=family in ("llama", "qwen3") and attention_bias,
         mlp_bias=family == "llama" and bool(cfg.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
         sliding_windows=_sliding_windows_from_hf(cfg, family, num_layers),
+        hidden_act=ACTIVATIONS[act],
         num_labels=len(cfg["id2label"])
         if cfg.get("id2label")
         else int(cfg.get("num_labels", 1 if head == "token_cls" else 2)),
         pad_token_id=cfg.get("pad_token_id"),
         hf_config=dict(cfg),
+        **options,
     )
     return model_cfg, head

@@ -96,10 +96,9 @@ def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
             plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.weight", (*ours, "mlp", f"{proj}_kernel")))
             if cfg.mlp_bias:
                 plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.bias", (*ours, "mlp", f"{proj}_bias"), "bias"))
-        plan += [
-            ParamMapping(f"{hf}{n}.weight", (*ours, n, "weight"))
-            for n in ("input_layernorm", "post_attention_layernorm")
-        ]
+        norms = ("input_layernorm", "post_attention_layernorm")
+        norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
+        plan += [ParamMapping(f"{hf}{n}.weight", (*ours, n, "weight")) for n in norms]
     plan.append(ParamMapping("model.norm.weight", ("model", "norm", "weight")))
     if head == "causal_lm" and not cfg.tie_word_embeddings:
         plan.append(ParamMapping("lm_head.weight", ("lm_head",), "vocab", cfg.vocab_size))

@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: logical-axis parameters, RMSNorm, rotary embedding, attention, SwiGLU MLP.
+"""Building blocks of the decoder: logical-axis parameters, RMSNorm, rotary embedding, attention, gated MLP.
 
 Every parameter carries `logical_axes` metadata (names from `LOGICAL_AXES`); a `Layout` maps them to mesh axes.
 Weights are stored output-major like HF's `[out, in]` (loading is a reshape, never a transpose; XLA's CPU matmuls
@@ -51,13 +51,32 @@ def rms_normalize(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return normed.astype(x.dtype) * weight.astype(x.dtype)
 
 
+def rms_normalize_offset(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: normalise and scale by (1 + weight) in float32, then cast to the input dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
-    def __init__(self, size: int, axis: str, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.weight = logical_param(rngs, jax.nn.initializers.ones, (size,), (axis,), param_dtype)
+    """RMSNorm over the last axis; with `offset` (Gemma) the stored weight is the scale minus one (initialised 0)."""
+
+    def __init__(
+        self, size: int, axis: str, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, offset: bool = False
+    ):
+        init = jax.nn.initializers.zeros if offset else jax.nn.initializers.ones
+        self.weight = logical_param(rngs, init, (size,), (axis,), param_dtype)
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_normalize(x, self.weight[...], self.eps)
+        normalize = rms_normalize_offset if self.offset else rms_normalize
+        return normalize(x, self.weight[...], self.eps)
+
+
+def norm(cfg: ModelConfig, size: int, axis: str, param_dtype: jnp.dtype, rngs: nnx.Rngs | None) -> RMSNorm:
+    """The RMSNorm of `cfg`'s family over `size` features of logical axis `axis`."""
+    return RMSNorm(size, axis, cfg.rms_norm_eps, param_dtype, rngs, offset=cfg.norm_offset)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -93,7 +112,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Multi-head attention with GQA/MQA, optional q/k/v/o biases and Qwen3's per-head q/k RMSNorm."""
+    """Multi-head attention with GQA/MQA, optional q/k/v/o biases, per-head q/k RMSNorm (Qwen3, Gemma 3) and
+    Gemma's query scale (the attention functions scale scores by head_dim ** -0.5: the queries carry the rest)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -111,8 +131,10 @@ class Attention(nnx.Module):
             logical_param(rngs, zeros, (kv, hd), ("kv_heads", "head_dim"), param_dtype) if cfg.qkv_bias else None
         )
         self.o_bias = logical_param(rngs, zeros, (d,), ("embed",), param_dtype) if cfg.o_bias else None
-        self.q_norm = RMSNorm(hd, "head_dim", cfg.rms_norm_eps, param_dtype, rngs) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, "head_dim", cfg.rms_norm_eps, param_dtype, rngs) if cfg.qk_norm else None
+        self.q_norm = norm(cfg, hd, "head_dim", param_dtype, rngs) if cfg.qk_norm else None
+        self.k_norm = norm(cfg, hd, "head_dim", param_dtype, rngs) if cfg.qk_norm else None
+        scalar = cfg.query_pre_attn_scalar
+        self.query_factor = None if scalar is None or scalar == hd else float((hd / scalar) ** 0.5)
         self.dtype = dtype
 
     def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
@@ -130,6 +152,8 @@ class Attention(nnx.Module):
         v = self._project(x, self.v_kernel, self.v_bias)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.query_factor is not None:
+            q = q * jnp.asarray(self.query_factor, q.dtype)
         heads, kv_heads = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim")
         q, k = constrain(apply_rope(q, cos, sin), heads), constrain(apply_rope(k, cos, sin), kv_heads)
         return q, k, constrain(v, kv_heads)
@@ -142,8 +166,11 @@ class Attention(nnx.Module):
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
+ACTIVATION_FUNCTIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
         d, m = cfg.hidden_size, cfg.intermediate_size
@@ -154,6 +181,7 @@ class MLP(nnx.Module):
         self.gate_bias = logical_param(rngs, zeros, (m,), ("mlp",), param_dtype) if cfg.mlp_bias else None
         self.up_bias = logical_param(rngs, zeros, (m,), ("mlp",), param_dtype) if cfg.mlp_bias else None
         self.down_bias = logical_param(rngs, zeros, (d,), ("embed",), param_dtype) if cfg.mlp_bias else None
+        self.hidden_act = cfg.hidden_act
         self.dtype = dtype
 
     def _dense(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
@@ -161,34 +189,35 @@ class MLP(nnx.Module):
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = jax.nn.silu(self._dense(x, self.gate_kernel, self.gate_bias)) * self._dense(
-            x, self.up_kernel, self.up_bias
-        )
+        act = ACTIVATION_FUNCTIONS[self.hidden_act]
+        hidden = act(self._dense(x, self.gate_kernel, self.gate_bias)) * self._dense(x, self.up_kernel, self.up_bias)
         return self._dense(constrain(hidden, ("batch", "length", "mlp")), self.down_kernel, self.down_bias)
 
 
 class DecoderLayer(nnx.Module):
+    """Layer `index` of `cfg`: attention (with that layer's window and rotary embedding) and the MLP, each behind an
+    RMSNorm, with Gemma's norms on their outputs too when `cfg.sandwich_norms`. The attributes are HF's names."""
+
     def __init__(
-        self,
-        cfg: ModelConfig,
-        window: int | None,
-        dtype: jnp.dtype,
-        param_dtype: jnp.dtype,
-        rngs: nnx.Rngs | None,
-        std: float,
+        self, cfg: ModelConfig, index: int, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float
     ):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
+        d = cfg.hidden_size
+        self.input_layernorm = norm(cfg, d, "embed", param_dtype, rngs)
         self.self_attn = Attention(cfg, dtype, param_dtype, rngs, std)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
+        self.post_attention_layernorm = norm(cfg, d, "embed", param_dtype, rngs)
+        self.pre_feedforward_layernorm = norm(cfg, d, "embed", param_dtype, rngs) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = norm(cfg, d, "embed", param_dtype, rngs) if cfg.sandwich_norms else None
         self.mlp = MLP(cfg, dtype, param_dtype, rngs, std)
-        self.window = window
+        self.window = cfg.sliding_windows[index]
+        self.rope = cfg.layer_ropes[index]
+        self.softcap = cfg.attn_softcap
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, segments: jax.Array) -> jax.Array:
         """The block over a batch of `segments` [b, t] (0/1 real tokens, or packed segment ids); `mask` is
-        `attention_mask(segments, index, index, self.window)` [b, t, t]."""
+        `attention_mask(segments, index, index, self.window)` [b, t, t]; cos and sin are of `self.rope`."""
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return causal_attention(q, k, v, valid=segments, mask=mask, window=self.window)
+            return causal_attention(q, k, v, valid=segments, mask=mask, window=self.window, softcap=self.softcap)
 
         return self.block(x, cos, sin, attend)
 
@@ -197,5 +226,9 @@ class DecoderLayer(nnx.Module):
         attends over k, v; generation writes them to its KV cache first and attends over the cache)."""
         attn = self.self_attn
         q, k, v = attn.project_qkv(self.input_layernorm(x), cos, sin)
-        x = constrain(x + attn.project_out(attend(q, k, v)), RESIDUAL)
-        return constrain(x + self.mlp(self.post_attention_layernorm(x)), RESIDUAL)
+        attended = attn.project_out(attend(q, k, v))
+        if self.pre_feedforward_layernorm is None:
+            x = constrain(x + attended, RESIDUAL)
+            return constrain(x + self.mlp(self.post_attention_layernorm(x)), RESIDUAL)
+        x = constrain(x + self.post_attention_layernorm(attended), RESIDUAL)
+        return constrain(x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), RESIDUAL)

@@ -44,12 +44,19 @@ from hfjax.models.program import constrain, current_layout
 LOGITS_CHUNK_TOKENS = 512  # tokens per device in one chunk of logits: 512 x 151,936 float32 is 297 MiB
 
 
-def _chunk_logits(hidden: jax.Array, kernel: jax.Array, vocab_size: int, temperature: float) -> jax.Array:
-    """float32 logits / temperature [rows, chunk, padded vocab] of one chunk, the padding columns at `MASKED_SCORE`
-    (as `mask_vocab_padding`). The one place the per-chunk logits are made: their sharding constraint (logical axes
-    batch, length, vocab) goes here."""
-    logits = jnp.einsum("rce,ve->rcv", hidden, kernel, preferred_element_type=jnp.float32) / temperature
-    logits = constrain(logits, ("batch", None, "vocab"))
+def softcap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping), or `logits` unchanged without a cap."""
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+
+
+def _chunk_logits(
+    hidden: jax.Array, kernel: jax.Array, vocab_size: int, temperature: float, softcap: float | None
+) -> jax.Array:
+    """float32 soft-capped logits / temperature [rows, chunk, padded vocab] of one chunk, the padding columns at
+    `MASKED_SCORE` (as `mask_vocab_padding`). The one place the per-chunk logits are made: their sharding constraint
+    (logical axes batch, length, vocab) goes here."""
+    logits = jnp.einsum("rce,ve->rcv", hidden, kernel, preferred_element_type=jnp.float32)
+    logits = constrain(softcap_logits(logits, softcap) / temperature, ("batch", None, "vocab"))
     if logits.shape[-1] == vocab_size:
         return logits
     return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, MASKED_SCORE)
@@ -84,14 +91,21 @@ def _add_pairs(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -
 
 
 def _forward(
-    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int, temperature: float, chunk: int, ent: bool
+    hidden: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    vocab_size: int,
+    temperature: float,
+    softcap: float | None,
+    chunk: int,
+    ent: bool,
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """((logp[, entropy]), (logsumexp[, entropy])), each [rows, length] float32."""
     kernel = kernel.astype(hidden.dtype)
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, ...]]:
         h, y = xs
-        z = _chunk_logits(h, kernel, vocab_size, temperature)
+        z = _chunk_logits(h, kernel, vocab_size, temperature, softcap)
         top = jnp.max(z, axis=-1, keepdims=True)
         shifted = z - top  # centred: the entropy's difference cancels no large max
         exps = jnp.exp(shifted)
@@ -115,22 +129,42 @@ def _forward(
     return (out[0], out[2]) if ent else (out[0],), tuple(out[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _token_stats(
-    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int, temperature: float, chunk: int, ent: bool
+    hidden: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    vocab_size: int,
+    temperature: float,
+    softcap: float | None,
+    chunk: int,
+    ent: bool,
 ) -> tuple[jax.Array, ...]:
-    return _forward(hidden, kernel, labels, vocab_size, temperature, chunk, ent)[0]
+    return _forward(hidden, kernel, labels, vocab_size, temperature, softcap, chunk, ent)[0]
 
 
 def _token_stats_fwd(
-    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, vocab_size: int, temperature: float, chunk: int, ent: bool
+    hidden: jax.Array,
+    kernel: jax.Array,
+    labels: jax.Array,
+    vocab_size: int,
+    temperature: float,
+    softcap: float | None,
+    chunk: int,
+    ent: bool,
 ) -> tuple[tuple[jax.Array, ...], tuple]:
-    out, stats = _forward(hidden, kernel, labels, vocab_size, temperature, chunk, ent)
+    out, stats = _forward(hidden, kernel, labels, vocab_size, temperature, softcap, chunk, ent)
     return out, (hidden, kernel, labels, stats)
 
 
 def _token_stats_bwd(
-    vocab_size: int, temperature: float, chunk: int, ent: bool, residuals: tuple, grads: tuple[jax.Array, ...]
+    vocab_size: int,
+    temperature: float,
+    softcap: float | None,
+    chunk: int,
+    ent: bool,
+    residuals: tuple,
+    grads: tuple[jax.Array, ...],
 ) -> tuple[jax.Array, jax.Array, None]:
     hidden, kernel, labels, stats = residuals
     compute = kernel.astype(hidden.dtype)
@@ -138,7 +172,7 @@ def _token_stats_bwd(
 
     def body(grad_kernel: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         h, y, lse, g_logp, *rest = xs
-        z = _chunk_logits(h, compute, vocab_size, temperature)
+        z = _chunk_logits(h, compute, vocab_size, temperature, softcap)
         log_p = z - lse[..., None]
         p = jnp.exp(log_p)
         # d logp / dz = onehot(label) - p;  d entropy / dz = p (sum softmax(z) z - z) = -p (log p + entropy)
@@ -146,7 +180,12 @@ def _token_stats_bwd(
         if ent:
             entropy, g_ent = rest
             dz = dz - g_ent[..., None] * p * (log_p + entropy[..., None])
-        dz = jnp.where(columns < vocab_size, dz / temperature, 0.0).astype(compute.dtype)
+        scale = (
+            1.0 / temperature
+        )  # d z / d (hidden @ kernel.T): 1 / T, times 1 - tanh^2 = 1 - (z T / cap)^2 when capped
+        if softcap is not None:
+            scale = scale * (1.0 - jnp.square(z * (temperature / softcap)))
+        dz = jnp.where(columns < vocab_size, dz * scale, 0.0).astype(compute.dtype)
         grad_h = jnp.einsum("rcv,ve->rce", dz, compute, preferred_element_type=jnp.float32).astype(hidden.dtype)
         grad_kernel = grad_kernel + jnp.einsum("rcv,rce->ve", dz, h, preferred_element_type=jnp.float32)
         return grad_kernel, grad_h
@@ -168,15 +207,18 @@ def token_logprobs(
     *,
     vocab_size: int,
     temperature: float = 1.0,
+    softcap: float | None = None,
     chunk: int = 256,
     with_entropy: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """(log softmax(z)[label], entropy of softmax(z) or None) [rows, length] float32, z = hidden @ kernel.T /
-    temperature over the first `vocab_size` columns, for `hidden` [rows, length, embed] in the compute dtype, the LM
-    head `kernel` [padded vocab, embed] in its stored dtype and integer `labels` [rows, length], `chunk` positions
-    at a time (see the module docstring for the memory). Differentiable in `hidden` and `kernel` through both."""
+    """(log softmax(z)[label], entropy of softmax(z) or None) [rows, length] float32, z = softcap_logits(hidden @
+    kernel.T, softcap) / temperature over the first `vocab_size` columns, for `hidden` [rows, length, embed] in the
+    compute dtype, the LM head `kernel` [padded vocab, embed] in its stored dtype and integer `labels` [rows, length],
+    `chunk` positions at a time (see the module docstring for the memory). Differentiable in `hidden` and `kernel`
+    through both."""
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of positions, got {chunk}")
     chunk = max(1, min(chunk, hidden.shape[1]))
-    out = _token_stats(hidden, kernel, labels.astype(jnp.int32), vocab_size, temperature, chunk, with_entropy)
+    labels = labels.astype(jnp.int32)
+    out = _token_stats(hidden, kernel, labels, vocab_size, temperature, softcap, chunk, with_entropy)
     return out[0], out[1] if with_entropy else None

@@ -3,7 +3,7 @@ and benchmarks without a checkpoint on disk. Weights are never implied: these ar
 
 from __future__ import annotations
 
-from hfjax.models.config import ModelConfig, RopeConfig
+from hfjax.models.config import ModelConfig, RopeConfig, config_from_hf
 
 LLAMA3_ROPE = RopeConfig(
     theta=500000.0,
@@ -91,6 +91,34 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, original_max_position_embeddings=8192),
     ),
+    # Gemma 3 1B, from its config.json as published (read by the same parser as a checkpoint's)
+    "gemma-3-1b": config_from_hf(
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "vocab_size": 262144,
+            "hidden_size": 1152,
+            "intermediate_size": 6912,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "rope_theta": 1000000,
+            "rope_local_base_freq": 10000,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 32768,
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "eos_token_id": [1, 106],
+        },
+        "gemma-3-1b",
+    )[0],
 }
 
 
@@ -109,4 +137,5 @@ HUB_SHAPES = {
     "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
     "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "google/gemma-3-1b-it": "gemma-3-1b",
 }

@@ -16,18 +16,18 @@ from flax import nnx
 
 from hfjax.models import lm_head
 from hfjax.models.attention import attention_mask
-from hfjax.models.config import MASKED_SCORE, ModelConfig
+from hfjax.models.config import MASKED_SCORE, ModelConfig, RopeConfig
 from hfjax.models.dense import dense
 from hfjax.models.layers import (
     RESIDUAL,
     DecoderLayer,
-    RMSNorm,
     logical_param,
+    norm,
     normal_init,
     rope_inv_freq,
     rope_tables,
 )
-from hfjax.models.lm_head import chunk_length, token_logprobs
+from hfjax.models.lm_head import chunk_length, softcap_logits, token_logprobs
 from hfjax.models.program import constrain, lookup_rows
 
 
@@ -101,11 +101,11 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
         self.embed_tokens = vocab_param(cfg, rngs, std, param_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, w, dtype, param_dtype, rngs, std) for w in cfg.sliding_windows])
-        self.norm = RMSNorm(cfg.hidden_size, "embed", cfg.rms_norm_eps, param_dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, param_dtype, rngs, std) for i in range(cfg.num_layers)])
+        self.norm = norm(cfg, cfg.hidden_size, "embed", param_dtype, rngs)
         self.remat = "none"  # `set_remat`: a static attribute, so it keys the compiled programs
-        self.rope = cfg.rope
         self.head_dim = cfg.head_dim
+        self.embed_scale = float(cfg.hidden_size**0.5) if cfg.embed_scale else None
         self.dtype = dtype
 
     def __call__(
@@ -118,21 +118,26 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = positions_from_mask(segments)
         index = jnp.arange(length, dtype=jnp.int32)
-        masks = {w: attention_mask(segments, index, index, w) for w in {layer.window for layer in self.layers}}
-        cos, sin = self.rotary(positions)
+        windows = dict.fromkeys(layer.window for layer in self.layers)  # first-seen order: one trace everywhere
+        masks = {w: attention_mask(segments, index, index, w) for w in windows}
+        tables = self.rotary(positions)
         x = constrain(self.embed(input_ids), RESIDUAL)
         for layer in self.layers:
-            x = _layer_step(layer, x, (cos, sin, masks[layer.window], segments), self.remat)
+            x = _layer_step(layer, x, (*tables[layer.rope], masks[layer.window], segments), self.remat)
         return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
         """Token embeddings [..., embed] in the compute dtype (`lookup_rows`: looked up where the table's `embed`
-        shards live, then one all-to-all to rows split over every batch axis)."""
-        return lookup_rows(self.embed_tokens[...], input_ids).astype(self.dtype)
+        shards live, then one all-to-all to rows split over every batch axis), times sqrt(hidden) rounded to the
+        compute dtype where the family scales them (Gemma, as transformers does)."""
+        x = lookup_rows(self.embed_tokens[...], input_ids).astype(self.dtype)
+        return x if self.embed_scale is None else x * jnp.asarray(self.embed_scale, self.dtype)
 
-    def rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Rotary cos and sin tables [batch, length, head_dim] for integer positions [batch, length]."""
-        return rope_tables(positions, rope_inv_freq(self.rope, self.head_dim), self.dtype)
+    def rotary(self, positions: jax.Array) -> dict[RopeConfig, tuple[jax.Array, jax.Array]]:
+        """Rotary cos and sin tables [batch, length, head_dim] for integer positions [batch, length], per rotary
+        embedding of the layers (a layer reads `tables[layer.rope]`)."""
+        ropes = dict.fromkeys(layer.rope for layer in self.layers)
+        return {rope: rope_tables(positions, rope_inv_freq(rope, self.head_dim), self.dtype) for rope in ropes}
 
 
 class _Backbone(nnx.Module):
@@ -208,15 +213,18 @@ class CausalLM(_Backbone):
             labels,
             vocab_size=self.config.vocab_size,
             temperature=temperature,
+            softcap=self.config.final_softcap,
             chunk=chunk,
             with_entropy=with_entropy,
         )
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """LM-head logits [..., padded_vocab_size] float32 for hidden states [..., embed]; the padding columns hold
-        `MASKED_SCORE`. Materialises every logit: for the log probs of given tokens use `token_logprobs`."""
+        `MASKED_SCORE`; soft-capped where the config says (Gemma 2). Materialises every logit: for the log probs of
+        given tokens use `token_logprobs`."""
         kernel = self.head_kernel
-        logits = constrain(self._to_float32(hidden, kernel[...]), ("batch",) + (None,) * (hidden.ndim - 2) + ("vocab",))
+        logits = softcap_logits(self._to_float32(hidden, kernel[...]), self.config.final_softcap)
+        logits = constrain(logits, ("batch",) + (None,) * (hidden.ndim - 2) + ("vocab",))
         return mask_vocab_padding(logits, self.config.vocab_size)
 
 

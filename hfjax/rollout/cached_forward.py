@@ -45,17 +45,17 @@ def prefill_forward(model: CausalLM, tokens: jax.Array, lengths: jax.Array) -> P
     batch, length = tokens.shape
     decoder = model.model
     index = jnp.arange(length, dtype=jnp.int32)
-    cos, sin = decoder.rotary(jnp.broadcast_to(index, (batch, length)))
+    tables = decoder.rotary(jnp.broadcast_to(index, (batch, length)))
     x = decoder.embed(tokens)
     keys, values = [], []
     for layer in decoder.layers:
 
-        def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = layer.window) -> jax.Array:
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any = layer) -> jax.Array:
             keys.append(k)
             values.append(v)
-            return causal_attention(q, k, v, lengths=lengths, window=window)
+            return causal_attention(q, k, v, lengths=lengths, window=layer.window, softcap=layer.softcap)
 
-        x = layer.block(x, cos, sin, attend)
+        x = layer.block(x, *tables[layer.rope], attend)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return Prefix(tuple(keys), tuple(values), lengths, model.logits(decoder.norm(last)))
 
@@ -66,10 +66,10 @@ def _new_tokens_forward(model: CausalLM, tokens: jax.Array, starts: jax.Array, c
     `attend_of(index, layer, positions)`; returns the logits at each row's last real token (`counts` [B])."""
     decoder = model.model
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    cos, sin = decoder.rotary(positions)
+    tables = decoder.rotary(positions)
     x = decoder.embed(tokens)
     for index, layer in enumerate(decoder.layers):
-        x = layer.block(x, cos, sin, attend_of(index, layer, positions))
+        x = layer.block(x, *tables[layer.rope], attend_of(index, layer, positions))
     last = jnp.take_along_axis(x, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
     return model.logits(decoder.norm(last))
 
@@ -97,7 +97,7 @@ def extend_forward(
             ck, cv = write(cache_keys[index], k), write(cache_values[index], v)
             keys.append(ck)
             values.append(cv)
-            return extend_attention(q, ck, cv, starts, layer.window)
+            return extend_attention(q, ck, cv, starts, layer.window, softcap=layer.softcap)
 
         return attend
 
@@ -167,6 +167,7 @@ def extend_slots_forward(
                 layer.window,
                 prompt_lengths=prompt_lengths,
                 prompt_blocks=len(pk),
+                softcap=layer.softcap,
             )
 
         return attend
@@ -217,7 +218,7 @@ def decode_forward(
     block = cache_keys[0][0].shape[-1]
     decoder = model.model
     own = lengths - prompt.lengths
-    cos, sin = decoder.rotary(lengths[:, None])
+    tables = decoder.rotary(lengths[:, None])
     x = decoder.embed(tokens[:, None])
     new_keys, new_values = [], []
     for index, (layer, key_blocks, value_blocks) in enumerate(
@@ -225,7 +226,7 @@ def decode_forward(
     ):
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, kb=key_blocks, vb=value_blocks, index=index,
-                   window=layer.window):  # fmt: skip
+                   layer=layer):  # fmt: skip
             starts = [i * block for i in range(len(kb))]
             kb = tuple(write_positions(c, k[:, 0], own - s, axis=3) for c, s in zip(kb, starts, strict=True))
             vb = tuple(write_positions(c, v[:, 0], own - s, axis=2) for c, s in zip(vb, starts, strict=True))
@@ -234,9 +235,16 @@ def decode_forward(
             pk = gather_prompt_blocks(prompt.keys[index], prompt.table)
             pv = gather_prompt_blocks(prompt.values[index], prompt.table)
             return decode_attention(
-                q, (*pk, *kb), (*pv, *vb), lengths, window, prompt_lengths=prompt.lengths, prompt_blocks=len(pk)
+                q,
+                (*pk, *kb),
+                (*pv, *vb),
+                lengths,
+                layer.window,
+                prompt_lengths=prompt.lengths,
+                prompt_blocks=len(pk),
+                softcap=layer.softcap,
             )
 
-        x = layer.block(x, cos, sin, attend)
+        x = layer.block(x, *tables[layer.rope], attend)
     logits = model.logits(decoder.norm(x[:, 0]))
     return logits, tuple(new_keys), tuple(new_values)

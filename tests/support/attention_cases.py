@@ -44,8 +44,9 @@ def left_padded(t: int, lengths: list[int]) -> jax.Array:
     return jnp.asarray(np.arange(t)[None, :] >= t - np.asarray(lengths)[:, None])
 
 
-def numpy_attention(q, k, v, allowed: np.ndarray) -> np.ndarray:
-    """Float64 attention, one (row, head, query) at a time over its allowed keys; NaN where none is allowed."""
+def numpy_attention(q, k, v, allowed: np.ndarray, softcap: float | None = None) -> np.ndarray:
+    """Float64 attention, one (row, head, query) at a time over its allowed keys (scores soft-capped to
+    cap * tanh(s / cap) when `softcap` is set); NaN where none is allowed."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, heads, d = q.shape
     group = heads // k.shape[2]
@@ -54,6 +55,8 @@ def numpy_attention(q, k, v, allowed: np.ndarray) -> np.ndarray:
         seen = allowed[row, query]
         if seen.any():
             scores = k[row, seen, head // group] @ q[row, query, head] / np.sqrt(d)
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
             probs = np.exp(scores - scores.max())
             out[row, query, head] = probs @ v[row, seen, head // group] / probs.sum()
     return out

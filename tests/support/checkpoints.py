@@ -13,7 +13,28 @@ if TYPE_CHECKING:
     import torch
     import transformers as tf
 
-PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+PREFIX = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "mistral": "Mistral",
+    "gemma2": "Gemma2",
+    "gemma3": "Gemma3",
+}
+SOFTCAPS = {"attn": 0.2, "final": 1.0}
+GEMMA3_ROPES = {  # local and global rotary bases far apart, so that a layer reading the other's table shows
+    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+CONFIG_CLASS = {"gemma3": "Gemma3TextConfig"}  # else PREFIX + "Config"
+MODEL_CLASS = {("gemma3", "SequenceClassification"): "Gemma3TextForSequenceClassification"}  # else PREFIX + For + head
+# Gemma at tiny size: 16-wide heads, a query scale that is not head_dim's, a sliding layer then a global one, and
+# soft caps small enough to change the numbers (Gemma 2's defaults, 50 and 30, would not at these magnitudes)
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"])
+FAMILY_DEFAULTS = {
+    "gemma2": dict(GEMMA, attn_logit_softcapping=SOFTCAPS["attn"], final_logit_softcapping=SOFTCAPS["final"]),
+    "gemma3": dict(GEMMA, rope_parameters=GEMMA3_ROPES),
+}
 BASE = dict(
     vocab_size=97,
     hidden_size=64,
@@ -30,10 +51,10 @@ BASE = dict(
 def hf_config(family: str, **overrides: Any) -> tf.PretrainedConfig:
     import transformers as tf
 
-    kwargs = {**BASE, **overrides}
+    kwargs = {**BASE, **FAMILY_DEFAULTS.get(family, {}), **overrides}
     if family in ("qwen3", "mistral") and "head_dim" not in kwargs:
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    return getattr(tf, f"{PREFIX[family]}Config")(**kwargs)
+    return getattr(tf, CONFIG_CLASS.get(family, f"{PREFIX[family]}Config"))(**kwargs)
 
 
 def build_hf_model(family: str, head: str = "CausalLM", seed: int = 0, **overrides: Any) -> torch.nn.Module:
@@ -44,7 +65,7 @@ def build_hf_model(family: str, head: str = "CausalLM", seed: int = 0, **overrid
     torch.manual_seed(seed)
     config = hf_config(family, **overrides)
     config._attn_implementation = "eager"
-    cls = getattr(tf, f"{PREFIX[family]}For{head}")
+    cls = getattr(tf, MODEL_CLASS.get((family, head), f"{PREFIX[family]}For{head}"))
     model = cls(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so that a dropped one shows in the logits
         for name, p in model.named_parameters():
