@@ -141,6 +141,26 @@ def test_compile_for_h100x8() -> None:
 
 
 @pytest.mark.compile_target
+def test_heads_wider_than_128_compile_for_h100_as_xla_attention() -> None:
+    """Gemma 3's 256-wide heads: jax allows cuDNN past 128 only when the process itself runs on a Hopper GPU (it reads
+    the local backend, not the program's devices), so compiled here for an H100 the attention runs as xla, and the
+    program compiles (it raised NotImplementedError in jax's cuDNN check before)."""
+    from hfjax.models.attention import causal_attention
+    from hfjax.models.program import program_layout
+    from hfjax.parallel import Layout
+
+    layout = Layout.from_config({"mesh": {"fsdp": 1}, "rules": "fsdp"}).on_devices(target_devices(parse_target("h100")))
+    one = NamedSharding(layout.mesh, P())
+    q = jax.ShapeDtypeStruct((2, 64, 4, 256), jnp.bfloat16, sharding=one)
+    kv = jax.ShapeDtypeStruct((2, 64, 1, 256), jnp.bfloat16, sharding=one)
+    valid = jax.ShapeDtypeStruct((2, 64), jnp.int32, sharding=one)
+    with program_layout(layout):
+        attend = jax.jit(lambda q, k, v, m: causal_attention(q, k, v, valid=m))
+        text = attend.lower(q, kv, kv, valid).compile().as_text()
+    assert "__cudnn$fmha" not in text
+
+
+@pytest.mark.compile_target
 def test_cudnn_attention_and_its_gradient_compile_for_h100x8() -> None:
     """bfloat16 attention with rows split over 8 GPUs takes cuDNN's fused kernels forward and backward, and moves
     nothing between devices. JAX reads cuDNN's version while tracing it: the `compile` extra brings the library

@@ -180,9 +180,17 @@ def cudnn_supported(
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and shapes_ok and lengths_ok
 
 
-def _cudnn_head_dim_limit() -> int:
+def _cudnn_head_dim_limit(head_dim: int) -> int:
+    """128, or 256 from Hopper on. jax checks Hopper on this process's default backend, not the program's devices: a
+    program compiled here for a GPU target (`hfjax compile`) gets 128, and its wider heads run as xla (logged)."""
     capability = str(getattr(program_device(), "compute_capability", "0"))
-    return 256 if tuple(int(part) for part in capability.split(".")) >= (9, 0) else 128
+    if tuple(int(part) for part in capability.split(".")) < (9, 0):
+        return 128
+    if "cuda" not in str(getattr(jax.local_devices()[0].client, "platform_version", "")):
+        if head_dim > 128:
+            _fall_back("cudnn", "jax allows heads over 128 only when this process runs on a Hopper GPU itself")
+        return 128
+    return 256
 
 
 def cudnn_attention(
@@ -249,7 +257,7 @@ def causal_attention(
         _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its kernels")
         name = "xla"
     if name == "cudnn":
-        limit = _cudnn_head_dim_limit()
+        limit = _cudnn_head_dim_limit(q.shape[-1])
         if not cudnn_supported(q.shape, k.shape, q.dtype, with_mask=lengths is None, head_dim_limit=limit):
             name = "xla"
     if name == "xla" and mask is not None:

@@ -31,6 +31,7 @@ from a budget of tokens per device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -90,26 +91,30 @@ def _add_pairs(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -
     return a[0] + b[0], a[1] + b[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """The static settings of one `token_logprobs` call (hashable: the custom VJP's one non-differentiable input)."""
+
+    vocab_size: int
+    temperature: float
+    softcap: float | None
+    chunk: int
+    entropy: bool
+
+
 def _forward(
-    hidden: jax.Array,
-    kernel: jax.Array,
-    labels: jax.Array,
-    vocab_size: int,
-    temperature: float,
-    softcap: float | None,
-    chunk: int,
-    ent: bool,
+    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """((logp[, entropy]), (logsumexp[, entropy])), each [rows, length] float32."""
     kernel = kernel.astype(hidden.dtype)
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, ...]]:
         h, y = xs
-        z = _chunk_logits(h, kernel, vocab_size, temperature, softcap)
+        z = _chunk_logits(h, kernel, head.vocab_size, head.temperature, head.softcap)
         top = jnp.max(z, axis=-1, keepdims=True)
         shifted = z - top  # centred: the entropy's difference cancels no large max
         exps = jnp.exp(shifted)
-        if ent:  # one two-output reduction, so exps is never stored
+        if head.entropy:  # one two-output reduction, so exps is never stored
             total, weighted = jax.lax.reduce(
                 (exps, exps * shifted), (np.float32(0), np.float32(0)), _add_pairs, (exps.ndim - 1,)
             )
@@ -119,80 +124,55 @@ def _forward(
         # the label's logit picked from the chunk's logits: over a tensor-sharded vocabulary the partitioner picks
         # it where it lives and sums [rows, chunk] over `tensor`, collecting no logits (tests/test_scaling.py)
         logp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
-        if not ent:
+        if not head.entropy:
             return None, (logp, lse)
         entropy = jnp.log(total) - weighted / total
         return None, (logp, lse, entropy)
 
-    _, out = jax.lax.scan(body, None, (_to_chunks(hidden, chunk), _to_chunks(labels, chunk)))
+    _, out = jax.lax.scan(body, None, (_to_chunks(hidden, head.chunk), _to_chunks(labels, head.chunk)))
     out = [_from_chunks(o, hidden.shape[1]) for o in out]
-    return (out[0], out[2]) if ent else (out[0],), tuple(out[1:])
+    return (out[0], out[2]) if head.entropy else (out[0],), tuple(out[1:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _token_stats(
-    hidden: jax.Array,
-    kernel: jax.Array,
-    labels: jax.Array,
-    vocab_size: int,
-    temperature: float,
-    softcap: float | None,
-    chunk: int,
-    ent: bool,
-) -> tuple[jax.Array, ...]:
-    return _forward(hidden, kernel, labels, vocab_size, temperature, softcap, chunk, ent)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _token_stats(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head) -> tuple[jax.Array, ...]:
+    return _forward(hidden, kernel, labels, head)[0]
 
 
 def _token_stats_fwd(
-    hidden: jax.Array,
-    kernel: jax.Array,
-    labels: jax.Array,
-    vocab_size: int,
-    temperature: float,
-    softcap: float | None,
-    chunk: int,
-    ent: bool,
+    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head
 ) -> tuple[tuple[jax.Array, ...], tuple]:
-    out, stats = _forward(hidden, kernel, labels, vocab_size, temperature, softcap, chunk, ent)
+    out, stats = _forward(hidden, kernel, labels, head)
     return out, (hidden, kernel, labels, stats)
 
 
-def _token_stats_bwd(
-    vocab_size: int,
-    temperature: float,
-    softcap: float | None,
-    chunk: int,
-    ent: bool,
-    residuals: tuple,
-    grads: tuple[jax.Array, ...],
-) -> tuple[jax.Array, jax.Array, None]:
+def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, None]:
     hidden, kernel, labels, stats = residuals
     compute = kernel.astype(hidden.dtype)
     columns = jnp.arange(kernel.shape[0])
 
     def body(grad_kernel: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         h, y, lse, g_logp, *rest = xs
-        z = _chunk_logits(h, compute, vocab_size, temperature, softcap)
+        z = _chunk_logits(h, compute, head.vocab_size, head.temperature, head.softcap)
         log_p = z - lse[..., None]
         p = jnp.exp(log_p)
         # d logp / dz = onehot(label) - p;  d entropy / dz = p (sum softmax(z) z - z) = -p (log p + entropy)
         dz = g_logp[..., None] * ((columns == y[..., None]) - p)
-        if ent:
+        if head.entropy:
             entropy, g_ent = rest
             dz = dz - g_ent[..., None] * p * (log_p + entropy[..., None])
-        scale = (
-            1.0 / temperature
-        )  # d z / d (hidden @ kernel.T): 1 / T, times 1 - tanh^2 = 1 - (z T / cap)^2 when capped
-        if softcap is not None:
-            scale = scale * (1.0 - jnp.square(z * (temperature / softcap)))
-        dz = jnp.where(columns < vocab_size, dz * scale, 0.0).astype(compute.dtype)
+        # d z / d (hidden @ kernel.T): 1 / T, times 1 - tanh^2 = 1 - (z T / cap)^2 under a soft cap
+        scale = 1.0 / head.temperature
+        if head.softcap is not None:
+            scale = scale * (1.0 - jnp.square(z * (head.temperature / head.softcap)))
+        dz = jnp.where(columns < head.vocab_size, dz * scale, 0.0).astype(compute.dtype)
         grad_h = jnp.einsum("rcv,ve->rce", dz, compute, preferred_element_type=jnp.float32).astype(hidden.dtype)
         grad_kernel = grad_kernel + jnp.einsum("rcv,rce->ve", dz, h, preferred_element_type=jnp.float32)
         return grad_kernel, grad_h
 
-    per_token = [stats[0], grads[0]] + ([stats[1], grads[1]] if ent else [])
-    xs = (_to_chunks(hidden, chunk), _to_chunks(labels, chunk), *(_to_chunks(x, chunk) for x in per_token))
-    grad_kernel, grad_h = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), xs)
+    per_token = [stats[0], grads[0]] + ([stats[1], grads[1]] if head.entropy else [])
+    chunks = (_to_chunks(x, head.chunk) for x in (hidden, labels, *per_token))
+    grad_kernel, grad_h = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), tuple(chunks))
     grad_h = jnp.swapaxes(grad_h, 0, 1).reshape(hidden.shape[0], -1, hidden.shape[2])[:, : hidden.shape[1]]
     return grad_h, grad_kernel.astype(kernel.dtype), None
 
@@ -219,6 +199,6 @@ def token_logprobs(
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of positions, got {chunk}")
     chunk = max(1, min(chunk, hidden.shape[1]))
-    labels = labels.astype(jnp.int32)
-    out = _token_stats(hidden, kernel, labels, vocab_size, temperature, softcap, chunk, with_entropy)
+    head = _Head(vocab_size, temperature, softcap, chunk, with_entropy)
+    out = _token_stats(hidden, kernel, labels.astype(jnp.int32), head)
     return out[0], out[1] if with_entropy else None

@@ -7,7 +7,7 @@ and measured seconds per iteration before and after, and the auto-mapper's choic
 JAX process per host, gloo collectives between them), so that a layout whose FSDP group spans the hosts pays for the
 cross-host link; the report says whether the auto-mapper, with the profile calibrated there, keeps FSDP (and tensor
 parallelism) inside a host. Run it alone on the machine: concurrent load changes the measurements. Usage:
-    python scripts/bench/bench_sweep.py [--hosts 1|2] [--steps 2] [--warmup 1] [--out runs/bench/sweep.json]
+    python scripts/bench/bench_sweep.py [--hosts 1|2] [--steps 5] [--warmup 1] [--out runs/bench/sweep.json]
         [--tiny]
 The batch is a quarter of the standard RL step's by default (16 prompts x 4 samples from its prompts of up to 64
 tokens, responses of 32 tokens): on 8 fake devices of a 2-core machine one standard step under `fsdp=8` took 247 s,
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=Path, help="reference checkpoint (built under a temp dir when omitted)")
     parser.add_argument("--hosts", type=int, default=1, choices=[1, 2], help="simulated hosts (2: 2 x 4 devices)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"some of {', '.join(LAYOUTS)}")
-    parser.add_argument("--steps", type=int, default=2, help="iterations measured per layout (medians)")
+    parser.add_argument("--steps", type=int, default=5, help="iterations measured per layout (medians)")
     parser.add_argument("--warmup", type=int, default=1, help="iterations first run and left out (compiles)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--response-length", type=int, default=32)
