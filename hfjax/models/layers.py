@@ -44,18 +44,19 @@ def normal_init(std: float) -> Initializer:
     return jax.nn.initializers.normal(stddev=std)
 
 
+def _normalized32(x: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 def rms_normalize(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """HF RMSNorm: normalise in float32, cast back to the input dtype, then scale."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return normed.astype(x.dtype) * weight.astype(x.dtype)
+    return _normalized32(x, eps).astype(x.dtype) * weight.astype(x.dtype)
 
 
 def rms_normalize_offset(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Gemma's RMSNorm: normalise and scale by (1 + weight) in float32, then cast to the input dtype."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return (_normalized32(x, eps) * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
