@@ -19,6 +19,7 @@ from hfjax.algos.kl import KL_ALIASES, KL_KINDS
 from hfjax.algos.losses import POLICY_LOSSES, check_actor_policy_loss
 from hfjax.algos.rollout_correction import parse_is_threshold
 from hfjax.algos.rollout_rejection import parse_rejection
+from hfjax.models.lora import LoraConfig
 from hfjax.optim.optimizer import OptimConfig
 from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_fields, check_name
 
@@ -217,6 +218,10 @@ class ActorConfig:
     # keeps the matmul outputs and recomputes the elementwise work.
     remat: Literal["none", "full", "dots"] = "none"
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    # Low-rank adapters (rank > 0): the base is frozen and stored in `dtype` (param_dtype applies to nothing then),
+    # float32 adapters and their optimizer state are trained, checkpoints hold the adapters, and the reference policy
+    # is the base with adapters off (no second copy)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         check_batch_sizes(self)

@@ -21,6 +21,7 @@ from flax import nnx
 from hfjax.models.attention import causal_attention
 from hfjax.models.config import ModelConfig, RopeConfig
 from hfjax.models.dense import dense
+from hfjax.models.lora import LoraAdapter, with_adapter
 from hfjax.models.program import constrain
 from hfjax.parallel.layout import LOGICAL_AXES
 
@@ -137,20 +138,23 @@ class Attention(nnx.Module):
         scalar = cfg.query_pre_attn_scalar
         self.query_factor = None if scalar is None or scalar == hd else float((hd / scalar) ** 0.5)
         self.dtype = dtype
+        self.q_lora = self.k_lora = self.v_lora = self.o_lora = None  # LoRA adapters (`hfjax.models.lora`)
 
-    def _project(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
+    def _project(
+        self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, adapter: LoraAdapter | None
+    ) -> jax.Array:
         # As one [heads * head_dim, embed] matrix (a free reshape): a 3-D contraction makes XLA:CPU transpose the
         # kernel on every call, a 2-D one multiplies by its transpose in place.
         heads, head_dim, embed = kernel.shape
         flat = kernel[...].astype(self.dtype).reshape(heads * head_dim, embed)
-        y = dense(x, flat).reshape(*x.shape[:2], heads, head_dim)
+        y = with_adapter(dense(x, flat), x, adapter, self.dtype).reshape(*x.shape[:2], heads, head_dim)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries, keys (both rotated) and values for hidden states x [b, t, embed]."""
-        q = self._project(x, self.q_kernel, self.q_bias)
-        k = self._project(x, self.k_kernel, self.k_bias)
-        v = self._project(x, self.v_kernel, self.v_bias)
+        q = self._project(x, self.q_kernel, self.q_bias, self.q_lora)
+        k = self._project(x, self.k_kernel, self.k_bias, self.k_lora)
+        v = self._project(x, self.v_kernel, self.v_bias, self.v_lora)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.query_factor is not None:
@@ -163,7 +167,8 @@ class Attention(nnx.Module):
         embed, heads, head_dim = self.o_kernel.shape
         flat = self.o_kernel[...].astype(self.dtype).reshape(embed, heads * head_dim)
         attended = constrain(attended, ("batch", "length", "heads", "head_dim"))
-        y = dense(attended.reshape(*attended.shape[:2], heads * head_dim), flat)
+        attended = attended.reshape(*attended.shape[:2], heads * head_dim)
+        y = with_adapter(dense(attended, flat), attended, self.o_lora, self.dtype)
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
@@ -184,15 +189,18 @@ class MLP(nnx.Module):
         self.down_bias = logical_param(rngs, zeros, (d,), ("embed",), param_dtype) if cfg.mlp_bias else None
         self.hidden_act = cfg.hidden_act
         self.dtype = dtype
+        self.gate_lora = self.up_lora = self.down_lora = None  # LoRA adapters (`hfjax.models.lora`)
 
-    def _dense(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None) -> jax.Array:
-        y = dense(x, kernel[...].astype(self.dtype))
+    def _dense(self, x: jax.Array, kernel: nnx.Param, bias: nnx.Param | None, adapter: LoraAdapter | None) -> jax.Array:
+        y = with_adapter(dense(x, kernel[...].astype(self.dtype)), x, adapter, self.dtype)
         return y if bias is None else y + bias[...].astype(self.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         act = ACTIVATION_FUNCTIONS[self.hidden_act]
-        hidden = act(self._dense(x, self.gate_kernel, self.gate_bias)) * self._dense(x, self.up_kernel, self.up_bias)
-        return self._dense(constrain(hidden, ("batch", "length", "mlp")), self.down_kernel, self.down_bias)
+        gate = self._dense(x, self.gate_kernel, self.gate_bias, self.gate_lora)
+        hidden = act(gate) * self._dense(x, self.up_kernel, self.up_bias, self.up_lora)
+        hidden = constrain(hidden, ("batch", "length", "mlp"))
+        return self._dense(hidden, self.down_kernel, self.down_bias, self.down_lora)
 
 
 class DecoderLayer(nnx.Module):

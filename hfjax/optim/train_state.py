@@ -13,6 +13,8 @@ Precision: parameters are the master copy in their stored dtype (float32 by defa
 `dtype`), gradients arrive in that dtype, and the optimizer state is float32 whatever the parameters are.
 Memory: parameters and optimizer state are donated to the apply program (one copy, not two), so arrays taken from
 `params` or from the model passed in are invalid after an `update` (read `params` again), unless `donate=False`.
+Frozen parameters: with `trainable` (a filter of parameter types, e.g. `LoraParam`) only those parameters get
+gradients and optimizer state; the others stay as they are (a LoRA role's base).
 """
 
 from __future__ import annotations
@@ -223,8 +225,9 @@ def frozen(tree: Any) -> Any:
 
 
 class TrainState:
-    """Parameters (`params`, an `nnx.State` of `nnx.Param`), optimizer state (`opt_state`, sharded like the
-    parameters; scalars replicated), `step` (optimizer steps taken, skipped ones included) and `skipped_steps`.
+    """Parameters (`params`, an `nnx.State` of every `nnx.Param`, frozen ones included), optimizer state
+    (`opt_state` of the trained ones, sharded like them; scalars replicated), `step` (optimizer steps taken, skipped
+    ones included) and `skipped_steps`.
 
     `params` may be replaced (e.g. by the HybridEngine) with arrays of the same shapes and shardings.
     """
@@ -237,21 +240,33 @@ class TrainState:
         grad_clip: float,
         *,
         donate: bool = True,
+        trainable: type[nnx.Param] = nnx.Param,
     ):
         if grad_clip < 0:
             raise ValueError(f"grad_clip: expected >= 0 (0 disables clipping), got {grad_clip!r}")
         self.layout, self.optimizer, self.grad_clip = layout, optimizer, float(grad_clip)
+        self.trainable = trainable
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.params = jax.device_put(params, layout.shardings(params))
-        self.param_shardings = jax.tree.map(lambda x: x.sharding, self.params)
-        self.opt_shardings = optimizer_shardings(optimizer, self.params, layout)
+        trained, _ = self._trained_and_rest()
+        if not jax.tree.leaves(trained):
+            raise ValueError(f"TrainState: the model has no {trainable.__name__} parameters to train")
+        self._trained_shardings = jax.tree.map(lambda x: x.sharding, trained)
+        self.opt_shardings = optimizer_shardings(optimizer, trained, layout)
         init = functools.partial(_init_float32, optimizer)
-        self.opt_state = jax.jit(init, out_shardings=self.opt_shardings)(self.params)
+        self.opt_state = jax.jit(init, out_shardings=self.opt_shardings)(trained)
         self.step = 0
         self.skipped_steps = 0
-        self._grad_shardings = _Frozen.of(self.param_shardings)
-        self._state_shardings = _Frozen.of((self.param_shardings, self.opt_shardings))
+        self._grad_shardings = _Frozen.of(self._trained_shardings)
+        self._state_shardings = _Frozen.of((self._trained_shardings, self.opt_shardings))
         self._apply = _apply_donating if donate else _apply_keeping
+
+    def _trained_and_rest(self) -> tuple[Any, Any]:
+        """(the trained parameters, everything else the model holds: frozen parameters and non-parameter state)."""
+        if self.trainable is nnx.Param:
+            return self.params, self.rest
+        trained, frozen = nnx.split_state(self.params, self.trainable, ...)
+        return trained, nnx.merge_state(frozen, self.rest)
 
     def model(self) -> nnx.Module:
         """The module with the current parameters (e.g. for `save_hf`)."""
@@ -280,20 +295,22 @@ class TrainState:
             "layout": self.layout,
         }
         losses, auxes, total = [], [], None
+        trained, rest = self._trained_and_rest()
         for micro in micro_batches:
             batch = place_batch(self.layout, micro)
-            loss, aux, grads = _loss_and_grad(self.params, self.rest, batch, **keys, shardings=self._grad_shardings)
+            loss, aux, grads = _loss_and_grad(trained, rest, batch, **keys, shardings=self._grad_shardings)
             total = grads if total is None else _accumulate(total, grads)
             losses.append(loss)
             auxes.append(aux)
-        self.params, self.opt_state, norm, lr = self._apply(
-            self.params,
+        trained, self.opt_state, norm, lr = self._apply(
+            trained,
             self.opt_state,
             total,
             optimizer=self.optimizer,
             grad_clip=self.grad_clip,
             shardings=self._state_shardings,
         )
+        self.params = trained if self.trainable is nnx.Param else nnx.merge_state(self.params, trained)
         losses, auxes, norm, lr = jax.device_get((losses, auxes, norm, lr))
         skipped = int(not np.isfinite(norm))
         self.step += 1
@@ -314,24 +331,27 @@ class TrainState:
         return jax.device_get(out)
 
     def items(self) -> dict[str, Any]:
-        """What a checkpoint holds: `{"params": ..., "opt_state": ...}`."""
-        return {"params": self.params, "opt_state": self.opt_state}
+        """What a checkpoint holds: `{"params": ..., "opt_state": ...}`, the trained parameters only (a LoRA role's
+        adapters; its base comes from the model's checkpoint)."""
+        return {"params": self._trained_and_rest()[0], "opt_state": self.opt_state}
 
     def abstract_items(self) -> dict[str, Any]:
         """`items()` as `jax.ShapeDtypeStruct`s with this state's shardings (restore targets)."""
         return {
-            "params": _abstract(self.params, self.param_shardings),
+            "params": _abstract(self._trained_and_rest()[0], self._trained_shardings),
             "opt_state": _abstract(self.opt_state, self.opt_shardings),
         }
 
     def load_items(self, items: Mapping[str, Any]) -> None:
-        """Replaces parameters and optimizer state with restored ones, which must have the trees, shapes and dtypes of
-        `abstract_items` (checked: a mismatch raises before anything is replaced)."""
+        """Replaces the trained parameters and the optimizer state with restored ones, which must have the trees,
+        shapes and dtypes of `abstract_items` (checked: a mismatch raises before anything is replaced)."""
         expected = self.abstract_items()
         for name in ("params", "opt_state"):
             chex.assert_trees_all_equal_structs(items[name], expected[name])
             chex.assert_trees_all_equal_shapes_and_dtypes(items[name], expected[name])
-        self.params, self.opt_state = items["params"], items["opt_state"]
+        trained = items["params"]
+        self.params = trained if self.trainable is nnx.Param else nnx.merge_state(self.params, trained)
+        self.opt_state = items["opt_state"]
 
     def counters(self) -> dict[str, int]:
         """`step` and `skipped_steps` (JSON-able, for a checkpoint's extra data)."""

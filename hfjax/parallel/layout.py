@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels")
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels", "lora_rank")
 _TENSOR_PARALLEL = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)), ("vocab", ("tensor",)))
 RULE_PRESETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
     "fsdp": (("batch", ("data", "fsdp")), ("embed", ("fsdp",))),

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from hfjax.algos import (
     actor_options,
@@ -26,6 +27,7 @@ from hfjax.algos import (
 )
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, register
+from hfjax.models.lora import LoraParam, adapters_off, merge_lora
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
@@ -123,9 +125,11 @@ def logprob_rows(temperature: float, model: Any, batch: dict[str, jax.Array]) ->
 
 
 def ref_logprob_rows(temperature: float, model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The reference policy's log probs of a micro-batch's response tokens; no entropy (one reduction fewer over
-    every chunk's logits)."""
-    return {"log_probs": response_logprobs(model, batch, temperature, with_entropy=False)[0]}
+    """The reference policy's log probs of a micro-batch's response tokens: the model without its LoRA adapters
+    (a LoRA actor's base; a plain reference copy has none); no entropy (one reduction fewer over every chunk's
+    logits)."""
+    with adapters_off():
+        return {"log_probs": response_logprobs(model, batch, temperature, with_entropy=False)[0]}
 
 
 class ActorRolloutRefWorker(TrainedRole):
@@ -153,16 +157,24 @@ class ActorRolloutRefWorker(TrainedRole):
         """Loads the policy (and the reference copy) under the training layout; builds optimizer and generator."""
         cfg, rollout = self.cfg, self.rollout_cfg
         layout = layout_or_default(cfg.train_layout, where="actor.train_layout")
+        lora = cfg.lora if cfg.lora.enabled else None
         self.policy = LoadedModel(
-            cfg.model_path, layout, dtype=cfg.dtype, param_dtype=cfg.param_dtype, head="causal_lm", remat=cfg.remat
+            cfg.model_path,
+            layout,
+            dtype=cfg.dtype,
+            param_dtype=cfg.dtype if lora else cfg.param_dtype,  # a LoRA base is frozen: stored as it computes
+            head="causal_lm",
+            remat=cfg.remat,
+            lora=lora,
         )
         self.pad_id = self.policy.config.pad_token_id or 0
         self.state = None
         if self.has_actor:
             optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
-            self.state = TrainState(self.policy.model, layout, optimizer, cfg.optim.grad_clip)
+            trainable = LoraParam if lora else nnx.Param
+            self.state = TrainState(self.policy.model, layout, optimizer, cfg.optim.grad_clip, trainable=trainable)
         self.ref_params = None
-        if self.has_ref:
+        if self.has_ref and not lora:  # with LoRA the reference is the policy's own base (`ref_logprob_rows`)
             self.ref_params = LoadedModel(cfg.model_path, layout, dtype=cfg.dtype, head="causal_lm").params
         self._logprob = self.policy.rows_fn(bind(logprob_rows, rollout.temperature))
         self._ref_logprob = self.policy.rows_fn(bind(ref_logprob_rows, rollout.temperature))
@@ -250,9 +262,9 @@ class ActorRolloutRefWorker(TrainedRole):
     @reports_usage
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """`ref_log_prob` [B, R] under the frozen reference policy."""
-        if self.ref_params is None:
+        if not self.has_ref:
             raise RuntimeError(f"compute_ref_log_prob: this worker's role {self.role!r} has no reference model")
-        out = self._log_probs(self._ref_logprob, self.ref_params, data)
+        out = self._log_probs(self._ref_logprob, self.params if self.ref_params is None else self.ref_params, data)
         return DataProto.from_dict({"ref_log_prob": out["log_probs"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -297,4 +309,4 @@ class ActorRolloutRefWorker(TrainedRole):
         """Writes the current policy as a Hugging Face checkpoint."""
         from hfjax.models import save_hf
 
-        save_hf(self.policy.merge(self.params), out_dir, overwrite=True)
+        save_hf(merge_lora(self.policy.merge(self.params)), out_dir, overwrite=True)

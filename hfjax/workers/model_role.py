@@ -21,6 +21,7 @@ from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.models.attention import configured_implementation
+from hfjax.models.lora import LoraConfig, add_lora
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
 from hfjax.optim.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
@@ -60,7 +61,8 @@ def reports_usage(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class LoadedModel:
-    """A checkpoint loaded under a layout: graph definition, parameters, and jitted per-row functions over them."""
+    """A checkpoint loaded under a layout (with `lora`'s adapters attached, when given): graph definition,
+    parameters, and jitted per-row functions over them."""
 
     def __init__(
         self,
@@ -71,12 +73,17 @@ class LoadedModel:
         param_dtype: str | None = None,
         head: str | None,
         remat: str = "none",
+        lora: LoraConfig | None = None,
     ):
         self.layout = layout
         model = set_remat(load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head), remat)
+        if lora is not None:
+            add_lora(model, lora)
         self.config = model.config
         self.model = model
-        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.params = jax.device_put(params, layout.shardings(params))  # adapters sharded as their base weights
+        nnx.update(model, self.params)
 
     def merge(self, params: Any) -> nnx.Module:
         return nnx.merge(self.graphdef, params, self.rest)

@@ -1,0 +1,144 @@
+"""LoRA adapters (low-rank updates of the decoder's projections): y = x W^T + (alpha / rank) (x A^T) B^T, with A
+[rank, in] and B [out, rank] float32 `LoraParam`s beside a frozen base weight W.
+
+`add_lora(model, cfg)` attaches adapters to the projections named by `cfg.targets` (PEFT's module names: attention
+q/k/v/o_proj, MLP gate/up/down_proj). B starts at zero, so a fresh adapter leaves every output exactly as it was; A
+starts as PEFT starts it (uniform in +-1/sqrt(in)). An adapter's matrices carry the logical axes of their base weight
+on the side they share with it and `lora_rank` (never split) on the other, so a layout shards them as it shards the
+base. Inside `adapters_off()` (read when a program is traced) the model computes its base alone: a LoRA actor's
+reference policy is its own base, with no second copy. `merge_lora` folds the adapters into the base weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hfjax.models.dense import dense
+
+# PEFT's target name -> (the attribute of the projection's kernel, of its adapter, and how many leading kernel
+# dimensions are its output: Attention's q/k/v kernels are [heads, head_dim, embed], its o kernel [embed, heads,
+# head_dim]; the MLP's kernels [out, in])
+LORA_SITES = {
+    "q_proj": ("q_kernel", "q_lora", 2),
+    "k_proj": ("k_kernel", "k_lora", 2),
+    "v_proj": ("v_kernel", "v_lora", 2),
+    "o_proj": ("o_kernel", "o_lora", 1),
+    "gate_proj": ("gate_kernel", "gate_lora", 1),
+    "up_proj": ("up_kernel", "up_lora", 1),
+    "down_proj": ("down_kernel", "down_lora", 1),
+}
+_ADAPTERS_ON = contextvars.ContextVar("hfjax_lora_adapters_on", default=True)
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """Low-rank adapters on a trained role: `rank` 0 trains every weight (no adapters); `rank` > 0 freezes the base
+    (stored in the role's compute dtype) and trains float32 adapters of that rank, scaled by `alpha / rank`, on the
+    projections named in `targets`."""
+
+    rank: int = 0  # adapter rank; 0: no adapters (every weight trains)
+    alpha: float = 16.0  # the adapters' term is scaled by alpha / rank
+    # projections that get adapters, by PEFT's module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    # down_proj (default: all seven)
+    targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_SITES))
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora.rank: expected an integer >= 0 (0: no adapters), got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha: expected > 0, got {self.alpha!r}")
+        unknown = [t for t in self.targets if t not in LORA_SITES]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(
+                f"lora.targets: expected distinct names out of {list(LORA_SITES)}, at least one, got {self.targets!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+class LoraParam(nnx.Param):
+    """An adapter matrix: what a LoRA role trains (its base `nnx.Param`s stay frozen)."""
+
+
+class LoraAdapter(nnx.Module):
+    """The adapter of one kernel [*out, *in] (`out_dims` output dimensions): A [rank, *in], B [*out, rank]."""
+
+    def __init__(self, kernel: nnx.Param, out_dims: int, rank: int, alpha: float, key: jax.Array):
+        axes = kernel.get_metadata()["logical_axes"]
+        out_shape, in_shape = kernel.shape[:out_dims], kernel.shape[out_dims:]
+        bound = 1.0 / math.sqrt(math.prod(in_shape))
+        a = jax.random.uniform(key, (rank, *in_shape), jnp.float32, -bound, bound)
+        self.a = LoraParam(a, logical_axes=("lora_rank", *axes[out_dims:]))
+        self.b = LoraParam(jnp.zeros((*out_shape, rank), jnp.float32), logical_axes=(*axes[:out_dims], "lora_rank"))
+        self.scale = float(alpha) / rank
+
+    def delta(self) -> jax.Array:
+        """scale * B A as a [prod(out), prod(in)] matrix (float32)."""
+        rank = self.a.shape[0]
+        return self.scale * (self.b[...].reshape(-1, rank) @ self.a[...].reshape(rank, -1))
+
+
+def with_adapter(y: jax.Array, x: jax.Array, adapter: LoraAdapter | None, dtype: jnp.dtype) -> jax.Array:
+    """`y` (= x W^T, [..., prod(out)]) plus the adapter's low-rank term in `dtype`; `y` itself when there is no
+    adapter or adapters are off."""
+    if adapter is None or not _ADAPTERS_ON.get():
+        return y
+    rank = adapter.a.shape[0]
+    a = adapter.a[...].astype(dtype).reshape(rank, -1)
+    b = (adapter.b[...] * adapter.scale).astype(dtype).reshape(-1, rank)
+    return y + dense(dense(x, a), b)
+
+
+@contextlib.contextmanager
+def adapters_off() -> Iterator[None]:
+    """Programs traced inside compute the base model alone (every adapter skipped)."""
+    token = _ADAPTERS_ON.set(False)
+    try:
+        yield
+    finally:
+        _ADAPTERS_ON.reset(token)
+
+
+def _sites(model: nnx.Module, targets: list[str]) -> Iterator[tuple[nnx.Module, str, str, int]]:
+    for _, module in nnx.iter_modules(model):
+        for target in targets:
+            kernel_attr, adapter_attr, out_dims = LORA_SITES[target]
+            if hasattr(module, kernel_attr) and hasattr(module, adapter_attr):
+                yield module, kernel_attr, adapter_attr, out_dims
+
+
+def add_lora(model: nnx.Module, cfg: LoraConfig, seed: int = 0) -> nnx.Module:
+    """`model` with adapters of `cfg` attached in place (their A initialised from `seed`); returns `model`."""
+    if not cfg.enabled:
+        return model
+    key = jax.random.key(seed)
+    for index, (module, kernel_attr, adapter_attr, out_dims) in enumerate(_sites(model, cfg.targets)):
+        kernel = getattr(module, kernel_attr)
+        adapter = LoraAdapter(kernel, out_dims, cfg.rank, cfg.alpha, jax.random.fold_in(key, index))
+        setattr(module, adapter_attr, nnx.data(adapter))
+    return model
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """A copy of `model` with every adapter folded into its base kernel (W + scale B A, in the kernel's dtype) and
+    removed: the plain model that the adapted one computes."""
+    merged = nnx.clone(model)
+    for module, kernel_attr, adapter_attr, _ in _sites(merged, list(LORA_SITES)):
+        adapter = getattr(module, adapter_attr)
+        if adapter is None:
+            continue
+        kernel = getattr(module, kernel_attr)
+        value = kernel[...]
+        kernel[...] = (value.astype(jnp.float32) + adapter.delta().reshape(value.shape)).astype(value.dtype)
+        setattr(module, adapter_attr, None)
+    return merged

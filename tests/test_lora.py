@@ -1,0 +1,240 @@
+"""LoRA adapters (`hfjax.models.lora`) on a tiny float32 model, 8 fake CPU devices: fresh adapters leave the logits
+bit for bit; the adapters' gradients equal the chain rule through the merged weight W + scale B A (hand-written from
+the plain model's weight gradient); a TrainState with `trainable=LoraParam` changes the adapters only, keeps
+optimizer state and checkpoint items for them only; the merged model computes what the adapted one does; adapters
+shard like their base weights; the config refuses bad values by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers as tf
+from flax import nnx
+from safetensors.numpy import load_file
+from support.rl_setup import build_run_inputs, rl_config
+from support.tiny_models import TINY, compiled_forward, random_model
+
+from hfjax.config.rl import load_rl_config
+from hfjax.models.lora import LORA_SITES, LoraConfig, LoraParam, adapters_off, add_lora, merge_lora
+from hfjax.optim import TrainState
+from hfjax.parallel import Layout
+from hfjax.protocol import DataProto
+from hfjax.trainer.launch import export_run, run_rl
+from hfjax.workers.actor import ActorRolloutRefWorker
+
+RANK, ALPHA = 4, 8.0
+ROWS, LENGTH = 4, 10
+
+
+def _inputs(seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, TINY.vocab_size, (ROWS, LENGTH)).astype(np.int32)
+    mask = np.ones((ROWS, LENGTH), np.int32)
+    mask[0, :3] = 0  # a left-padded row
+    return jnp.asarray(ids), jnp.asarray(mask)
+
+
+def _adapted(seed: int = 0, targets: list[str] | None = None) -> nnx.Module:
+    """The tiny model with adapters, their B drawn at random (a fresh B is zero: nothing to differentiate through)."""
+    cfg = LoraConfig(rank=RANK, alpha=ALPHA, targets=targets or list(LORA_SITES))
+    model = add_lora(random_model(TINY, seed), cfg, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    for path, b in nnx.to_flat_state(nnx.state(model, LoraParam)):
+        if path[-1] == "b":
+            b[...] = jnp.asarray(rng.normal(0, 0.05, b.shape), jnp.float32)
+    return model
+
+
+def _loss(model: nnx.Module, ids: jax.Array, mask: jax.Array, weights: jax.Array) -> jax.Array:
+    return jnp.sum(model(ids, mask) * weights)
+
+
+def test_fresh_adapters_leave_the_logits_bit_for_bit():
+    ids, mask = _inputs()
+    base = np.asarray(compiled_forward(random_model(TINY, 3), ids, mask))
+    adapted = add_lora(random_model(TINY, 3), LoraConfig(rank=RANK, alpha=ALPHA))
+    adapters = nnx.to_flat_state(nnx.state(adapted, LoraParam))
+    assert len(adapters) == 2 * len(LORA_SITES) * TINY.num_layers
+    np.testing.assert_array_equal(np.asarray(compiled_forward(adapted, ids, mask)), base)
+
+
+def test_adapters_off_computes_the_base_and_merging_computes_the_adapted_model():
+    ids, mask = _inputs(1)
+    adapted = _adapted(5)
+    base = np.asarray(compiled_forward(random_model(TINY, 5), ids, mask))
+    with_adapters = np.asarray(compiled_forward(adapted, ids, mask))
+    assert np.abs(with_adapters - base).max() > 1e-3  # the random B matter
+
+    @jax.jit
+    def base_logits(state: nnx.State, ids: jax.Array, mask: jax.Array) -> jax.Array:
+        with adapters_off():
+            return nnx.merge(graphdef, state)(ids, mask)
+
+    graphdef, state = nnx.split(adapted)
+    np.testing.assert_array_equal(np.asarray(base_logits(state, ids, mask)), base)
+    merged = merge_lora(adapted)
+    assert not nnx.to_flat_state(nnx.state(merged, LoraParam))
+    assert nnx.to_flat_state(nnx.state(adapted, LoraParam))  # the adapted model is left as it was
+    np.testing.assert_allclose(np.asarray(compiled_forward(merged, ids, mask)), with_adapters, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weight():
+    """W' = W + s B A, so dL/dB = s G A^T and dL/dA = s B^T G with G = dL/dW' of the plain (merged) model."""
+    ids, mask = _inputs(2)
+    weights = jax.random.normal(jax.random.key(0), (ROWS, LENGTH, TINY.vocab_size))
+    adapted = _adapted(7)
+    graphdef, adapters, rest = nnx.split(adapted, LoraParam, ...)
+    grads = jax.jit(jax.grad(lambda a: _loss(nnx.merge(graphdef, a, rest), ids, mask, weights)))(adapters)
+    merged = merge_lora(adapted)
+    m_graphdef, m_params = nnx.split(merged, nnx.Param)
+    m_grads = jax.jit(jax.grad(lambda p: _loss(nnx.merge(m_graphdef, p), ids, mask, weights)))(m_params)
+    scale = ALPHA / RANK
+    for index in range(TINY.num_layers):
+        for target, (kernel_attr, adapter_attr, _) in LORA_SITES.items():
+            module = "self_attn" if target[0] in "qkvo" else "mlp"
+            path = ("model", "layers", index, module)
+            g_kernel = np.asarray(_at(m_grads, (*path, kernel_attr)))
+            out = g_kernel.reshape(-1, int(np.prod(_at(grads, (*path, adapter_attr, "a")).shape[1:])))
+            a = np.asarray(_at(adapters, (*path, adapter_attr, "a"))).reshape(RANK, -1)
+            b = np.asarray(_at(adapters, (*path, adapter_attr, "b"))).reshape(-1, RANK)
+            want_a, want_b = scale * b.T @ out, scale * out @ a.T
+            got_a = np.asarray(_at(grads, (*path, adapter_attr, "a"))).reshape(RANK, -1)
+            got_b = np.asarray(_at(grads, (*path, adapter_attr, "b"))).reshape(-1, RANK)
+            where = f"layer {index} {target}"
+            np.testing.assert_allclose(got_a, want_a, rtol=1e-4, atol=1e-6 * np.abs(want_a).max(), err_msg=where)
+            np.testing.assert_allclose(got_b, want_b, rtol=1e-4, atol=1e-6 * np.abs(want_b).max(), err_msg=where)
+
+
+def _at(state: nnx.State, path: tuple) -> jax.Array:
+    node = state
+    for key in path:
+        node = node[key]
+    return node[...]
+
+
+def _nll(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    logits = model(batch["input_ids"], batch["attention_mask"])
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+    picked = jnp.take_along_axis(logp, batch["input_ids"][:, 1:, None], axis=-1)[..., 0]
+    return -jnp.mean(picked), {}
+
+
+def test_an_update_trains_the_adapters_only_and_checkpoints_hold_them_only():
+    layout = Layout.from_config({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"})
+    model = add_lora(random_model(TINY, 9), LoraConfig(rank=RANK, alpha=ALPHA, targets=["q_proj", "down_proj"]))
+    state = TrainState(model, layout, optax.adam(1e-2), grad_clip=1.0, trainable=LoraParam)
+    before = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(state.params)}
+    adapter_paths = {path for path, _ in nnx.to_flat_state(nnx.state(model, LoraParam))}
+    assert len(adapter_paths) == 2 * 2 * TINY.num_layers
+    ids, mask = _inputs(3)
+    batch = {"input_ids": np.asarray(ids), "attention_mask": np.asarray(mask)}
+    changed = []
+    for _ in range(2):
+        metrics = state.update(_nll, [batch])
+        assert np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+        after = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(state.params)}
+        assert after.keys() == before.keys()
+        changed.append({path for path in before if not np.array_equal(before[path], after[path])})
+    # step 1: B moves, A does not (dL/dA = s B^T G, and B starts at zero); step 2: both; the base never
+    assert changed == [{p for p in adapter_paths if p[-1] == "b"}, adapter_paths]
+    adapter_elements = sum(before[p].size for p in adapter_paths)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert sum(x.size for x in moments) == 2 * adapter_elements  # adam's two moments, of the adapters only
+    saved = state.items()["params"]
+    assert {path for path, _ in nnx.to_flat_state(saved)} == adapter_paths
+    for path, value in nnx.to_flat_state(state.params):
+        if path in adapter_paths:
+            want = _expected_sharding(layout, path, value.shape)
+            assert value.sharding.is_equivalent_to(want, value.ndim), (path, value.sharding.spec, want.spec)
+
+
+def _expected_sharding(layout: Layout, path: tuple, shape: tuple[int, ...]):
+    """A = [rank, *in] and B = [*out, rank] sharded as the base kernel's in and out dimensions, rank whole."""
+    kernel_attr = next(k for k, a, _ in LORA_SITES.values() if a == path[-2])
+    base_axes = {"q_kernel": ("heads", "head_dim", "embed"), "down_kernel": ("embed", "mlp")}[kernel_attr]
+    out_dims = next(o for k, _, o in LORA_SITES.values() if k == kernel_attr)
+    axes = ("lora_rank", *base_axes[out_dims:]) if path[-1] == "a" else (*base_axes[:out_dims], "lora_rank")
+    return layout.sharding(axes, shape)
+
+
+def test_trainstate_refuses_a_model_without_adapters_when_training_adapters():
+    layout = Layout.from_config({"mesh": {"fsdp": 8}, "rules": "fsdp"})
+    with pytest.raises(ValueError, match="the model has no LoraParam parameters to train"):
+        TrainState(random_model(TINY, 0), layout, optax.sgd(0.1), grad_clip=1.0, trainable=LoraParam)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"rank": -1}, r"lora.rank: expected an integer >= 0 \(0: no adapters\), got -1"),
+        ({"rank": 2.5}, r"lora.rank: expected an integer >= 0"),
+        ({"rank": 4, "alpha": 0}, r"lora.alpha: expected > 0, got 0"),
+        ({"rank": 4, "targets": ["qkv"]}, r"lora.targets: expected distinct names out of \['q_proj'"),
+        ({"rank": 4, "targets": []}, r"lora.targets: expected distinct names"),
+    ],
+)
+def test_lora_config_names_the_bad_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        LoraConfig(**fields)
+
+
+def test_grpo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tmp_path):
+    """Three GRPO steps in-process with adapters on q and v: the KL to the reference is exactly 0 at step 1 (fresh
+    adapters: the policy is its base) and grows after updates, no reference copy is loaded, and `hfjax export`
+    writes merged weights that transformers loads: q and v changed, every other tensor bit for bit the base's."""
+    inputs = build_run_inputs(tmp_path)
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
+    config = rl_config(inputs, tmp_path / "run", "grpo", actor={"lora": lora, "optim": {"lr": 1e-2}})
+    history = run_rl(load_rl_config(config))
+    kl = [m["actor/kl_loss"] for m in history]
+    assert kl[0] == 0 and kl[-1] > 0, kl
+    assert export_run(tmp_path / "run", None, tmp_path / "hf") == 3
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    base = load_file(str(next(Path(inputs["policy"]).glob("*.safetensors"))))
+    assert exported.keys() == base.keys()
+    adapted = {name for name in base if name.endswith(("q_proj.weight", "v_proj.weight"))}
+    assert adapted and all(not np.array_equal(exported[n], base[n]) for n in adapted)
+    for name in base.keys() - adapted:
+        np.testing.assert_array_equal(exported[name], base[name], err_msg=name)
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert model.config.num_hidden_layers == tf.AutoConfig.from_pretrained(inputs["policy"]).num_hidden_layers
+
+
+def test_a_lora_actor_with_a_reference_role_loads_no_reference_copy(tmp_path):
+    """The actor_rollout_ref worker with LoRA: no reference parameters, and its reference log probs are the base
+    model's (those of a worker without adapters), before and after the adapters are trained."""
+    inputs = build_run_inputs(tmp_path)
+    cfg = load_rl_config(rl_config(inputs, tmp_path / "run", "grpo", actor={"lora": {"rank": 4}}))
+    worker = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor_rollout_ref", total_steps=3, max_prompt_length=16)
+    worker.init_model()
+    assert worker.ref_params is None
+    plain = ActorRolloutRefWorker(dataclasses.replace(cfg.actor, lora=LoraConfig()), cfg.rollout, "ref")
+    plain.init_model()
+    assert plain.ref_params is not None
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 12, (4, 12)).astype(np.int32)
+    data = DataProto.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": np.ones_like(ids),
+            "position_ids": np.tile(np.arange(12, dtype=np.int32), (4, 1)),
+            "responses": ids[:, 6:],
+        }
+    )
+    want = plain.compute_ref_log_prob(data).batch["ref_log_prob"]
+    np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], want)
+    policy = plain.compute_log_prob(data).batch["old_log_probs"]  # (the program with entropies: other roundings)
+    np.testing.assert_array_equal(worker.compute_log_prob(data).batch["old_log_probs"], policy)  # fresh: B = 0
+    for key in ("response_mask", "advantages"):
+        data.batch[key] = np.ones((4, 6), np.float32) if key == "response_mask" else rng.normal(size=(4, 6))
+    data.batch["ref_log_prob"] = want
+    worker.update_actor(data)
+    np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], want)
+    assert np.abs(worker.compute_log_prob(data).batch["old_log_probs"] - policy).max() > 1e-4
