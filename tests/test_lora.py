@@ -2,7 +2,9 @@
 bit for bit; the adapters' gradients equal the chain rule through the merged weight W + scale B A (hand-written from
 the plain model's weight gradient); a TrainState with `trainable=LoraParam` changes the adapters only, keeps
 optimizer state and checkpoint items for them only; the merged model computes what the adapted one does; adapters
-shard like their base weights; the config refuses bad values by name."""
+shard like their base weights; the config refuses bad values by name. In a run: the reference is the base (no copy),
+exports merged or as PEFT adapters that peft loads onto the transformers base to hfjax's logits; the compile check
+counts LoRA's memory."""
 
 from __future__ import annotations
 
@@ -13,16 +15,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import peft
 import pytest
 import torch
 import transformers as tf
 from flax import nnx
 from safetensors.numpy import load_file
+from support.checkpoints import left_padded_batch, save_hf_model
 from support.rl_setup import build_run_inputs, rl_config
 from support.tiny_models import TINY, compiled_forward, random_model
 
-from hfjax.config.rl import load_rl_config
+from hfjax.compiled.programs import AbstractModel, actor_programs, actor_resident, bytes_per_device, measure
+from hfjax.config.rl import RLConfig, load_rl_config
+from hfjax.models import load_hf, save_hf
 from hfjax.models.lora import LORA_SITES, LoraConfig, LoraParam, adapters_off, add_lora, merge_lora
+from hfjax.models.peft_io import save_peft
 from hfjax.optim import TrainState
 from hfjax.parallel import Layout
 from hfjax.protocol import DataProto
@@ -188,7 +195,8 @@ def test_lora_config_names_the_bad_field(fields, message):
 def test_grpo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tmp_path):
     """Three GRPO steps in-process with adapters on q and v: the KL to the reference is exactly 0 at step 1 (fresh
     adapters: the policy is its base) and grows after updates, no reference copy is loaded, and `hfjax export`
-    writes merged weights that transformers loads: q and v changed, every other tensor bit for bit the base's."""
+    writes merged weights that transformers loads: q and v changed, every other tensor bit for bit the base's; `hfjax
+    export --adapters` writes adapters that peft puts on the base to the merged model's logits."""
     inputs = build_run_inputs(tmp_path)
     lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
     config = rl_config(inputs, tmp_path / "run", "grpo", actor={"lora": lora, "optim": {"lr": 1e-2}})
@@ -203,8 +211,14 @@ def test_grpo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tm
     assert adapted and all(not np.array_equal(exported[n], base[n]) for n in adapted)
     for name in base.keys() - adapted:
         np.testing.assert_array_equal(exported[name], base[name], err_msg=name)
-    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
-    assert model.config.num_hidden_layers == tf.AutoConfig.from_pretrained(inputs["policy"]).num_hidden_layers
+    merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert export_run(tmp_path / "run", None, tmp_path / "adapters", adapters=True) == 3
+    base_model = tf.AutoModelForCausalLM.from_pretrained(inputs["policy"], dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base_model, tmp_path / "adapters").eval()
+    ids = torch.as_tensor(np.random.default_rng(0).integers(3, 12, (2, 9)))
+    with torch.no_grad():
+        want, got = merged(input_ids=ids).logits.numpy(), adapted(input_ids=ids).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_a_lora_actor_with_a_reference_role_loads_no_reference_copy(tmp_path):
@@ -238,3 +252,71 @@ def test_a_lora_actor_with_a_reference_role_loads_no_reference_copy(tmp_path):
     worker.update_actor(data)
     np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], want)
     assert np.abs(worker.compute_log_prob(data).batch["old_log_probs"] - policy).max() > 1e-4
+
+
+def test_the_compile_check_counts_lora_memory():
+    """The compile check's programs of a LoRA actor (bfloat16, with a reference): no reference copy, optimizer state
+    for the adapters only, and the optimizer step reads adapters, their moments and gradients, not the whole model:
+    against full fine-tuning of the same config, compiled for this machine's 8 devices."""
+    layout = Layout.from_config({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"})
+    gen = Layout.from_config({"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"})
+    widths = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
+    shape = dataclasses.replace(TINY, **widths, num_layers=2, sliding_windows=(None, None))
+
+    def config(lora: dict) -> RLConfig:
+        actor = {"model_path": "unused", "dtype": "bfloat16", "micro_batch_size": 8, "ppo_mini_batch_size": 8}
+        return load_rl_config(
+            {
+                "actor": {**actor, "use_kl_loss": True, "lora": lora},
+                "data": {"max_prompt_length": 16},
+                "rollout": {"response_length": 16, "slots": 8, "n": 2},
+            }
+        )
+
+    full, lora = config({}), config({"rank": 4})
+    programs = {
+        name: {t.program: measure(t) for t in actor_programs(cfg, shape, layout, gen)}
+        for name, cfg in (("full", full), ("lora", lora))
+    }
+    assert programs["full"].keys() == programs["lora"].keys() and "ref log probs" in programs["lora"]
+    policy = AbstractModel.build(shape, "causal_lm", layout, "bfloat16", None, lora=lora.actor.lora)
+    adapters = bytes_per_device(policy.trained_and_rest()[0])
+    base = bytes_per_device(policy.params) - adapters
+    # between programs: the bfloat16 base, the float32 adapters and their two Adam moments (+ a step count)
+    assert actor_resident(lora, shape, layout) == pytest.approx(base + 3 * adapters, abs=64)
+    # full fine-tuning: a float32 master (twice the bfloat16 base), its two float32 moments and a bfloat16 reference
+    assert actor_resident(full, shape, layout) == pytest.approx(2 * base + 2 * 2 * base + base, abs=64)
+    step = programs["lora"]["optimizer step"]
+    assert step.arguments == pytest.approx(4 * adapters, abs=64)  # adapters, gradients and two moments
+    assert programs["lora"]["ref log probs"].resident == pytest.approx(2 * adapters, abs=64)  # the moments only
+    for name in ("loss+grad", "optimizer step", "log probs", "ref log probs"):
+        assert programs["lora"][name].peak < programs["full"][name].peak, name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_a_peft_export_gives_transformers_the_adapted_logits(tmp_path, family):
+    """hfjax's adapted model (random B on all seven projections) against peft loading the exported adapter directory
+    onto the transformers base (float32, a left-padded batch): the same logits; and the merged export, loaded by
+    transformers alone, the same again."""
+    hf_model, path = save_hf_model(tmp_path, family)
+    model = add_lora(load_hf(path), LoraConfig(rank=RANK, alpha=ALPHA), seed=1)
+    rng = np.random.default_rng(2)
+    for _, b in nnx.to_flat_state(nnx.state(model, LoraParam)):
+        if b.shape[-1] == RANK:  # the B matrices
+            b[...] = jnp.asarray(rng.normal(0, 0.05, b.shape), jnp.float32)
+    ids, mask, positions = left_padded_batch(hf_model.config.vocab_size, [7, 4, 6])
+    vocab = hf_model.config.vocab_size
+    ours = np.asarray(compiled_forward(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions)))[..., :vocab]
+    save_peft(model, LoraConfig(rank=RANK, alpha=ALPHA), tmp_path / "adapters", str(path))
+    peft_model = peft.PeftModel.from_pretrained(hf_model, tmp_path / "adapters").eval()
+    torch_inputs = {"input_ids": torch.as_tensor(ids), "attention_mask": torch.as_tensor(mask)}
+    torch_inputs["position_ids"] = torch.as_tensor(positions)
+    with torch.no_grad():
+        theirs = peft_model(**torch_inputs).logits.numpy()
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], theirs[real], rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+    save_hf(merge_lora(model), tmp_path / "merged")
+    merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged_logits = merged(**torch_inputs).logits.numpy()
+    np.testing.assert_allclose(merged_logits[real], theirs[real], rtol=1e-5, atol=1e-5 * np.abs(theirs).max())

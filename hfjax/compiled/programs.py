@@ -31,6 +31,7 @@ from flax import nnx
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
+from hfjax.models.lora import LoraConfig, LoraParam, add_lora
 from hfjax.models.transformer import set_remat
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import (
@@ -39,12 +40,13 @@ from hfjax.optim.train_state import (
     batch_sharding,
     frozen,
     grad_program,
+    split_trained,
 )
 from hfjax.parallel.layout import Layout
 from hfjax.rollout import JaxEngine
 from hfjax.rollout.interface import power_of_two_at_least, prefill_buckets
 from hfjax.rollout.sampling import SamplerKind
-from hfjax.workers.actor import actor_loss, response_logprobs
+from hfjax.workers.actor import actor_loss, logprob_rows, ref_logprob_rows
 from hfjax.workers.critic import critic_loss, response_values
 from hfjax.workers.generation import sampling_params
 from hfjax.workers.model_role import rows_program
@@ -117,30 +119,47 @@ def measure(trace: ProgramTrace) -> ProgramMemory:
 
 @dataclasses.dataclass
 class AbstractModel:
-    """A model's graph, its parameters as `ShapeDtypeStruct`s sharded by `layout`, and the rest of its state."""
+    """A model's graph, its parameters as `ShapeDtypeStruct`s sharded by `layout`, the rest of its state, and the
+    type of the parameters it trains (`LoraParam` with adapters: the base frozen in `dtype`)."""
 
     graphdef: Any
     params: Any
     rest: Any
     layout: Layout
+    trainable: type[nnx.Param] = nnx.Param
 
     @classmethod
     def build(
-        cls, config: ModelConfig, head: str, layout: Layout, dtype: str, param_dtype: str | None, remat: str = "none"
+        cls,
+        config: ModelConfig,
+        head: str,
+        layout: Layout,
+        dtype: str,
+        param_dtype: str | None,
+        remat: str = "none",
+        lora: LoraConfig | None = None,
     ) -> AbstractModel:
-        model = set_remat(abstract_model(config, head, dtype, param_dtype), remat)
+        with_lora = lora is not None and lora.enabled
+        model = set_remat(abstract_model(config, head, dtype, dtype if with_lora else param_dtype), remat)
+        if with_lora:
+            add_lora(model, lora)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         per_param = layout.shardings(params)
         shardings = jax.tree.map(lambda s, p: jax.tree.map(lambda _: s, p), per_param, params)
         abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-        return cls(graphdef, abstract, rest, layout)
+        return cls(graphdef, abstract, rest, layout, LoraParam if with_lora else nnx.Param)
+
+    def trained_and_rest(self) -> tuple[Any, Any]:
+        """(the trained parameters, the rest of the model's state), as the gradient program takes them."""
+        return split_trained(self.params, self.rest, self.trainable)
 
     @property
     def shardings(self) -> Any:
         return jax.tree.map(lambda x: x.sharding, self.params)
 
-    def cast(self, dtype: str, layout: Layout | None = None) -> Any:
-        """The parameters in `dtype` (the generation copy), sharded by `layout` (default: this model's)."""
+    def cast(self, dtype: str | None, layout: Layout | None = None) -> Any:
+        """The parameters in `dtype` (the generation copy; None: each in its own), sharded by `layout` (default:
+        this model's)."""
         layout = layout or self.layout
         if layout is self.layout:
             shardings = self.shardings
@@ -148,7 +167,7 @@ class AbstractModel:
             per_param = layout.shardings(self.params)
             shardings = jax.tree.map(lambda s, p: jax.tree.map(lambda _: s, p), per_param, self.params)
         return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=s), self.params, shardings
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype or x.dtype), sharding=s), self.params, shardings
         )
 
 
@@ -208,24 +227,27 @@ def _train_programs(
 ) -> Iterator[ProgramTrace]:
     """The loss-and-gradient program of one micro-batch (the optimizer state and the gradient accumulator resident)
     and the optimizer step (donating parameters and state)."""
-    opt_state = abstract_optimizer_state(optimizer, model.params, model.layout)
-    grads = bytes_per_device(model.params)
+    trained, rest = model.trained_and_rest()
+    opt_state = abstract_optimizer_state(optimizer, trained, model.layout)
+    grads = bytes_per_device(trained)
+    frozen_bytes = bytes_per_device(model.params) - grads  # a LoRA base: resident beside the trained parameters
+    trained_shardings = jax.tree.map(lambda x: x.sharding, trained)
     traced = grad_program().trace(
-        model.params,
-        model.rest,
+        trained,
+        rest,
         batch,
         graphdef=model.graphdef,
         loss_fn=loss_fn,
         static=(),
-        shardings=frozen(model.shardings),
+        shardings=frozen(trained_shardings),
         layout=model.layout,
     )
     yield ProgramTrace(group, "loss+grad", traced, resident + bytes_per_device(opt_state) + grads)
-    state_shardings = frozen((model.shardings, jax.tree.map(lambda x: x.sharding, opt_state)))
+    state_shardings = frozen((trained_shardings, jax.tree.map(lambda x: x.sharding, opt_state)))
     traced = apply_program().trace(
-        model.params, opt_state, model.params, optimizer=optimizer, grad_clip=grad_clip, shardings=state_shardings
+        trained, opt_state, trained, optimizer=optimizer, grad_clip=grad_clip, shardings=state_shardings
     )
-    yield ProgramTrace(group, "optimizer step", traced, resident)
+    yield ProgramTrace(group, "optimizer step", traced, resident + frozen_bytes)
 
 
 def _rows_program(
@@ -236,12 +258,20 @@ def _rows_program(
 
 
 def actor_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout) -> int:
-    """What the policy keeps on each device between its programs: master weights, optimizer state, reference."""
+    """What the policy keeps on each device between its programs: master weights (with LoRA: the base and the
+    adapters), optimizer state, reference (with LoRA: none, the base serves)."""
     actor = cfg.actor
-    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype)
-    opt_state = abstract_optimizer_state(make_optimizer(actor.optim, None), policy.params, layout)
-    has_ref = cfg.uses_ref
-    return bytes_per_device((policy.params, opt_state)) + (bytes_per_device(policy.cast(actor.dtype)) if has_ref else 0)
+    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype, lora=actor.lora)
+    opt_state = abstract_optimizer_state(make_optimizer(actor.optim, None), policy.trained_and_rest()[0], layout)
+    ref = _reference(cfg, policy)
+    return bytes_per_device((policy.params, opt_state)) + (bytes_per_device(ref) if ref is not None else 0)
+
+
+def _reference(cfg: RLConfig, policy: AbstractModel) -> Any:
+    """The reference copy of the policy's weights, or None: no reference, or a LoRA policy (its base serves)."""
+    if not cfg.uses_ref or cfg.actor.lora.enabled:
+        return None
+    return policy.cast(cfg.actor.dtype)
 
 
 def critic_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout) -> int:
@@ -259,34 +289,28 @@ def actor_programs(
     `others`: bytes per device that colocated roles keep meanwhile."""
     actor, rollout = cfg.actor, cfg.rollout
     response = rollout.response_length
-    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype, actor.remat)
+    lora = actor.lora.enabled
+    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype, actor.remat, actor.lora)
     optimizer = make_optimizer(actor.optim, None)
-    opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.params, layout))
-    has_ref = cfg.uses_ref
-    ref = policy.cast(actor.dtype) if has_ref else None
-    ref_bytes = (bytes_per_device(ref) if has_ref else 0) + others
+    opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.trained_and_rest()[0], layout))
+    ref = _reference(cfg, policy)
+    ref_bytes = (bytes_per_device(ref) if ref is not None else 0) + others
     extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
     batch = micro_batch(cfg, actor, layout, extra)
     loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
     yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
     rows = micro_batch(cfg, actor, layout, ())
-    temperature = rollout.temperature
-
-    def logprob(model: Any, b: dict) -> dict:
-        logp, entropy = response_logprobs(model, b, temperature, with_entropy=True)
-        return {"log_probs": logp, "entropys": entropy}
-
+    logprob = functools.partial(logprob_rows, rollout.temperature)
     yield _rows_program("actor", "log probs", policy, policy.params, logprob, rows, opt_bytes + ref_bytes)
-    if has_ref:
-
-        def ref_logprob(model: Any, b: dict) -> dict:
-            return {"log_probs": response_logprobs(model, b, temperature, with_entropy=False)[0]}
-
-        resident = bytes_per_device(policy.params) + opt_bytes
-        yield _rows_program("actor", "ref log probs", policy, ref, ref_logprob, rows, resident)
-    # generation: the cast copy in the generation layout; the master stays where it is kept in another dtype
-    gen_params = policy.cast(actor.dtype, gen_layout)
-    master = bytes_per_device(policy.params) if jnp.dtype(actor.param_dtype) != jnp.dtype(actor.dtype) else 0
+    if cfg.uses_ref:  # the reference copy, or a LoRA policy's base (the adapters off)
+        ref_logprob = functools.partial(ref_logprob_rows, rollout.temperature)
+        params, resident = (policy.params, opt_bytes) if lora else (ref, bytes_per_device(policy.params) + opt_bytes)
+        yield _rows_program("actor", "ref log probs", policy, params, ref_logprob, rows, resident)
+    # generation: the cast copy in the generation layout; the master stays where it is kept in another dtype (a LoRA
+    # base is in the compute dtype already and its adapters are cast where they are used: nothing stays behind)
+    gen_params = policy.cast(None if lora else actor.dtype, gen_layout)
+    cast = not lora and jnp.dtype(actor.param_dtype) != jnp.dtype(actor.dtype)
+    master = bytes_per_device(policy.params) if cast else 0
     optimizer_resident = 0 if rollout.offload_optimizer else opt_bytes
     yield from engine_programs(cfg, shape, gen_layout, gen_params, master + optimizer_resident + ref_bytes)
 
@@ -297,7 +321,7 @@ def engine_programs(
     """The engine's fused prefill-and-insert at its longest bucket with every slot's row (the most the generator
     prefills in one call) and its decode step over every cache block, with the decode state as an argument."""
     rollout = cfg.rollout
-    model = abstract_model(shape, "causal_lm", cfg.actor.dtype)
+    model = add_lora(abstract_model(shape, "causal_lm", cfg.actor.dtype), cfg.actor.lora)
     engine = JaxEngine(
         model,
         layout,

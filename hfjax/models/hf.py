@@ -271,7 +271,8 @@ def load_hf(
     return nnx.merge(graphdef, state)
 
 
-def _host_value(value: jax.Array) -> np.ndarray:
+def host_value(value: jax.Array) -> np.ndarray:
+    """A (possibly multi-host) array as one numpy array on every process."""
     if not value.is_fully_addressable:
         from jax.experimental import multihost_utils
 
@@ -304,7 +305,7 @@ def save_hf(
 
     def fetch(name: str) -> np.ndarray:
         mapping = by_name[name]
-        return mapping.to_hf(_host_value(flat[mapping.path][...])).astype(out_dtype)
+        return mapping.to_hf(host_value(flat[mapping.path][...])).astype(out_dtype)
 
     files: list[list[tuple[str, np.dtype, tuple[int, ...]]]] = [[]]
     used = 0

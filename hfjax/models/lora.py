@@ -71,15 +71,21 @@ class LoraParam(nnx.Param):
 
 
 class LoraAdapter(nnx.Module):
-    """The adapter of one kernel [*out, *in] (`out_dims` output dimensions): A [rank, *in], B [*out, rank]."""
+    """The adapter of one kernel [*out, *in] (`out_dims` output dimensions): A [rank, *in], B [*out, rank]; of an
+    abstract kernel (`jax.ShapeDtypeStruct`, `hfjax.models.hf.abstract_model`), abstract too."""
 
     def __init__(self, kernel: nnx.Param, out_dims: int, rank: int, alpha: float, key: jax.Array):
         axes = kernel.get_metadata()["logical_axes"]
         out_shape, in_shape = kernel.shape[:out_dims], kernel.shape[out_dims:]
-        bound = 1.0 / math.sqrt(math.prod(in_shape))
-        a = jax.random.uniform(key, (rank, *in_shape), jnp.float32, -bound, bound)
+        a_shape, b_shape = (rank, *in_shape), (*out_shape, rank)
+        if isinstance(kernel.get_value(), jax.ShapeDtypeStruct):
+            a, b = jax.ShapeDtypeStruct(a_shape, jnp.float32), jax.ShapeDtypeStruct(b_shape, jnp.float32)
+        else:
+            bound = 1.0 / math.sqrt(math.prod(in_shape))
+            a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
+            b = jnp.zeros(b_shape, jnp.float32)
         self.a = LoraParam(a, logical_axes=("lora_rank", *axes[out_dims:]))
-        self.b = LoraParam(jnp.zeros((*out_shape, rank), jnp.float32), logical_axes=(*axes[:out_dims], "lora_rank"))
+        self.b = LoraParam(b, logical_axes=(*axes[:out_dims], "lora_rank"))
         self.scale = float(alpha) / rank
 
     def delta(self) -> jax.Array:

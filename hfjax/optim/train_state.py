@@ -166,6 +166,15 @@ def _forward(
         return fn(nnx.merge(graphdef, params, rest), batch)
 
 
+def split_trained(params: Any, rest: Any, trainable: type[nnx.Param]) -> tuple[Any, Any]:
+    """(the parameters of type `trainable`, the rest of a model's state: its other parameters and `rest`), the
+    arguments of the loss-and-gradient program (`grad_program`)."""
+    if trainable is nnx.Param:
+        return params, rest
+    trained, frozen = nnx.split_state(params, trainable, ...)
+    return trained, nnx.merge_state(frozen, rest)
+
+
 def compile_counts() -> dict[str, int]:
     """Programs compiled so far in this process, over all `TrainState`s: `grad` (per model, loss function and
     micro-batch shape), `accumulate`, `apply` (per optimizer) and `eval` (per function and batch shape)."""
@@ -263,10 +272,7 @@ class TrainState:
 
     def _trained_and_rest(self) -> tuple[Any, Any]:
         """(the trained parameters, everything else the model holds: frozen parameters and non-parameter state)."""
-        if self.trainable is nnx.Param:
-            return self.params, self.rest
-        trained, frozen = nnx.split_state(self.params, self.trainable, ...)
-        return trained, nnx.merge_state(frozen, self.rest)
+        return split_trained(self.params, self.rest, self.trainable)
 
     def model(self) -> nnx.Module:
         """The module with the current parameters (e.g. for `save_hf`)."""

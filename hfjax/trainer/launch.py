@@ -149,15 +149,18 @@ def close_after_failure(trainer: RLTrainer) -> None:
         log.warning("closing the stopped run also failed: %s", exc)
 
 
-def export_run(run_dir: str | Path, step: int | None, out_dir: str | Path) -> int:
-    """Writes the actor of `run_dir` at `step` (default: the latest) as a Hugging Face checkpoint; returns the step."""
+def export_run(run_dir: str | Path, step: int | None, out_dir: str | Path, adapters: bool = False) -> int:
+    """Writes the actor of `run_dir` at `step` (default: the latest) as a Hugging Face checkpoint (a LoRA actor's
+    adapters merged), or with `adapters` a LoRA actor's adapters as a PEFT adapter directory; returns the step."""
     cfg = load_rl_config(Path(run_dir) / "config.yaml")
+    if adapters and not cfg.actor.lora.enabled:
+        raise ValueError(f"export --adapters: the actor of {run_dir} has no LoRA adapters (actor.lora.rank is 0)")
     # this process's devices, whatever hosts and layout trained it: the checkpoint restores into any sharding
     actor = dataclasses.replace(cfg.actor, train_layout=None)
     worker = ActorRolloutRefWorker(actor, cfg.rollout, "actor", max_prompt_length=cfg.data.max_prompt_length)
     worker.init_model()
     restored = worker.load_checkpoint(str(Path(run_dir) / "checkpoints" / "actor"), step)
-    worker.export_hf(str(out_dir))
+    worker.export_hf(str(out_dir), adapters)
     from hfjax.models import load_tokenizer
 
     load_tokenizer(cfg.tokenizer_path).save_pretrained(str(out_dir))

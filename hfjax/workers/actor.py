@@ -188,7 +188,9 @@ class ActorRolloutRefWorker(TrainedRole):
                 mode=rollout.hybrid_engine,
                 offload_optimizer=rollout.offload_optimizer and self.state is not None,
                 keep_host_memory=rollout.keep_host_memory,
-                gen_dtype=cfg.dtype,
+                # a LoRA base is already in the compute dtype; its float32 adapters are cast where they are used, so
+                # nothing is cast and the engine keeps no training copy (zero redundancy)
+                gen_dtype=None if lora else cfg.dtype,
             )
             # one continuous-batching loop per process, over its own replicas of the generation layout
             self.local_gen_layout = process_layout(self.hybrid.gen_layout)
@@ -305,8 +307,14 @@ class ActorRolloutRefWorker(TrainedRole):
         return export_shards(self.params, self.cfg.dtype)
 
     @register(Dispatch.ONE_TO_ALL)
-    def export_hf(self, out_dir: str) -> None:
-        """Writes the current policy as a Hugging Face checkpoint."""
+    def export_hf(self, out_dir: str, adapters: bool = False) -> None:
+        """Writes the current policy as a Hugging Face checkpoint (LoRA adapters merged into their weights), or with
+        `adapters` the LoRA adapters alone as a PEFT adapter directory for the base checkpoint."""
         from hfjax.models import save_hf
+        from hfjax.models.peft_io import save_peft
 
-        save_hf(merge_lora(self.policy.merge(self.params)), out_dir, overwrite=True)
+        model = self.policy.merge(self.params)
+        if adapters:
+            save_peft(model, self.cfg.lora, out_dir, self.cfg.model_path)
+        else:
+            save_hf(merge_lora(model), out_dir, overwrite=True)
