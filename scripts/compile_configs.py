@@ -22,6 +22,7 @@ TARGETS = {  # each shipped config and the hardware its header names
     "qwen2.5-0.5b-grpo-tpu-v5e-8": "v5e:2x4",
     "llama-3.2-1b-grpo-tpu-v5e-8": "v5e:2x4",
     "llama-3.1-8b-grpo-tpu-v5p-8": "v5p:2x2x1",
+    "llama-3.1-8b-grpo-lora-tpu-v5e-8": "v5e:2x4",
     "qwen2.5-0.5b-grpo-1gpu": "h100",
     "qwen2.5-0.5b-ppo-1gpu": "h100",
     "qwen2.5-1.5b-grpo-8gpu": "h100x8",

@@ -28,12 +28,23 @@ from support.tiny_models import TINY, compiled_forward, random_model
 from hfjax.compiled.programs import AbstractModel, actor_programs, actor_resident, bytes_per_device, measure
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.models import load_hf, save_hf
-from hfjax.models.lora import LORA_SITES, LoraConfig, LoraParam, adapters_off, add_lora, merge_lora
+from hfjax.models.hf import abstract_model
+from hfjax.models.lora import (
+    LORA_SITES,
+    LoraConfig,
+    LoraParam,
+    adapters_off,
+    add_lora,
+    lora_parameter_count,
+    merge_lora,
+)
 from hfjax.models.peft_io import save_peft
+from hfjax.models.presets import named_config
 from hfjax.optim import TrainState
 from hfjax.parallel import Layout
 from hfjax.protocol import DataProto
 from hfjax.trainer.launch import export_run, run_rl
+from hfjax.trainer.preflight import predict_memory
 from hfjax.workers.actor import ActorRolloutRefWorker
 
 RANK, ALPHA = 4, 8.0
@@ -274,11 +285,12 @@ def test_the_compile_check_counts_lora_memory():
         )
 
     full, lora = config({}), config({"rank": 4})
+    trained = ("loss+grad", "optimizer step", "log probs", "ref log probs")  # (generation: the same programs)
     programs = {
-        name: {t.program: measure(t) for t in actor_programs(cfg, shape, layout, gen)}
+        name: {t.program: measure(t) for t in actor_programs(cfg, shape, layout, gen) if t.program in trained}
         for name, cfg in (("full", full), ("lora", lora))
     }
-    assert programs["full"].keys() == programs["lora"].keys() and "ref log probs" in programs["lora"]
+    assert programs["full"].keys() == programs["lora"].keys() == set(trained)
     policy = AbstractModel.build(shape, "causal_lm", layout, "bfloat16", None, lora=lora.actor.lora)
     adapters = bytes_per_device(policy.trained_and_rest()[0])
     base = bytes_per_device(policy.params) - adapters
@@ -289,7 +301,7 @@ def test_the_compile_check_counts_lora_memory():
     step = programs["lora"]["optimizer step"]
     assert step.arguments == pytest.approx(4 * adapters, abs=64)  # adapters, gradients and two moments
     assert programs["lora"]["ref log probs"].resident == pytest.approx(2 * adapters, abs=64)  # the moments only
-    for name in ("loss+grad", "optimizer step", "log probs", "ref log probs"):
+    for name in trained:
         assert programs["lora"][name].peak < programs["full"][name].peak, name
 
 
@@ -320,3 +332,32 @@ def test_a_peft_export_gives_transformers_the_adapted_logits(tmp_path, family):
     with torch.no_grad():
         merged_logits = merged(**torch_inputs).logits.numpy()
     np.testing.assert_allclose(merged_logits[real], theirs[real], rtol=1e-5, atol=1e-5 * np.abs(theirs).max())
+
+
+def test_the_adapter_count_of_a_config_is_the_built_models():
+    """`lora_parameter_count` (what the cost model reads) against the adapters `add_lora` builds, abstractly, for
+    Llama-3.1-8B at rank 16 on every projection (41,943,040) and for Gemma 3 1B on q and v only."""
+    for name, lora in (
+        ("llama-3.1-8b", LoraConfig(rank=16)),
+        ("gemma-3-1b", LoraConfig(8, targets=["q_proj", "v_proj"])),
+    ):
+        shape = named_config(name)
+        model = add_lora(abstract_model(shape, "causal_lm", "bfloat16"), lora)
+        built = sum(x.size for x in jax.tree.leaves(nnx.state(model, LoraParam)))
+        assert lora_parameter_count(shape, lora) == built, name
+    assert lora_parameter_count(named_config("llama-3.1-8b"), LoraConfig(rank=16)) == 41_943_040
+
+
+def test_the_cost_model_counts_lora_memory():
+    """The shipped Llama-3.1-8B LoRA config on a v5e-8 against the same config fully fine-tuned (float32 master):
+    the actor keeps its base in bfloat16 plus float32 adapters, optimizer state and gradients scale with the adapters'
+    share of the parameters, and the reference keeps nothing of its own."""
+    lora_cfg = load_rl_config("configs/gsm8k/llama-3.1-8b-grpo-lora-tpu-v5e-8.yaml")
+    full_cfg = load_rl_config("configs/gsm8k/llama-3.1-8b-grpo-lora-tpu-v5e-8.yaml", ["actor.lora.rank=0"])
+    lora, full = (predict_memory(cfg, 1e15).roles for cfg in (lora_cfg, full_cfg))
+    share = 41_943_040 / named_config("llama-3.1-8b").num_params
+    base = full["actor"].memory["params"] / 2  # float32 master -> bfloat16 base
+    assert lora["actor"].memory["params"] == pytest.approx(base + base * 2 * share)
+    assert lora["actor"].memory["optimizer"] == pytest.approx(full["actor"].memory["optimizer"] * share)
+    assert lora["actor"].memory["grads"] == pytest.approx(full["actor"].memory["grads"] * share)
+    assert lora["ref"].memory["params"] == 0 and full["ref"].memory["params"] == pytest.approx(base)

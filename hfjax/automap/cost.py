@@ -22,12 +22,14 @@ of g of the host's n devices runs at n/g times the per-device rates (measured wi
 to compute instead of overlapping it, and the groups' stage seconds add up instead of taking their max.
 Memory per device, as hfjax's trainers hold it: a trained role keeps its master copy (`master_bytes`, float32 by
 default), Adam's two moments in float32 and gradients in the master's dtype; a frozen role (reference, reward) keeps
-its parameters in the compute dtype (`param_bytes`); the actor's generation copy in the compute dtype is extra while
-it generates (the whole copy when it is a cast of the master, else what the generation shard adds to the training
-shard), and so is its KV cache; activations per token and layer, counted from what hfjax's decoder layer keeps for its
-backward in bf16 (`layer_activation_bytes`: 14 d + (10 d + 8 m) / t bytes, d the width and m the MLP width; the
-float32 norms, q/k/v, rotary, attention and the four SwiGLU tensors; 11% under the TPU compiler's figure for
-Qwen2.5-0.5B), each layer's input only with recomputation, and one chunk of the LM head's float32 logits.
+its parameters in the compute dtype (`param_bytes`); a LoRA actor (`CostOptions.actor_lora`) keeps its base in the
+compute dtype and float32 adapters with their moments and gradients, and its reference is that base (no copy); the
+actor's generation copy in the compute dtype is extra while it generates (the whole copy when it is a cast of the
+master, else what the generation shard adds to the training shard), and so is its KV cache; activations per token and
+layer, counted from what hfjax's decoder layer keeps for its backward in bf16 (`layer_activation_bytes`: 14 d + (10 d
++ 8 m) / t bytes, d the width and m the MLP width; the float32 norms, q/k/v, rotary, attention and the four SwiGLU
+tensors; 11% under the TPU compiler's figure for Qwen2.5-0.5B), each layer's input only with recomputation, and one
+chunk of the LM head's float32 logits.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 from hfjax.automap.cluster import GIB, ClusterSpec
 from hfjax.automap.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
 from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
+from hfjax.models.lora import LoraConfig, lora_parameter_count
 from hfjax.parallel.layout import Layout
 from hfjax.parallel.layout_compare import table2_moved_bytes
 
@@ -99,6 +102,9 @@ class CostOptions:
     # its code does: `run_cost_options` sets it from `actor.remat`)
     remat: bool = True
     usable_memory_fraction: float = 0.9
+    # the actor's LoRA adapters (`actor.lora`; None: full fine-tuning): the base in `param_bytes`, float32 adapters
+    # with their gradients and optimizer state, and no reference copy (the base serves)
+    actor_lora: LoraConfig | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,9 +343,14 @@ class CostModel:
         opt = self.options
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         trained = role in self.flow.training
+        lora = opt.actor_lora if role in ("actor", "ref") and opt.actor_lora and opt.actor_lora.enabled else None
+        trained_shard = shard * lora_parameter_count(shape.config, lora) / shape.params if lora else shard
         seconds = dict.fromkeys(STAGES, 0.0)
         detail: dict[str, float] = {}
-        memory = {"params": shard * (opt.master_bytes if trained else opt.param_bytes)}
+        if lora:  # the actor: the base and float32 adapters; the reference: the actor's base, nothing of its own
+            memory = {"params": shard * opt.param_bytes + trained_shard * 4 if trained else 0.0}
+        else:
+            memory = {"params": shard * (opt.master_bytes if trained else opt.param_bytes)}
         transient = 0.0
         if role in self.flow.inference:
             inf = self.infer(role, shape, sizes)
@@ -352,8 +363,8 @@ class CostModel:
             seconds["training"] = tr["seconds"] + self.cluster.profile.call_overhead_s
             detail.update({f"train_{k}": v for k, v in tr.items() if k != "seconds"})
             seqs_step = math.ceil(self.sequences("training") / self.workload.mini_batches)
-            memory["optimizer"] = shard * opt.optimizer_bytes
-            memory["grads"] = shard * opt.master_bytes
+            memory["optimizer"] = trained_shard * opt.optimizer_bytes
+            memory["grads"] = trained_shard * (4 if lora else opt.master_bytes)
             memory["train_activations"] = self.activation_bytes(shape, sizes, seqs_step, True)
             transient = max(transient, memory["grads"] + memory["train_activations"])
         static = memory["params"] + memory.get("optimizer", 0.0)

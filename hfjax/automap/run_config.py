@@ -56,13 +56,15 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 
 
 def run_cost_options(cfg: RLConfig) -> CostOptions:
-    """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes and its
-    `remat` setting."""
+    """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
+    `remat` setting and its LoRA adapters."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
+    lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
         param_bytes=itemsize[cfg.actor.dtype],
-        master_bytes=itemsize[cfg.actor.param_dtype],
+        master_bytes=itemsize[cfg.actor.dtype if lora else cfg.actor.param_dtype],
         remat=cfg.actor.remat != "none",
+        actor_lora=cfg.actor.lora if lora else None,
     )
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hfjax.models.config import ModelConfig
 from hfjax.models.dense import dense
 
 # PEFT's target name -> (the attribute of the projection's kernel, of its adapter, and how many leading kernel
@@ -64,6 +65,17 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+
+def lora_parameter_count(cfg: ModelConfig, lora: LoraConfig) -> int:
+    """The adapters' parameters of `lora` on a model of `cfg`: rank x (in + out) per adapted projection."""
+    if not lora.enabled:
+        return 0
+    d, m, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    widths = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d}
+    widths.update(dict.fromkeys(("gate_proj", "up_proj", "down_proj"), d + m))
+    return cfg.num_layers * lora.rank * sum(widths[t] for t in lora.targets)
 
 
 class LoraParam(nnx.Param):
