@@ -46,6 +46,7 @@ from hfjax.protocol import DataProto
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.preflight import predict_memory
 from hfjax.workers.actor import ActorRolloutRefWorker
+from hfjax.workers.critic import CriticWorker
 
 RANK, ALPHA = 4, 8.0
 ROWS, LENGTH = 4, 10
@@ -184,7 +185,7 @@ def _expected_sharding(layout: Layout, path: tuple, shape: tuple[int, ...]):
 
 def test_trainstate_refuses_a_model_without_adapters_when_training_adapters():
     layout = Layout.from_config({"mesh": {"fsdp": 8}, "rules": "fsdp"})
-    with pytest.raises(ValueError, match="the model has no LoraParam parameters to train"):
+    with pytest.raises(ValueError, match=r"no parameter of the model is trainable \(trainable=LoraParam\)"):
         TrainState(random_model(TINY, 0), layout, optax.sgd(0.1), grad_clip=1.0, trainable=LoraParam)
 
 
@@ -203,17 +204,21 @@ def test_lora_config_names_the_bad_field(fields, message):
         LoraConfig(**fields)
 
 
-def test_grpo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tmp_path):
-    """Three GRPO steps in-process with adapters on q and v: the KL to the reference is exactly 0 at step 1 (fresh
-    adapters: the policy is its base) and grows after updates, no reference copy is loaded, and `hfjax export`
-    writes merged weights that transformers loads: q and v changed, every other tensor bit for bit the base's; `hfjax
-    export --adapters` writes adapters that peft puts on the base to the merged model's logits."""
+def test_ppo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tmp_path):
+    """Three PPO steps in-process, the actor with adapters on q and v, the critic with adapters on every projection:
+    the KL to the reference is exactly 0 at step 1 (fresh adapters: the policy is its base) and grows after updates,
+    the value loss is finite, and `hfjax export` writes merged weights that transformers loads: q and v changed,
+    every other tensor bit for bit the base's; `hfjax export --adapters` writes adapters that peft puts on the base to
+    the merged model's logits."""
     inputs = build_run_inputs(tmp_path)
     lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
-    config = rl_config(inputs, tmp_path / "run", "grpo", actor={"lora": lora, "optim": {"lr": 1e-2}})
+    actor = {"lora": lora, "optim": {"lr": 1e-2}, "ppo_mini_batch_size": 8}  # one update per step: at step 1 the
+    # KL is measured before any update
+    config = rl_config(inputs, tmp_path / "run", "ppo", actor=actor, critic={"lora": {"rank": 4}})
     history = run_rl(load_rl_config(config))
     kl = [m["actor/kl_loss"] for m in history]
     assert kl[0] == 0 and kl[-1] > 0, kl
+    assert all(np.isfinite(m["critic/vf_loss"]) for m in history)
     assert export_run(tmp_path / "run", None, tmp_path / "hf") == 3
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
     base = load_file(str(next(Path(inputs["policy"]).glob("*.safetensors"))))
@@ -361,3 +366,34 @@ def test_the_cost_model_counts_lora_memory():
     assert lora["actor"].memory["optimizer"] == pytest.approx(full["actor"].memory["optimizer"] * share)
     assert lora["actor"].memory["grads"] == pytest.approx(full["actor"].memory["grads"] * share)
     assert lora["ref"].memory["params"] == 0 and full["ref"].memory["params"] == pytest.approx(base)
+
+
+def test_a_lora_critic_trains_its_adapters_and_value_head(tmp_path):
+    """A bfloat16 critic with LoRA: the base stays in bfloat16 and unchanged, the value head is float32 and trains
+    beside the adapters, and checkpoints hold those two."""
+    inputs = build_run_inputs(tmp_path)
+    critic = {"lora": {"rank": 4}, "dtype": "bfloat16"}
+    cfg = load_rl_config(rl_config(inputs, tmp_path / "run", "ppo", critic=critic))
+    worker = CriticWorker(cfg.critic, total_steps=3)
+    worker.init_model()
+    before = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(worker.state.params)}
+    head = {path for path in before if path[0] in ("score", "score_bias")}
+    adapters = {path for path in before if str(path[-2:][0]).endswith("_lora")}
+    assert head and all(before[p].dtype == np.float32 for p in head | adapters)
+    assert all(before[p].dtype == jnp.bfloat16 for p in before.keys() - head - adapters)
+    assert {path for path, _ in nnx.to_flat_state(worker.state.items()["params"])} == head | adapters
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 12, (4, 12)).astype(np.int32)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.tile(np.arange(12, dtype=np.int32), (4, 1)),
+        "responses": ids[:, 6:],
+        "response_mask": np.ones((4, 6), np.float32),
+        "values": np.zeros((4, 6), np.float32),
+        "returns": rng.normal(size=(4, 6)).astype(np.float32),
+    }
+    worker.update_critic(DataProto.from_dict(batch))
+    after = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(worker.state.params)}
+    changed = {path for path in before if not np.array_equal(before[path], after[path])}
+    assert changed == head | {p for p in adapters if p[-1] == "b"}  # (A moves from the second step: B starts at 0)

@@ -126,7 +126,7 @@ class AbstractModel:
     params: Any
     rest: Any
     layout: Layout
-    trainable: type[nnx.Param] = nnx.Param
+    trainable: nnx.filterlib.Filter = nnx.Param
 
     @classmethod
     def build(

@@ -261,6 +261,8 @@ class CriticConfig:
     loss_agg_mode: Literal[
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
+    # as `ActorConfig.lora`: the base frozen in `dtype`, float32 adapters, and the value head trained in float32
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         check_batch_sizes(self)

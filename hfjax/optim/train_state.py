@@ -13,8 +13,8 @@ Precision: parameters are the master copy in their stored dtype (float32 by defa
 `dtype`), gradients arrive in that dtype, and the optimizer state is float32 whatever the parameters are.
 Memory: parameters and optimizer state are donated to the apply program (one copy, not two), so arrays taken from
 `params` or from the model passed in are invalid after an `update` (read `params` again), unless `donate=False`.
-Frozen parameters: with `trainable` (a filter of parameter types, e.g. `LoraParam`) only those parameters get
-gradients and optimizer state; the others stay as they are (a LoRA role's base).
+Frozen parameters: with `trainable` (an nnx filter: a parameter type such as `LoraParam`, paths, ...) only the
+parameters it selects get gradients and optimizer state; the others stay as they are (a LoRA role's base).
 """
 
 from __future__ import annotations
@@ -166,9 +166,10 @@ def _forward(
         return fn(nnx.merge(graphdef, params, rest), batch)
 
 
-def split_trained(params: Any, rest: Any, trainable: type[nnx.Param]) -> tuple[Any, Any]:
-    """(the parameters of type `trainable`, the rest of a model's state: its other parameters and `rest`), the
-    arguments of the loss-and-gradient program (`grad_program`)."""
+def split_trained(params: Any, rest: Any, trainable: nnx.filterlib.Filter) -> tuple[Any, Any]:
+    """(the parameters that `trainable` selects (a type such as `LoraParam`, or any nnx filter), the rest of a
+    model's state: its other parameters and `rest`), the arguments of the loss-and-gradient program
+    (`grad_program`)."""
     if trainable is nnx.Param:
         return params, rest
     trained, frozen = nnx.split_state(params, trainable, ...)
@@ -249,7 +250,7 @@ class TrainState:
         grad_clip: float,
         *,
         donate: bool = True,
-        trainable: type[nnx.Param] = nnx.Param,
+        trainable: nnx.filterlib.Filter = nnx.Param,
     ):
         if grad_clip < 0:
             raise ValueError(f"grad_clip: expected >= 0 (0 disables clipping), got {grad_clip!r}")
@@ -259,7 +260,8 @@ class TrainState:
         self.params = jax.device_put(params, layout.shardings(params))
         trained, _ = self._trained_and_rest()
         if not jax.tree.leaves(trained):
-            raise ValueError(f"TrainState: the model has no {trainable.__name__} parameters to train")
+            name = getattr(trainable, "__name__", trainable)
+            raise ValueError(f"TrainState: no parameter of the model is trainable (trainable={name})")
         self._trained_shardings = jax.tree.map(lambda x: x.sharding, trained)
         self.opt_shardings = optimizer_shardings(optimizer, trained, layout)
         init = functools.partial(_init_float32, optimizer)

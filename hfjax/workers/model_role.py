@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -61,8 +62,9 @@ def reports_usage(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class LoadedModel:
-    """A checkpoint loaded under a layout (with `lora`'s adapters attached, when given): graph definition,
-    parameters, and jitted per-row functions over them."""
+    """A checkpoint loaded under a layout (with `lora`'s adapters attached, when given, and the top-level parameters
+    named in `float32_params` cast to float32): graph definition, parameters, and jitted per-row functions over
+    them."""
 
     def __init__(
         self,
@@ -74,9 +76,13 @@ class LoadedModel:
         head: str | None,
         remat: str = "none",
         lora: LoraConfig | None = None,
+        float32_params: tuple[str, ...] = (),
     ):
         self.layout = layout
         model = set_remat(load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head), remat)
+        for name in float32_params:  # e.g. a trained head beside a frozen base stored in the compute dtype
+            param = getattr(model, name)
+            param.set_value(param.get_value().astype(jnp.float32))
         if lora is not None:
             add_lora(model, lora)
         self.config = model.config
