@@ -47,6 +47,8 @@ from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.preflight import predict_memory
 from hfjax.workers.actor import ActorRolloutRefWorker
 from hfjax.workers.critic import CriticWorker
+from hfjax.workers.rollout import RolloutWorker
+from hfjax.workers.weight_sync import param_paths
 
 RANK, ALPHA = 4, 8.0
 ROWS, LENGTH = 4, 10
@@ -397,3 +399,36 @@ def test_a_lora_critic_trains_its_adapters_and_value_head(tmp_path):
     after = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(worker.state.params)}
     changed = {path for path in before if not np.array_equal(before[path], after[path])}
     assert changed == head | {p for p in adapters if p[-1] == "b"}  # (A moves from the second step: B starts at 0)
+
+
+def test_a_weight_sync_of_a_lora_policy_sends_the_adapters_alone(tmp_path):
+    """Disaggregated placement: after an update, the trainer's blocks for the rollout are its float32 adapters only
+    (their bytes exactly), and the rollout, which loaded the frozen base itself, then holds the trainer's weights."""
+    inputs = build_run_inputs(tmp_path)
+    cfg = load_rl_config(rl_config(inputs, tmp_path / "run", "grpo", actor={"lora": {"rank": 4}}))
+    actor = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor", total_steps=3, max_prompt_length=16)
+    actor.init_model()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 12, (4, 12)).astype(np.int32)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.tile(np.arange(12, dtype=np.int32), (4, 1)),
+        "responses": ids[:, 6:],
+        "response_mask": np.ones((4, 6), np.float32),
+        "advantages": rng.normal(size=(4, 6)).astype(np.float32),
+        "ref_log_prob": np.zeros((4, 6), np.float32),
+    }
+    actor.update_actor(DataProto.from_dict(batch))
+    rollout = RolloutWorker(cfg.actor, cfg.rollout, max_prompt_length=16)
+    rollout.init_model()
+    part = actor.weights_for_rollout()
+    adapters = nnx.split_state(actor.params, LoraParam, ...)[0]
+    assert part.nbytes == sum(x.nbytes for x in jax.tree.leaves(adapters))
+    assert part.nbytes < sum(x.nbytes for x in jax.tree.leaves(actor.params)) / 4
+    rollout.commit_weights(1, rollout.stage_weights(1, part))
+    held = rollout.rollout_params()
+    trainer = {path: np.asarray(leaf) for path, leaf in param_paths(actor.params)}
+    assert held.keys() == trainer.keys()
+    for path in trainer:
+        np.testing.assert_array_equal(held[path], trainer[path], err_msg=path)

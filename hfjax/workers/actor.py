@@ -303,7 +303,10 @@ class ActorRolloutRefWorker(TrainedRole):
     @register(Dispatch.ONE_TO_ALL, blocking=False)
     def weights_for_rollout(self) -> WeightShards:
         """This process's blocks of the policy cast to the compute dtype, for a rollout group on other devices
-        (`hfjax.trainer.rollout_stream.sync_weights`; non-blocking: the blocks stay in the cluster)."""
+        (`hfjax.trainer.rollout_stream.sync_weights`; non-blocking: the blocks stay in the cluster); of a LoRA
+        policy, its float32 adapters only (the rollout holds the frozen base)."""
+        if self.cfg.lora.enabled:
+            return export_shards(nnx.split_state(self.params, LoraParam, ...)[0], "float32")
         return export_shards(self.params, self.cfg.dtype)
 
     @register(Dispatch.ONE_TO_ALL)

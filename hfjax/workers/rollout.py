@@ -1,7 +1,7 @@
-"""`RolloutWorker`: generation on devices of its own (the disaggregated placement): the policy in the generation
-layout and compute dtype only (no master copy, no optimizer state, no HybridEngine), fed new weights by the trainer
-(`stage_weights`, `commit_weights`, or a mailbox to `follow`) and answering `generate_sequences` exactly like the
-policy worker.
+"""`RolloutWorker`: generation on devices of its own (the disaggregated placement): the policy in the generation layout
+and compute dtype only (no master copy, no optimizer state, no HybridEngine), fed new weights by the trainer
+(`stage_weights`, `commit_weights`, or a mailbox to `follow`; a LoRA policy's adapters only, its base loaded here)
+and answering `generate_sequences` exactly like the policy worker.
 
 Each process runs one continuous-batching loop over its own replicas of the generation layout (as the policy worker
 does). Weights arrive as the trainer processes' blocks (`hfjax.workers.weight_sync`) and switch in two phases on
@@ -19,9 +19,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, Worker, register
+from hfjax.models.lora import LoraParam
 from hfjax.parallel import layout_or_default
 from hfjax.parallel.host_local import host_local_layout, process_layout
 from hfjax.protocol import DataProto
@@ -66,8 +68,14 @@ class RolloutWorker(Worker):
         gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
         self.local_layout = process_layout(host_local_layout(gen))  # its own order, when host-local
         dtype = self.actor_cfg.dtype
+        self.lora = self.actor_cfg.lora.enabled  # then the base is loaded here once, and syncs bring the adapters
         self.policy = LoadedModel(
-            self.actor_cfg.model_path, self.local_layout, dtype=dtype, param_dtype=dtype, head="causal_lm"
+            self.actor_cfg.model_path,
+            self.local_layout,
+            dtype=dtype,
+            param_dtype=dtype,
+            head="causal_lm",
+            lora=self.actor_cfg.lora if self.lora else None,
         )
         self.pad_id = self.policy.config.pad_token_id or 0
         self.engine = JaxEngine(
@@ -196,17 +204,22 @@ class RolloutWorker(Worker):
         seconds = own["stage_seconds"] + time.perf_counter() - started
         return {**own, "receive_seconds": seconds, "ended_at": time.time()}
 
+    def _synced(self) -> Any:
+        """The parameters a sync replaces: all, or a LoRA policy's adapters (its base is `model_path`'s, frozen)."""
+        return nnx.split_state(self.policy.params, LoraParam, ...)[0] if self.lora else self.policy.params
+
     def _stage(self, version: int, parts: Any) -> str | None:
         """Stages `parts` as `version` (`WeightSwap.stage`); what failed, naming this process, or None."""
         try:
-            self.swap.stage(version, list(parts), self.policy.params)
+            self.swap.stage(version, list(parts), self._synced())
         except Exception as exc:  # every failure must reach phase two on every process, which drops the version
             return f"rank {self.rank}: {exc}"
         return None
 
     def _settle(self, version: int, errors: list[str]) -> None:
         """Phase two here (`WeightSwap.settle`): `version` serves from now on, or the error is raised."""
-        self.policy.params = self.swap.settle(version, self.version, self.policy.params, errors)
+        new = self.swap.settle(version, self.version, self._synced(), errors)
+        self.policy.params = nnx.merge_state(self.policy.params, new) if self.lora else new
         self.version = version
 
     @register(Dispatch.ONE_TO_ALL)
