@@ -55,6 +55,7 @@ class RolloutWorker(Worker):
         `check_every`: decode steps between looks for newer weights; `weight_swap`: how a sync stages
         (`hfjax.workers.weight_swap`)."""
         self.actor_cfg, self.rollout_cfg, self.max_prompt_length = actor, rollout, max_prompt_length
+        self.lora = actor.lora.enabled  # then the base is loaded here once, and syncs bring the adapters
         self.partial, self.check_every = partial, check_every
         self.version, self.mailbox, self.swap = 0, None, WeightSwap(weight_swap)
         self.loads: list[float] = []  # seconds of each load from the mailbox during the current generation
@@ -68,7 +69,6 @@ class RolloutWorker(Worker):
         gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
         self.local_layout = process_layout(host_local_layout(gen))  # its own order, when host-local
         dtype = self.actor_cfg.dtype
-        self.lora = self.actor_cfg.lora.enabled  # then the base is loaded here once, and syncs bring the adapters
         self.policy = LoadedModel(
             self.actor_cfg.model_path,
             self.local_layout,
