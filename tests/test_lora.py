@@ -239,6 +239,18 @@ def test_ppo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tmp
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def _sequences(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """4 sequences of 12 tokens, the last 6 the response (every token real and in the loss)."""
+    ids = rng.integers(3, 12, (4, 12)).astype(np.int32)
+    return {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.tile(np.arange(12, dtype=np.int32), (4, 1)),
+        "responses": ids[:, 6:],
+        "response_mask": np.ones((4, 6), np.float32),
+    }
+
+
 def test_a_lora_actor_with_a_reference_role_loads_no_reference_copy(tmp_path):
     """The actor_rollout_ref worker with LoRA: no reference parameters, and its reference log probs are the base
     model's (those of a worker without adapters), before and after the adapters are trained."""
@@ -251,21 +263,12 @@ def test_a_lora_actor_with_a_reference_role_loads_no_reference_copy(tmp_path):
     plain.init_model()
     assert plain.ref_params is not None
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, 12, (4, 12)).astype(np.int32)
-    data = DataProto.from_dict(
-        {
-            "input_ids": ids,
-            "attention_mask": np.ones_like(ids),
-            "position_ids": np.tile(np.arange(12, dtype=np.int32), (4, 1)),
-            "responses": ids[:, 6:],
-        }
-    )
+    data = DataProto.from_dict(_sequences(rng))
     want = plain.compute_ref_log_prob(data).batch["ref_log_prob"]
     np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], want)
     policy = plain.compute_log_prob(data).batch["old_log_probs"]  # (the program with entropies: other roundings)
     np.testing.assert_array_equal(worker.compute_log_prob(data).batch["old_log_probs"], policy)  # fresh: B = 0
-    for key in ("response_mask", "advantages"):
-        data.batch[key] = np.ones((4, 6), np.float32) if key == "response_mask" else rng.normal(size=(4, 6))
+    data.batch["advantages"] = rng.normal(size=(4, 6)).astype(np.float32)
     data.batch["ref_log_prob"] = want
     worker.update_actor(data)
     np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], want)
@@ -385,17 +388,8 @@ def test_a_lora_critic_trains_its_adapters_and_value_head(tmp_path):
     assert all(before[p].dtype == jnp.bfloat16 for p in before.keys() - head - adapters)
     assert {path for path, _ in nnx.to_flat_state(worker.state.items()["params"])} == head | adapters
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, 12, (4, 12)).astype(np.int32)
-    batch = {
-        "input_ids": ids,
-        "attention_mask": np.ones_like(ids),
-        "position_ids": np.tile(np.arange(12, dtype=np.int32), (4, 1)),
-        "responses": ids[:, 6:],
-        "response_mask": np.ones((4, 6), np.float32),
-        "values": np.zeros((4, 6), np.float32),
-        "returns": rng.normal(size=(4, 6)).astype(np.float32),
-    }
-    worker.update_critic(DataProto.from_dict(batch))
+    batch = {**_sequences(rng), "values": np.zeros((4, 6), np.float32)}
+    worker.update_critic(DataProto.from_dict({**batch, "returns": rng.normal(size=(4, 6)).astype(np.float32)}))
     after = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(worker.state.params)}
     changed = {path for path in before if not np.array_equal(before[path], after[path])}
     assert changed == head | {p for p in adapters if p[-1] == "b"}  # (A moves from the second step: B starts at 0)
@@ -409,17 +403,8 @@ def test_a_weight_sync_of_a_lora_policy_sends_the_adapters_alone(tmp_path):
     actor = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor", total_steps=3, max_prompt_length=16)
     actor.init_model()
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, 12, (4, 12)).astype(np.int32)
-    batch = {
-        "input_ids": ids,
-        "attention_mask": np.ones_like(ids),
-        "position_ids": np.tile(np.arange(12, dtype=np.int32), (4, 1)),
-        "responses": ids[:, 6:],
-        "response_mask": np.ones((4, 6), np.float32),
-        "advantages": rng.normal(size=(4, 6)).astype(np.float32),
-        "ref_log_prob": np.zeros((4, 6), np.float32),
-    }
-    actor.update_actor(DataProto.from_dict(batch))
+    batch = {**_sequences(rng), "ref_log_prob": np.zeros((4, 6), np.float32)}
+    actor.update_actor(DataProto.from_dict({**batch, "advantages": rng.normal(size=(4, 6)).astype(np.float32)}))
     rollout = RolloutWorker(cfg.actor, cfg.rollout, max_prompt_length=16)
     rollout.init_model()
     part = actor.weights_for_rollout()
