@@ -36,7 +36,7 @@ from hfjax.parallel.host_local import local_view, process_layout
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
-from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_usage
+from hfjax.workers.model_role import LoadedModel, TrainedRole, load_trained, padding_masked, reports_usage
 from hfjax.workers.packing import response_positions, to_response_rows
 from hfjax.workers.weight_sync import WeightShards, export_shards
 
@@ -157,21 +157,12 @@ class ActorRolloutRefWorker(TrainedRole):
         """Loads the policy (and the reference copy) under the training layout; builds optimizer and generator."""
         cfg, rollout = self.cfg, self.rollout_cfg
         layout = layout_or_default(cfg.train_layout, where="actor.train_layout")
-        lora = cfg.lora if cfg.lora.enabled else None
-        self.policy = LoadedModel(
-            cfg.model_path,
-            layout,
-            dtype=cfg.dtype,
-            param_dtype=cfg.dtype if lora else cfg.param_dtype,  # a LoRA base is frozen: stored as it computes
-            head="causal_lm",
-            remat=cfg.remat,
-            lora=lora,
-        )
+        lora = cfg.lora.enabled
+        self.policy, trainable = load_trained(cfg, layout, "causal_lm")
         self.pad_id = self.policy.config.pad_token_id or 0
         self.state = None
         if self.has_actor:
             optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
-            trainable = LoraParam if lora else nnx.Param
             self.state = TrainState(self.policy.model, layout, optimizer, cfg.optim.grad_clip, trainable=trainable)
         self.ref_params = None
         if self.has_ref and not lora:  # with LoRA the reference is the policy's own base (`ref_logprob_rows`)

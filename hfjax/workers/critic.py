@@ -11,19 +11,17 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from hfjax.algos import value_loss
 from hfjax.config.roles import CriticConfig
 from hfjax.controller import Dispatch, register
 from hfjax.models.hf import HEAD_PARAMS
-from hfjax.models.lora import LoraParam
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
 from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
-from hfjax.workers.model_role import LoadedModel, TrainedRole, padding_masked, reports_usage
+from hfjax.workers.model_role import TrainedRole, load_trained, padding_masked, reports_usage
 from hfjax.workers.packing import response_positions, to_response_rows
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -74,21 +72,9 @@ class CriticWorker(TrainedRole):
     def init_model(self) -> dict[str, Any]:
         cfg = self.cfg
         layout = layout_or_default(cfg.layout, where="critic.layout")
-        lora = cfg.lora if cfg.lora.enabled else None
-        head = HEAD_PARAMS["token_cls"]
-        self.critic = LoadedModel(
-            cfg.model_path,
-            layout,
-            dtype=cfg.dtype,
-            param_dtype=cfg.dtype if lora else cfg.param_dtype,  # a LoRA base is frozen: stored as it computes
-            head="token_cls",
-            remat=cfg.remat,
-            lora=lora,
-            float32_params=head if lora else (),
-        )
-        optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
         # with LoRA: the adapters and the value head (new, or a reward model's) train
-        trainable = nnx.Any(LoraParam, *(nnx.PathContains(name) for name in head)) if lora else nnx.Param
+        self.critic, trainable = load_trained(cfg, layout, "token_cls", HEAD_PARAMS["token_cls"])
+        optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
         self.state = TrainState(self.critic.model, layout, optimizer, cfg.optim.grad_clip, trainable=trainable)
         self._values = self.critic.rows_fn(value_rows)
         return {"layout": layout.describe(), "params": self.critic.config.num_params}

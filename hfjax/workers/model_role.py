@@ -22,7 +22,7 @@ from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.models.attention import configured_implementation
-from hfjax.models.lora import LoraConfig, add_lora
+from hfjax.models.lora import LoraConfig, LoraParam, add_lora
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
 from hfjax.optim.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
@@ -129,6 +129,27 @@ class LoadedModel:
             host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
         joined = jax.tree.map(lambda *parts: np.concatenate(parts)[: len(order)], *host)
         return jax.tree.map(lambda x: _in_row_order(x, order, rows), joined)
+
+
+def load_trained(
+    section: Any, layout: Layout, head: str, trained_head: tuple[str, ...] = ()
+) -> tuple[LoadedModel, Any]:
+    """A trained role's checkpoint (`section`: the actor's or critic's config) and the filter of what it trains: every
+    parameter, or with `section.lora` its adapters and the head parameters named in `trained_head` (kept in float32),
+    the base frozen and stored in the compute dtype."""
+    lora = section.lora if section.lora.enabled else None
+    model = LoadedModel(
+        section.model_path,
+        layout,
+        dtype=section.dtype,
+        param_dtype=section.dtype if lora else section.param_dtype,
+        head=head,
+        remat=section.remat,
+        lora=lora,
+        float32_params=trained_head if lora else (),
+    )
+    trainable = nnx.Any(LoraParam, *(nnx.PathContains(name) for name in trained_head)) if lora else nnx.Param
+    return model, trainable
 
 
 def rows_program(
