@@ -58,11 +58,11 @@ def llama(tmp_path_factory):
     return save_hf_model(tmp_path_factory.mktemp("gen"), "llama", vocab_size=VOCAB, eos_token_id=EOS)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2", "gemma3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("sharded", [False, pytest.param(True, marks=needs_devices(8))])
 def test_greedy_equals_transformers(tmp_path, family, sharded):
     # a window shorter than most sequences (Gemma: its sliding layers only; soft caps and two rotary bases in play)
-    extra = {"sliding_window": 6} if family in ("mistral", "gemma2", "gemma3") else {}
+    extra = {"sliding_window": 6} if family in ("mistral", "gemma2", "gemma3", "mixtral") else {}
     hf, path = save_hf_model(tmp_path, family, vocab_size=VOCAB, eos_token_id=EOS, seed=3, **extra)
     layout = Layout.from_config({"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"}) if sharded else None
     _, generator = _generator(path, layout, slots=8 if sharded else 4)

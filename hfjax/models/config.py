@@ -17,12 +17,15 @@ FAMILY_CLASS_PREFIX = {
     "mistral": "Mistral",
     "gemma2": "Gemma2",
     "gemma3_text": "Gemma3",
+    "qwen3_moe": "Qwen3Moe",
+    "mixtral": "Mixtral",
 }
 HEAD_CLASS_SUFFIX = {"causal_lm": "CausalLM", "seq_cls": "SequenceClassification", "token_cls": "TokenClassification"}
 # Where a family's class is not prefix + "For" + suffix. transformers has no Gemma 3 token classifier: an hfjax critic
 # of Gemma 3 is saved under this name, which hfjax reads back (transformers does not).
 ARCHITECTURE_EXCEPTIONS = {("gemma3_text", "seq_cls"): "Gemma3TextForSequenceClassification"}
 GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def architecture_name(family: str, head: str) -> str:
@@ -62,8 +65,9 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder: Llama 2/3.x, Qwen2, Qwen3, Mistral, and Gemma 2 and 3 (text), whose
-    differences are the options below `sliding_windows`."""
+    """Shape and numerics of a decoder: Llama 2/3.x, Qwen2, Qwen3, Mistral, Gemma 2 and 3 (text), whose
+    differences are the options below `sliding_windows`, and the mixture-of-experts Qwen3-MoE and Mixtral (the
+    options from `num_experts` on)."""
 
     family: str
     vocab_size: int
@@ -92,6 +96,12 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
     local_rope: RopeConfig | None = None  # rotary embedding of the sliding-window layers when it differs (Gemma 3)
+    num_experts: int = 0  # experts of a mixture-of-experts layer (0: every layer has the dense MLP)
+    experts_per_token: int = 0  # experts each token is routed to (top-k of the router's softmax)
+    expert_intermediate_size: int = 0  # each expert's gated-MLP width
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to 1 (Mixtral always)
+    # Per layer: whether its MLP is the mixture of experts (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`)
+    moe_layers: tuple[bool, ...] = ()
     num_labels: int = 1
     pad_token_id: int | None = None
     hf_config: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -127,12 +137,28 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not float(value) > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+        self._check_experts()
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
             raise ValueError(
                 f"ModelConfig.sliding_windows has {len(self.sliding_windows)} entries for {self.num_layers} layers"
             )
+
+    def _check_experts(self) -> None:
+        if not self.moe_layers or not self.num_experts:  # a dense model's, also after `dataclasses.replace`
+            object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"ModelConfig.moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if not any(self.moe_layers):
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.experts_per_token must be in [1, num_experts={self.num_experts}], "
+                f"got {self.experts_per_token!r}"
+            )
+        if self.expert_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.expert_intermediate_size must be >= 1, got {self.expert_intermediate_size}")
 
     @property
     def layer_ropes(self) -> tuple[RopeConfig, ...]:
@@ -162,9 +188,12 @@ class ModelConfig:
         attn = d * q + 2 * d * kv + q * d
         attn += (q + 2 * kv) * self.qkv_bias + d * self.o_bias + 2 * self.head_dim * self.qk_norm
         m = 3 * d * self.intermediate_size + (2 * self.intermediate_size + d) * self.mlp_bias
-        per_layer = attn + m + (4 if self.sandwich_norms else 2) * d
+        experts = self.num_experts * (3 * d * self.expert_intermediate_size + d)  # + the router
+        moe = sum(self.moe_layers)
+        per_layer = attn + (4 if self.sandwich_norms else 2) * d
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * per_layer + d + head
+        mlps = (self.num_layers - moe) * m + moe * experts
+        return self.vocab_size * d + self.num_layers * per_layer + mlps + d + head
 
     def architecture(self, head: str) -> str:
         """The HF architecture string for this family and head kind (`causal_lm`, `seq_cls`, `token_cls`)."""
@@ -196,6 +225,8 @@ class ModelConfig:
             out.update(self._gemma_hf_keys())
         else:
             out["hidden_act"] = "silu"
+        if self.family in MOE_FAMILIES:
+            out.update(self._moe_hf_keys())
         if self.family == "llama":
             out.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
         if head != "causal_lm":
@@ -220,6 +251,19 @@ class ModelConfig:
                 "sliding_attention": _rope_to_hf(self.local_rope or self.rope),
             }
         return keys
+
+    def _moe_hf_keys(self) -> dict[str, Any]:
+        keys: dict[str, Any] = {"num_experts_per_tok": self.experts_per_token, "num_local_experts": self.num_experts}
+        if self.family == "mixtral":
+            return {**keys, "intermediate_size": self.expert_intermediate_size, "router_jitter_noise": 0.0}
+        return {
+            **keys,
+            "num_experts": self.num_experts,
+            "moe_intermediate_size": self.expert_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, moe in enumerate(self.moe_layers) if not moe],
+        }
 
 
 def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
@@ -265,7 +309,7 @@ def _sliding_windows_from_hf(cfg: dict[str, Any], family: str, num_layers: int) 
     """Per-layer sliding windows from `layer_types` / `use_sliding_window` / `sliding_window` (Gemma: `layer_types`,
     else its fixed pattern: every 2nd layer global in Gemma 2, every `sliding_window_pattern`-th (6) in Gemma 3)."""
     window = cfg.get("sliding_window")
-    if family == "mistral":
+    if family in ("mistral", "mixtral") or (family == "qwen3_moe" and cfg.get("use_sliding_window")):
         return (window,) * num_layers if window else (None,) * num_layers
     gemma = family in GEMMA_FAMILIES
     if family == "llama" or not window or not (gemma or cfg.get("use_sliding_window", False)):
@@ -311,6 +355,25 @@ def _gemma_options(cfg: dict[str, Any], family: str, source: str) -> dict[str, A
     return options
 
 
+def _moe_options(cfg: dict[str, Any], family: str, num_layers: int, source: str) -> dict[str, Any]:
+    """The `ModelConfig` fields of a Qwen3-MoE or Mixtral config (transformers' spellings and defaults)."""
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or (8 if family == "mixtral" else 128))
+    options: dict[str, Any] = {"num_experts": num_experts, "experts_per_token": int(cfg.get("num_experts_per_tok", 2))}
+    if family == "mixtral":
+        if float(cfg.get("router_jitter_noise", 0.0) or 0.0) != 0.0:
+            raise UnsupportedModelError(f"{source}: router_jitter_noise={cfg['router_jitter_noise']} is not supported")
+        return {**options, "expert_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True}
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step", 1))
+    moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
+    return {
+        **options,
+        "expert_intermediate_size": int(cfg.get("moe_intermediate_size", 768)),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "moe_layers": moe_layers,
+    }
+
+
 def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> tuple[ModelConfig, str]:
     """Parses an HF config dict; returns the `ModelConfig` and the head kind of its architecture."""
     archs = cfg.get("architectures") or []
@@ -343,12 +406,14 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> tuple[Mo
     options = {
         "rope": _rope_from_hf(cfg),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "qkv_bias": family == "qwen2" or (family in ("llama", "qwen3") and attention_bias),
-        "o_bias": family in ("llama", "qwen3") and attention_bias,
-        "qk_norm": family == "qwen3",
+        "qkv_bias": family == "qwen2" or (family in ("llama", "qwen3", "qwen3_moe") and attention_bias),
+        "o_bias": family in ("llama", "qwen3", "qwen3_moe") and attention_bias,
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
     }
     if gemma:
         options.update(_gemma_options(cfg, family, source))
+    if family in MOE_FAMILIES:
+        options.update(_moe_options(cfg, family, num_layers, source))
     model_cfg = ModelConfig(
         family=family,
         vocab_size=int(cfg["vocab_size"]),

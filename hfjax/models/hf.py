@@ -46,10 +46,13 @@ class ParamMapping:
 
     hf_name: str
     path: tuple[str | int, ...]
-    kind: str = "same"  # "same", "bias", "vocab", or "q_kernel" / "o_kernel" (the heads dims fused in HF)
+    kind: str = "same"  # "same", "bias", "vocab", "q_kernel" / "o_kernel" (the heads dims fused in HF), "expert"
     hf_rows: int = 0  # a "vocab" tensor's rows in HF: the true vocabulary size
+    expert: int = 0  # an "expert" tensor's index along the first dimension of its stacked parameter
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.kind == "expert":  # ours [experts, out, in] -> HF one expert's [out, in]
+            return shape[1:]
         if self.kind == "q_kernel":  # ours [heads, head_dim, embed] -> HF [heads*head_dim, embed]
             return math.prod(shape[:-1]), shape[-1]
         if self.kind == "o_kernel":  # ours [embed, heads, head_dim] -> HF [embed, heads*head_dim]
@@ -67,7 +70,37 @@ class ParamMapping:
         return padded
 
     def to_hf(self, array: np.ndarray) -> np.ndarray:
+        if self.kind == "expert":
+            return array[self.expert]
         return array[: self.hf_rows] if self.kind == "vocab" else array.reshape(self.hf_shape(array.shape))
+
+
+# The HF names of a mixture-of-experts layer's router and experts (under `model.layers.{i}.`) per family, and of each
+# expert's gate, up and down projections.
+MOE_HF_NAMES = {
+    "qwen3_moe": ("mlp.gate", "mlp.experts", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+
+
+def _mlp_plan(cfg: ModelConfig, index: int) -> list[ParamMapping]:
+    """Layer `index`'s MLP tensors: the dense gated MLP, or the router and every expert's projections."""
+    hf, ours = f"model.layers.{index}.", ("model", "layers", index, "mlp")
+    if cfg.moe_layers[index]:
+        router, experts, projections = MOE_HF_NAMES[cfg.family]
+        plan = [ParamMapping(f"{hf}{router}.weight", (*ours, "router_kernel"))]
+        for proj, hf_proj in projections.items():
+            plan += [
+                ParamMapping(f"{hf}{experts}.{e}.{hf_proj}.weight", (*ours, f"{proj}_kernel"), "expert", expert=e)
+                for e in range(cfg.num_experts)
+            ]
+        return plan
+    plan = []
+    for proj in ("gate", "up", "down"):
+        plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.weight", (*ours, f"{proj}_kernel")))
+        if cfg.mlp_bias:
+            plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.bias", (*ours, f"{proj}_bias"), "bias"))
+    return plan
 
 
 def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
@@ -92,10 +125,7 @@ def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
                 ParamMapping(f"{hf}self_attn.{n}.weight", (*ours, "self_attn", n, "weight"))
                 for n in ("q_norm", "k_norm")
             ]
-        for proj in ("gate", "up", "down"):
-            plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.weight", (*ours, "mlp", f"{proj}_kernel")))
-            if cfg.mlp_bias:
-                plan.append(ParamMapping(f"{hf}mlp.{proj}_proj.bias", (*ours, "mlp", f"{proj}_bias"), "bias"))
+        plan += _mlp_plan(cfg, i)
         norms = ("input_layernorm", "post_attention_layernorm")
         norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()
         plan += [ParamMapping(f"{hf}{n}.weight", (*ours, n, "weight")) for n in norms]
@@ -256,6 +286,7 @@ def load_hf(
     rng = np.random.default_rng(seed)
     default_sharding = SingleDeviceSharding(jax.devices()[0])
     values = {}
+    stacked: dict[tuple, np.ndarray] = {}  # experts' parameters, filled one expert's tensor at a time
     for mapping in tqdm(plan, desc=f"loading {Path(path).name}", unit="tensor", disable=None, leave=False):
         var = flat[mapping.path]
         if mapping.hf_name in fresh:
@@ -264,6 +295,12 @@ def load_hf(
             host = np.zeros(hf_shape, np.float32) if is_bias else rng.normal(0, std, hf_shape).astype(np.float32)
         else:
             host = read_tensor(index[mapping.hf_name])
+        if mapping.kind == "expert":
+            buffer = stacked.setdefault(mapping.path, aligned_empty(var.shape, storage_dtype))
+            buffer[mapping.expert] = host
+            if mapping.expert < var.shape[0] - 1:
+                continue
+            host = stacked.pop(mapping.path)
         host = mapping.to_model(host, var.shape)
         host = np.ascontiguousarray(host.astype(storage_dtype, copy=False))
         values[mapping.path] = _place(host, shardings[mapping.path] if shardings else default_sharding)
@@ -302,10 +339,14 @@ def save_hf(
     plan = param_plan(cfg, head)
     specs = [(m.hf_name, np.dtype(out_dtype), m.hf_shape(flat[m.path].shape)) for m in plan]
     by_name = {m.hf_name: m for m in plan}
+    last: dict[tuple, np.ndarray] = {}  # the parameter fetched last: an expert's neighbours read it again
 
     def fetch(name: str) -> np.ndarray:
         mapping = by_name[name]
-        return mapping.to_hf(host_value(flat[mapping.path][...])).astype(out_dtype)
+        if mapping.path not in last:
+            last.clear()
+            last[mapping.path] = host_value(flat[mapping.path][...])
+        return mapping.to_hf(last[mapping.path]).astype(out_dtype)
 
     files: list[list[tuple[str, np.dtype, tuple[int, ...]]]] = [[]]
     used = 0

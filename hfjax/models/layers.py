@@ -22,27 +22,12 @@ from hfjax.models.attention import causal_attention
 from hfjax.models.config import ModelConfig, RopeConfig
 from hfjax.models.dense import dense
 from hfjax.models.lora import LoraAdapter, with_adapter
+from hfjax.models.moe import SparseMoE
+from hfjax.models.primitives import ACTIVATION_FUNCTIONS, logical_param, normal_init
 from hfjax.models.program import constrain
-from hfjax.parallel.layout import LOGICAL_AXES
 
-Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 RESIDUAL = ("batch", "length", "embed")  # logical axes of the residual stream (rows split; embed never)
 Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def logical_param(
-    rngs: nnx.Rngs | None, init: Initializer, shape: tuple[int, ...], axes: tuple[str, ...], param_dtype: jnp.dtype
-) -> nnx.Param:
-    """A parameter annotated with its logical axes (one name per dimension). With `rngs=None` it holds only a
-    `jax.ShapeDtypeStruct` (an abstract model, built without tracing any initialiser)."""
-    assert len(shape) == len(axes) and all(a in LOGICAL_AXES for a in axes), (shape, axes)
-    if rngs is None:
-        return nnx.Param(jax.ShapeDtypeStruct(shape, jnp.dtype(param_dtype)), logical_axes=axes)
-    return nnx.Param(init(rngs.params(), shape, param_dtype), logical_axes=axes)
-
-
-def normal_init(std: float) -> Initializer:
-    return jax.nn.initializers.normal(stddev=std)
 
 
 def _normalized32(x: jax.Array, eps: float) -> jax.Array:
@@ -172,9 +157,6 @@ class Attention(nnx.Module):
         return y if self.o_bias is None else y + self.o_bias[...].astype(self.dtype)
 
 
-ACTIVATION_FUNCTIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-
-
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)."""
 
@@ -204,8 +186,9 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Layer `index` of `cfg`: attention (with that layer's window and rotary embedding) and the MLP, each behind an
-    RMSNorm, with Gemma's norms on their outputs too when `cfg.sandwich_norms`. The attributes are HF's names."""
+    """Layer `index` of `cfg`: attention (with that layer's window and rotary embedding) and the MLP (the mixture
+    of experts where `cfg.moe_layers` says), each behind an RMSNorm, with Gemma's norms on their outputs too when
+    `cfg.sandwich_norms`. The attributes are HF's names."""
 
     def __init__(
         self, cfg: ModelConfig, index: int, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float
@@ -216,7 +199,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm(cfg, d, "embed", param_dtype, rngs)
         self.pre_feedforward_layernorm = norm(cfg, d, "embed", param_dtype, rngs) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = norm(cfg, d, "embed", param_dtype, rngs) if cfg.sandwich_norms else None
-        self.mlp = MLP(cfg, dtype, param_dtype, rngs, std)
+        self.mlp = (SparseMoE if cfg.moe_layers[index] else MLP)(cfg, dtype, param_dtype, rngs, std)
         self.window = cfg.sliding_windows[index]
         self.rope = cfg.layer_ropes[index]
         self.softcap = cfg.attn_softcap

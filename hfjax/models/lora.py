@@ -68,14 +68,16 @@ class LoraConfig:
 
 
 def lora_parameter_count(cfg: ModelConfig, lora: LoraConfig) -> int:
-    """The adapters' parameters of `lora` on a model of `cfg`: rank x (in + out) per adapted projection."""
+    """The adapters' parameters of `lora` on a model of `cfg`: rank x (in + out) per adapted projection (the MLP
+    targets adapt dense MLPs only: a mixture of experts' expert weights get no adapters)."""
     if not lora.enabled:
         return 0
     d, m, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    widths = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d}
-    widths.update(dict.fromkeys(("gate_proj", "up_proj", "down_proj"), d + m))
-    return cfg.num_layers * lora.rank * sum(widths[t] for t in lora.targets)
+    attention = {"q_proj": d + q, "k_proj": d + kv, "v_proj": d + kv, "o_proj": q + d}
+    dense_layers = cfg.num_layers - sum(cfg.moe_layers)
+    mlp = sum(d + m for t in lora.targets if t not in attention)
+    return lora.rank * (cfg.num_layers * sum(attention.get(t, 0) for t in lora.targets) + dense_layers * mlp)
 
 
 class LoraParam(nnx.Param):

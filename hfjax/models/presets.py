@@ -119,6 +119,32 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
         },
         "gemma-3-1b",
     )[0],
+    # Qwen3-30B-A3B: 48 mixture-of-experts layers of 128 experts, 8 per token (3.3B of 30.5B parameters active)
+    "qwen3-30b-a3b": config_from_hf(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "head_dim": 128,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 40960,
+            "tie_word_embeddings": False,
+            "eos_token_id": 151645,
+        },
+        "qwen3-30b-a3b",
+    )[0],
 }
 
 

@@ -18,16 +18,9 @@ from hfjax.models import lm_head
 from hfjax.models.attention import attention_mask
 from hfjax.models.config import MASKED_SCORE, ModelConfig, RopeConfig
 from hfjax.models.dense import dense
-from hfjax.models.layers import (
-    RESIDUAL,
-    DecoderLayer,
-    logical_param,
-    norm,
-    normal_init,
-    rope_inv_freq,
-    rope_tables,
-)
+from hfjax.models.layers import RESIDUAL, DecoderLayer, norm, rope_inv_freq, rope_tables
 from hfjax.models.lm_head import chunk_length, softcap_logits, token_logprobs
+from hfjax.models.primitives import logical_param, normal_init
 from hfjax.models.program import constrain, lookup_rows
 
 

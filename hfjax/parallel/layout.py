@@ -16,14 +16,29 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "labels", "lora_rank")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+LOGICAL_AXES = (
+    "batch",
+    "length",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "labels",
+    "lora_rank",
+    "expert",
+)
 _TENSOR_PARALLEL = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)), ("vocab", ("tensor",)))
+# Expert parallelism: a mixture-of-experts layer's experts split over the `expert` mesh axis, which also splits rows
+# (as data parallelism does) everywhere else; a model without experts uses it as one more data-parallel axis.
+_EXPERT_PARALLEL = (("expert", ("expert",)),)
 RULE_PRESETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "fsdp": (("batch", ("data", "fsdp")), ("embed", ("fsdp",))),
-    "tp": (("batch", ("data",)), *_TENSOR_PARALLEL),
-    "fsdp_tp": (("batch", ("data", "fsdp")), ("embed", ("fsdp",)), *_TENSOR_PARALLEL),
-    "dp_tp_gen": (("batch", ("data", "fsdp")), *_TENSOR_PARALLEL),
+    "fsdp": (("batch", ("data", "fsdp", "expert")), ("embed", ("fsdp",)), *_EXPERT_PARALLEL),
+    "tp": (("batch", ("data", "expert")), *_TENSOR_PARALLEL, *_EXPERT_PARALLEL),
+    "fsdp_tp": (("batch", ("data", "fsdp", "expert")), ("embed", ("fsdp",)), *_TENSOR_PARALLEL, *_EXPERT_PARALLEL),
+    "dp_tp_gen": (("batch", ("data", "fsdp", "expert")), *_TENSOR_PARALLEL, *_EXPERT_PARALLEL),
 }
 LAYOUT_KEYS = ("mesh", "rules", "devices")
 WEIGHT_ONLY_AXES = ("embed", "length", "head_dim")  # logical axes that split weights but never activations

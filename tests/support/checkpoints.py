@@ -20,6 +20,8 @@ PREFIX = {
     "mistral": "Mistral",
     "gemma2": "Gemma2",
     "gemma3": "Gemma3",
+    "qwen3_moe": "Qwen3Moe",
+    "mixtral": "Mixtral",
 }
 SOFTCAPS = {"attn": 0.2, "final": 1.0}
 GEMMA3_ROPES = {  # local and global rotary bases far apart, so that a layer reading the other's table shows
@@ -31,9 +33,13 @@ MODEL_CLASS = {("gemma3", "SequenceClassification"): "Gemma3TextForSequenceClass
 # Gemma at tiny size: 16-wide heads, a query scale that is not head_dim's, a sliding layer then a global one, and
 # soft caps small enough to change the numbers (Gemma 2's defaults, 50 and 30, would not at these magnitudes)
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"])
+# Mixtures of experts at tiny size: Qwen3-MoE with 8 experts of width 32, top-2, and a dense MLP in layer 1;
+# Mixtral with 4 experts of width 96, top-2
 FAMILY_DEFAULTS = {
     "gemma2": dict(GEMMA, attn_logit_softcapping=SOFTCAPS["attn"], final_logit_softcapping=SOFTCAPS["final"]),
     "gemma3": dict(GEMMA, rope_parameters=GEMMA3_ROPES),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 BASE = dict(
     vocab_size=97,
@@ -52,13 +58,14 @@ def hf_config(family: str, **overrides: Any) -> tf.PretrainedConfig:
     import transformers as tf
 
     kwargs = {**BASE, **FAMILY_DEFAULTS.get(family, {}), **overrides}
-    if family in ("qwen3", "mistral") and "head_dim" not in kwargs:
+    if family in ("qwen3", "mistral", "qwen3_moe", "mixtral") and "head_dim" not in kwargs:
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
     return getattr(tf, CONFIG_CLASS.get(family, f"{PREFIX[family]}Config"))(**kwargs)
 
 
 def build_hf_model(family: str, head: str = "CausalLM", seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A random transformers model in float32 eval mode, with eager attention."""
+    """A random transformers model in float32 eval mode, with eager attention; a mixture of experts' router has
+    standard-normal weights, so that its top-k choices are far from ties."""
     import torch
     import transformers as tf
 
@@ -69,7 +76,9 @@ def build_hf_model(family: str, head: str = "CausalLM", seed: int = 0, **overrid
     model = cls(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so that a dropped one shows in the logits
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            if name.endswith(".gate.weight"):  # a router: `mlp.gate`, `block_sparse_moe.gate`
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))

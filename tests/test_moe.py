@@ -1,0 +1,214 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers, the expert-parallel layout against one
+device, and the capacity limit against a hand-written dispatch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from flax import nnx
+from support.checkpoints import left_padded_batch, relative_error, save_hf_model, torch_logits
+from support.devices import needs_devices
+from support.tiny_models import compiled_forward
+
+from hfjax.models import load_hf, save_hf
+from hfjax.models.config import UnsupportedModelError, config_from_hf
+from hfjax.models.hf import abstract_model
+from hfjax.models.lora import LoraConfig, LoraParam, add_lora, lora_parameter_count
+from hfjax.models.moe import SparseMoE, buffer_slots, set_expert_capacity, top_k_routing
+from hfjax.models.presets import named_config
+
+LENGTHS = [12, 7, 3, 10]
+CASES = {
+    "qwen3_moe": ("qwen3_moe", {}),  # 8 experts, top-2, layer 1 dense (support/checkpoints.py)
+    "qwen3_moe-norm-top3-bias": ("qwen3_moe", dict(num_experts_per_tok=3, norm_topk_prob=True, attention_bias=True)),
+    "qwen3_moe-sliding-4": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4, mlp_only_layers=[])),
+    "mixtral": ("mixtral", {}),
+    "mixtral-top1-sliding-4": ("mixtral", dict(num_experts_per_tok=1, sliding_window=4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers_and_save_round_trips(tmp_path, case):
+    family, overrides = CASES[case]
+    reference, path = save_hf_model(tmp_path, family, **overrides)
+    ids, mask, positions = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=1)
+    expected = torch_logits(reference, ids, mask, positions)
+    model = load_hf(path)
+    got = np.asarray(compiled_forward(model, ids, mask))
+    valid = mask.astype(bool)
+    assert relative_error(got[valid], expected[valid]) <= 1e-5
+    assert model.config.num_params == sum(p.numel() for p in reference.parameters())
+    # ours -> HF: transformers reads back every tensor bit for bit; HF -> ours again: every parameter bit for bit
+    saved = save_hf(model, tmp_path / "saved")
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    want = reference.state_dict()
+    assert reloaded.state_dict().keys() == want.keys()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+    again = dict(nnx.to_flat_state(nnx.state(load_hf(saved), nnx.Param)))
+    for key, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        np.testing.assert_array_equal(np.asarray(again[key][...]), np.asarray(param[...]), err_msg=str(key))
+
+
+def test_critic_of_a_mixture_of_experts_matches_token_classification(tmp_path):
+    reference, path = save_hf_model(tmp_path, "qwen3_moe", head="TokenClassification", num_labels=1)
+    ids, mask, _ = left_padded_batch(reference.config.vocab_size, LENGTHS, seed=4)
+    with torch.no_grad():
+        expected = reference(input_ids=torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask))
+    got = np.asarray(compiled_forward(load_hf(path), ids, mask))
+    valid = mask.astype(bool)
+    assert relative_error(got[valid], expected.logits[..., 0].numpy()[valid]) <= 1e-5
+
+
+def _loss_and_grads(model, ids, mask):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        logp = jax.nn.log_softmax(nnx.merge(graphdef, params, rest)(ids, mask), axis=-1)
+        picked = jnp.take_along_axis(logp[:, :-1], ids[:, 1:, None], axis=-1)[..., 0]
+        return jnp.sum(picked * mask[:, 1:])
+
+    step = jax.jit(jax.value_and_grad(loss))
+    return step, params
+
+
+@needs_devices(8)
+@pytest.mark.parametrize("mesh", [{"expert": 8}, {"expert": 4, "fsdp": 2}, {"data": 2, "expert": 2, "tensor": 2}])
+def test_expert_parallel_layout_equals_one_device(tmp_path, mesh):
+    """The loss and every parameter's gradient under a layout whose `expert` axis splits the experts equal one
+    device's; each device holds its share of the experts, and the tokens reach them by all-to-all, with no expert
+    weight gathered."""
+    _, path = save_hf_model(tmp_path, "qwen3_moe", vocab_size=96)
+    ids, mask, _ = left_padded_batch(96, [12, 7, 3, 10, 12, 5, 9, 11], seed=2)
+    step, params = _loss_and_grads(load_hf(path), ids, mask)
+    loss, grads = step(params)
+    split = load_hf(path, layout={"mesh": mesh, "rules": "fsdp_tp"})
+    experts = split.model.layers[0].mlp.gate_kernel[...]
+    assert experts.sharding.spec[0] == "expert"
+    assert experts.addressable_shards[0].data.shape[0] == 8 // mesh["expert"]
+    split_step, split_params = _loss_and_grads(split, ids, mask)
+    split_loss, split_grads = split_step(split_params)
+    assert float(split_loss) == pytest.approx(float(loss), rel=1e-6)
+    want = dict(nnx.to_flat_state(grads))
+    for key, grad in nnx.to_flat_state(split_grads):  # each up to summation order (relative to its norm)
+        assert relative_error(np.asarray(grad[...]), np.asarray(want[key][...])) <= 1e-5, key
+    hlo = split_step.lower(split_params).compile().as_text()
+    assert "all-to-all" in hlo
+    stacked = {f"[8,{a},{b}]" for a, b in ((32, 64), (64, 32))}  # a whole expert stack [experts, out, in]
+    gathers = [line for line in hlo.splitlines() if "all-gather(" in line]
+    assert not [line for line in gathers if any(s in line.split("=")[1].split("all-gather")[0] for s in stacked)]
+
+
+def _dispatch_reference(x, weights, experts, num_experts, capacity, expert_fn):
+    """Per row: slots taken first choices before second choices, each in token order; a choice finding its
+    expert full adds nothing."""
+    out = np.zeros_like(x)
+    dropped = np.zeros(x.shape[0], np.int64)
+    for row in range(x.shape[0]):
+        used = [0] * num_experts
+        for choice in range(experts.shape[-1]):
+            for token in range(x.shape[1]):
+                e = int(experts[row, token, choice])
+                if used[e] == capacity:
+                    dropped[row] += 1
+                    continue
+                used[e] += 1
+                out[row, token] += weights[row, token, choice] * expert_fn(e, x[row, token])
+    return out, dropped
+
+
+@pytest.mark.parametrize("factor", [None, 1.0, 0.5])
+def test_capacity_drops_late_choices_as_the_reference_does(factor):
+    cfg, _ = config_from_hf(
+        dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+        )
+    )
+    layer = SparseMoE(cfg, jnp.float32, jnp.float32, nnx.Rngs(0), std=0.5)
+    set_expert_capacity(layer, factor)
+    x = jax.random.normal(jax.random.key(1), (3, 10, 16))
+    routed = layer.route(x)
+    got = np.asarray(layer.apply_experts(x, routed))
+    gate, up, down = (np.asarray(k[...], np.float64) for k in (layer.gate_kernel, layer.up_kernel, layer.down_kernel))
+
+    def expert_fn(e, v):
+        h = gate[e] @ v
+        return down[e] @ (h / (1 + np.exp(-h)) * (up[e] @ v))
+
+    capacity = {None: 10, 1.0: 5, 0.5: 3}[factor]  # ceil(factor * 10 * 2 / 4)
+    assert routed.capacity == capacity
+    want, dropped = _dispatch_reference(
+        np.asarray(x, np.float64), np.asarray(routed.weights), np.asarray(routed.experts), 4, capacity, expert_fn
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(routed.dropped), dropped)
+    if factor is None:
+        assert dropped.sum() == 0
+    if factor == 0.5:  # 20 choices per row, 4 x 3 slots
+        assert (dropped >= 8).all()
+
+
+def test_routing_is_the_top_k_of_the_softmax():
+    logits = jnp.array([[2.0, 0.5, 1.0, -1.0]])
+    weights, experts = top_k_routing(logits, 2, normalize=False)
+    probs = np.exp([2.0, 0.5, 1.0, -1.0]) / np.exp([2.0, 0.5, 1.0, -1.0]).sum()
+    np.testing.assert_array_equal(np.asarray(experts), [[0, 2]])
+    np.testing.assert_allclose(np.asarray(weights), [[probs[0], probs[2]]], rtol=1e-6)
+    normalized, _ = top_k_routing(logits, 2, normalize=True)
+    np.testing.assert_allclose(np.asarray(normalized), [[probs[0], probs[2]]] / (probs[0] + probs[2]), rtol=1e-6)
+    # slots: first choices of tokens 0 and 1 (experts 1, 1), then their second choices (experts 0, 1); capacity 2
+    slots = buffer_slots(jnp.array([[[1, 0], [1, 1]]]), num_experts=2, capacity=2)
+    np.testing.assert_array_equal(np.asarray(slots), [[2, 3, 0, 4]])  # the last finds expert 1 full: slot 2 * 2
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_experts_per_tok=9), r"experts_per_token must be in \[1, num_experts=8\]"),
+        (dict(router_jitter_noise=0.1, architectures=["MixtralForCausalLM"]), "router_jitter_noise=0.1"),
+    ],
+)
+def test_bad_expert_settings_are_named(change, message):
+    base = dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_experts=8,
+    )
+    with pytest.raises((ValueError, UnsupportedModelError), match=message):
+        config_from_hf({**base, **change})
+
+
+def test_the_named_mixture_of_experts_shape_counts_as_transformers_does():
+    """Qwen3-30B-A3B's shape (`hfjax.models.presets`): hfjax's parameter count and its abstract model's parameters
+    equal transformers' model of the same config.json, built on the meta device (no memory)."""
+    cfg = named_config("qwen3-30b-a3b")
+    with torch.device("meta"):
+        reference = tf.AutoModelForCausalLM.from_config(tf.Qwen3MoeConfig(**cfg.to_hf_dict("causal_lm", "bfloat16")))
+    count = sum(p.numel() for p in reference.parameters())
+    assert cfg.num_params == count == 30_532_122_624
+    params = nnx.state(abstract_model(cfg, "causal_lm", "bfloat16"), nnx.Param)
+    assert sum(x.size for x in jax.tree.leaves(params)) == count  # the vocabulary is a multiple of 128: no padding
+
+
+def test_lora_adapts_attention_and_dense_mlps_but_not_experts(tmp_path):
+    _, path = save_hf_model(tmp_path, "qwen3_moe")  # layer 0 experts, layer 1 a dense MLP
+    model = add_lora(load_hf(path), LoraConfig(rank=4))
+    adapted = {str(p[:-2]) for p, _ in nnx.to_flat_state(nnx.state(model, LoraParam))}
+    assert any("'layers', 0, 'self_attn'" in p for p in adapted) and any("'layers', 1, 'mlp'" in p for p in adapted)
+    assert not any("'layers', 0, 'mlp'" in p for p in adapted)
+    built = sum(x.size for x in jax.tree.leaves(nnx.state(model, LoraParam)))
+    assert lora_parameter_count(model.config, LoraConfig(rank=4)) == built
