@@ -20,6 +20,14 @@ from hfjax.models.moe import SparseMoE, buffer_slots, set_expert_capacity, top_k
 from hfjax.models.presets import named_config
 
 LENGTHS = [12, 7, 3, 10]
+ONE_LAYER = dict(  # a one-layer Qwen3-MoE config.json, without its experts
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+)
 CASES = {
     "qwen3_moe": ("qwen3_moe", {}),  # 8 experts, top-2, layer 1 dense (support/checkpoints.py)
     "qwen3_moe-norm-top3-bias": ("qwen3_moe", dict(num_experts_per_tok=3, norm_topk_prob=True, attention_bias=True)),
@@ -121,19 +129,7 @@ def _dispatch_reference(x, weights, experts, num_experts, capacity, expert_fn):
 
 @pytest.mark.parametrize("factor", [None, 1.0, 0.5])
 def test_capacity_drops_late_choices_as_the_reference_does(factor):
-    cfg, _ = config_from_hf(
-        dict(
-            architectures=["Qwen3MoeForCausalLM"],
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=8,
-        )
-    )
+    cfg, _ = config_from_hf({**ONE_LAYER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})
     layer = SparseMoE(cfg, jnp.float32, jnp.float32, nnx.Rngs(0), std=0.5)
     set_expert_capacity(layer, factor)
     x = jax.random.normal(jax.random.key(1), (3, 10, 16))
@@ -179,17 +175,8 @@ def test_routing_is_the_top_k_of_the_softmax():
     ],
 )
 def test_bad_expert_settings_are_named(change, message):
-    base = dict(
-        architectures=["Qwen3MoeForCausalLM"],
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_experts=8,
-    )
     with pytest.raises((ValueError, UnsupportedModelError), match=message):
-        config_from_hf({**base, **change})
+        config_from_hf({**ONE_LAYER, "num_experts": 8, **change})
 
 
 def test_the_named_mixture_of_experts_shape_counts_as_transformers_does():
