@@ -308,6 +308,7 @@ def check_name(field: str, value: str, known: Sequence[str], kind: str) -> None:
 AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 POSITIVE = (lambda v: v > 0, "> 0")
+POSITIVE_OR_NULL = (lambda v: v is None or v > 0, "> 0 or null")
 FRACTION = (lambda v: 0 <= v <= 1, "in [0, 1]")
 ZERO_AT_END = (lambda v: v >= 0, ">= 0 (0: at the end only)")  # how often something happens
 

@@ -12,12 +12,16 @@ from support.checkpoints import left_padded_batch, relative_error, save_hf_model
 from support.devices import needs_devices
 from support.tiny_models import compiled_forward
 
+from hfjax.config.roles import ActorConfig
 from hfjax.models import load_hf, save_hf
 from hfjax.models.config import UnsupportedModelError, config_from_hf
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora, lora_parameter_count
 from hfjax.models.moe import SparseMoE, buffer_slots, set_expert_capacity, top_k_routing
 from hfjax.models.presets import named_config
+from hfjax.parallel import Layout
+from hfjax.rollout import JaxEngine
+from hfjax.workers.model_role import load_trained
 
 LENGTHS = [12, 7, 3, 10]
 ONE_LAYER = dict(  # a one-layer Qwen3-MoE config.json, without its experts
@@ -199,3 +203,20 @@ def test_lora_adapts_attention_and_dense_mlps_but_not_experts(tmp_path):
     assert not any("'layers', 0, 'mlp'" in p for p in adapted)
     built = sum(x.size for x in jax.tree.leaves(nnx.state(model, LoraParam)))
     assert lora_parameter_count(model.config, LoraConfig(rank=4)) == built
+
+
+def test_a_role_capacity_factor_reaches_its_passes_and_generation_stays_dropless(tmp_path):
+    """`actor.expert_capacity_factor` sets the factor of the role's model (its update, log-prob and reference
+    passes); an engine built over that model generates with a dropless copy of its structure."""
+    _, path = save_hf_model(tmp_path, "qwen3_moe", vocab_size=96)
+    actor = ActorConfig(model_path=str(path), expert_capacity_factor=1.5)
+    loaded, _ = load_trained(actor, Layout.from_config({"mesh": {"data": 1}, "devices": [0]}), "causal_lm")
+    engine = JaxEngine(loaded.model, max_concurrent_decodes=2, max_prefill_length=8, max_new_tokens=4)
+
+    def factors(model):
+        return [m.capacity_factor for _, m in nnx.iter_modules(model) if isinstance(m, SparseMoE)]
+
+    assert factors(loaded.model) == [1.5]  # layer 1 is dense
+    assert factors(nnx.merge(engine.graphdef, loaded.params, loaded.rest)) == [None]
+    with pytest.raises(ValueError, match=r"expert_capacity_factor: expected > 0 or null, got 0"):
+        ActorConfig(expert_capacity_factor=0)

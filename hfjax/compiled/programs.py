@@ -32,6 +32,7 @@ from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
+from hfjax.models.moe import set_expert_capacity
 from hfjax.models.transformer import set_remat
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import (
@@ -138,9 +139,11 @@ class AbstractModel:
         param_dtype: str | None,
         remat: str = "none",
         lora: LoraConfig | None = None,
+        expert_capacity_factor: float | None = None,
     ) -> AbstractModel:
         with_lora = lora is not None and lora.enabled
         model = set_remat(abstract_model(config, head, dtype, dtype if with_lora else param_dtype), remat)
+        set_expert_capacity(model, expert_capacity_factor)
         if with_lora:
             add_lora(model, lora)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -290,7 +293,16 @@ def actor_programs(
     actor, rollout = cfg.actor, cfg.rollout
     response = rollout.response_length
     lora = actor.lora.enabled
-    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype, actor.remat, actor.lora)
+    policy = AbstractModel.build(
+        shape,
+        "causal_lm",
+        layout,
+        actor.dtype,
+        actor.param_dtype,
+        actor.remat,
+        actor.lora,
+        expert_capacity_factor=actor.expert_capacity_factor,
+    )
     optimizer = make_optimizer(actor.optim, None)
     opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.trained_and_rest()[0], layout))
     ref = _reference(cfg, policy)
@@ -353,7 +365,15 @@ def engine_programs(
 def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: int = 0) -> Iterator[ProgramTrace]:
     """The critic's update and its value pass; `others`: bytes per device that colocated roles keep meanwhile."""
     critic, response = cfg.critic, cfg.rollout.response_length
-    model = AbstractModel.build(shape, "token_cls", layout, critic.dtype, critic.param_dtype, critic.remat)
+    model = AbstractModel.build(
+        shape,
+        "token_cls",
+        layout,
+        critic.dtype,
+        critic.param_dtype,
+        critic.remat,
+        expert_capacity_factor=critic.expert_capacity_factor,
+    )
     optimizer = make_optimizer(critic.optim, None)
     batch = micro_batch(cfg, critic, layout, ("values", "returns", "response_mask"))
     loss_fn = functools.partial(critic_loss, critic, response)

@@ -21,7 +21,7 @@ from hfjax.algos.rollout_correction import parse_is_threshold
 from hfjax.algos.rollout_rejection import parse_rejection
 from hfjax.models.lora import LoraConfig
 from hfjax.optim.optimizer import OptimConfig
-from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_fields, check_name
+from hfjax.typed_config import AT_LEAST_1, NON_NEGATIVE, POSITIVE, POSITIVE_OR_NULL, check_fields, check_name
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 KL_NAMES = (*KL_KINDS, *KL_ALIASES)
@@ -217,6 +217,11 @@ class ActorConfig:
     # "full" keeps each layer's input and recomputes the rest (least memory, about a third more FLOPs), "dots"
     # keeps the matmul outputs and recomputes the elementwise work.
     remat: Literal["none", "full", "dots"] = "none"
+    # Mixture-of-experts models: null sends every token to its experts (each expert's buffer holds a whole row:
+    # memory and FLOPs of num_experts x the row); a factor f caps each expert at f x length x k / num_experts slots
+    # per row in the update, log-prob and reference passes (about f x k x the row), and a token choice past its
+    # expert's capacity adds nothing. Generation never drops a token.
+    expert_capacity_factor: float | None = None
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     # Low-rank adapters (rank > 0): the base is frozen and stored in `dtype` (param_dtype applies to nothing then),
     # float32 adapters and their optimizer state are trained, checkpoints hold the adapters, and the reference policy
@@ -238,6 +243,7 @@ class ActorConfig:
             clip_ratio_c=(lambda v: v > 1, "> 1 (dual-clip bound on the loss of negative advantages)"),
             entropy_coeff=NON_NEGATIVE,
             kl_loss_coef=NON_NEGATIVE,
+            expert_capacity_factor=POSITIVE_OR_NULL,
         )
         warn_low_precision_master("actor", self.param_dtype)
 
@@ -258,6 +264,7 @@ class CriticConfig:
     trim_padding: bool = True  # as `ActorConfig.trim_padding`
     packed_row_tokens: int = 0  # as `ActorConfig.packed_row_tokens`
     remat: Literal["none", "full", "dots"] = "none"  # as `ActorConfig.remat`
+    expert_capacity_factor: float | None = None  # as `ActorConfig.expert_capacity_factor`
     loss_agg_mode: Literal[
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -266,7 +273,7 @@ class CriticConfig:
 
     def __post_init__(self) -> None:
         check_batch_sizes(self)
-        check_fields(self, cliprange_value=POSITIVE)
+        check_fields(self, cliprange_value=POSITIVE, expert_capacity_factor=POSITIVE_OR_NULL)
         warn_low_precision_master("critic", self.param_dtype)
 
 

@@ -39,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.attention import configured_implementation
+from hfjax.models.moe import set_expert_capacity
 from hfjax.models.program import constrain, program_layout, setting_key
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
@@ -124,6 +125,8 @@ class JaxEngine:
         self.pool = PromptPool(
             parts=self.cache.pool_parts, blocks_per_part=self.cache.pool_blocks, slots=self._slots, block=self.block
         )
+        if any(cfg.moe_layers):  # generation never drops a token: a new module over the same arrays, dropless
+            model = set_expert_capacity(nnx.merge(*nnx.split(model)), None)
         self.graphdef, _, self._rest = nnx.split(model, nnx.Param, ...)
         self.compiles: collections.Counter[str] = collections.Counter()
         self._used: set[tuple[Any, ...]] = set()  # the programs this engine has called (`_counting`)

@@ -23,6 +23,7 @@ from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.models.attention import configured_implementation
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
+from hfjax.models.moe import set_expert_capacity
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
 from hfjax.optim.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
@@ -62,9 +63,9 @@ def reports_usage(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class LoadedModel:
-    """A checkpoint loaded under a layout (with `lora`'s adapters attached, when given, and the top-level parameters
-    named in `float32_params` cast to float32): graph definition, parameters, and jitted per-row functions over
-    them."""
+    """A checkpoint loaded under a layout (with `lora`'s adapters attached, when given, the top-level parameters
+    named in `float32_params` cast to float32, and a mixture of experts' `expert_capacity_factor`): graph
+    definition, parameters, and jitted per-row functions over them."""
 
     def __init__(
         self,
@@ -77,9 +78,11 @@ class LoadedModel:
         remat: str = "none",
         lora: LoraConfig | None = None,
         float32_params: tuple[str, ...] = (),
+        expert_capacity_factor: float | None = None,
     ):
         self.layout = layout
         model = set_remat(load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head), remat)
+        set_expert_capacity(model, expert_capacity_factor)
         for name in float32_params:  # e.g. a trained head beside a frozen base stored in the compute dtype
             param = getattr(model, name)
             param.set_value(param.get_value().astype(jnp.float32))
@@ -147,6 +150,7 @@ def load_trained(
         remat=section.remat,
         lora=lora,
         float32_params=trained_head if lora else (),
+        expert_capacity_factor=section.expert_capacity_factor,
     )
     trainable = nnx.Any(LoraParam, *(nnx.PathContains(name) for name in trained_head)) if lora else nnx.Param
     return model, trainable
