@@ -17,8 +17,16 @@ from hfjax.models import load_hf, save_hf
 from hfjax.models.config import UnsupportedModelError, config_from_hf
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora, lora_parameter_count
-from hfjax.models.moe import SparseMoE, buffer_slots, set_expert_capacity, top_k_routing
+from hfjax.models.moe import (
+    SparseMoE,
+    buffer_slots,
+    record_routes,
+    set_expert_capacity,
+    stacked_routes,
+    top_k_routing,
+)
 from hfjax.models.presets import named_config
+from hfjax.models.transformer import set_remat
 from hfjax.parallel import Layout
 from hfjax.rollout import JaxEngine
 from hfjax.workers.model_role import load_trained
@@ -220,3 +228,59 @@ def test_a_role_capacity_factor_reaches_its_passes_and_generation_stays_dropless
     assert factors(nnx.merge(engine.graphdef, loaded.params, loaded.rest)) == [None]
     with pytest.raises(ValueError, match=r"expert_capacity_factor: expected > 0 or null, got 0"):
         ActorConfig(expert_capacity_factor=0)
+
+
+def _routed_forward(model, ids, mask, replay=None):
+    """(logits, the experts every mixture-of-experts layer chose [rows, length, moe layers, k], or None under
+    remat: a checkpointed layer cannot hand its routes out) of one jitted forward, replaying `replay` when given."""
+    graphdef, state = nnx.split(model)
+    record = model.model.remat == "none"
+
+    def forward(state, replay):
+        net = nnx.merge(graphdef, state)
+        if not record:
+            return net.logits(net.model(ids, mask, None, replay)), None
+        with record_routes() as tape:
+            hidden = net.model(ids, mask, None, replay)
+        return net.logits(hidden), stacked_routes(tape)
+
+    return jax.jit(forward)(state, replay)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_replayed_routes_are_the_recorded_ones_and_the_router_still_learns(tmp_path, remat):
+    """A forward replaying its own recorded routes is the same forward (also under remat); after the router moves
+    (a perturbed router, as training moves it), the free forward routes some tokens elsewhere, while the replaying
+    one routes every token as recorded, and its loss still has a gradient on the router."""
+    _, path = save_hf_model(tmp_path, "qwen3_moe", mlp_only_layers=[], num_hidden_layers=2)
+    model = load_hf(path)
+    ids, mask, _ = left_padded_batch(97, LENGTHS, seed=3)
+    logits, routes = _routed_forward(model, ids, mask)
+    assert routes.shape == (4, 12, 2, 2) and routes.dtype == jnp.int16
+    set_remat(model, remat)
+    replayed, _ = _routed_forward(model, ids, mask, routes)
+    np.testing.assert_array_equal(np.asarray(replayed), np.asarray(logits))
+    unrecorded, _ = _routed_forward(model, ids, mask, jnp.full_like(routes, -1))  # -1: a token routes itself
+    np.testing.assert_array_equal(np.asarray(unrecorded), np.asarray(logits))
+    for layer in model.model.layers:  # the router moves
+        kernel = layer.mlp.router_kernel
+        kernel[...] = kernel[...] + 0.5 * jax.random.normal(jax.random.key(7), kernel.shape)
+    free, _ = _routed_forward(model, ids, mask)
+    moved, _ = _routed_forward(model, ids, mask, routes)
+    valid = mask.astype(bool)
+    assert np.abs(np.asarray(moved) - np.asarray(free))[valid][:, :97].max() > 1e-3  # replay changed the forward
+    set_remat(model, "none")
+    _, free_routes = _routed_forward(model, ids, mask)
+    assert (np.asarray(free_routes) != np.asarray(routes))[valid].any()
+    _, replay_routes = _routed_forward(model, ids, mask, routes)
+    np.testing.assert_array_equal(np.asarray(replay_routes), np.asarray(routes))
+    set_remat(model, remat)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        net = nnx.merge(graphdef, params, rest)
+        return jnp.sum(net.logits(net.model(ids, mask, None, routes))[..., :97] ** 2 * mask[..., None])
+
+    grads = jax.jit(jax.grad(loss))(params)
+    for layer in range(2):
+        assert np.abs(np.asarray(grads["model"]["layers"][layer]["mlp"]["router_kernel"][...])).sum() > 0

@@ -199,21 +199,35 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm(cfg, d, "embed", param_dtype, rngs)
         self.pre_feedforward_layernorm = norm(cfg, d, "embed", param_dtype, rngs) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = norm(cfg, d, "embed", param_dtype, rngs) if cfg.sandwich_norms else None
-        self.mlp = (SparseMoE if cfg.moe_layers[index] else MLP)(cfg, dtype, param_dtype, rngs, std)
+        if cfg.moe_layers[index]:
+            self.mlp = SparseMoE(cfg, dtype, param_dtype, rngs, std, moe_index=sum(cfg.moe_layers[:index]))
+        else:
+            self.mlp = MLP(cfg, dtype, param_dtype, rngs, std)
         self.window = cfg.sliding_windows[index]
         self.rope = cfg.layer_ropes[index]
         self.softcap = cfg.attn_softcap
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array, segments: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        segments: jax.Array,
+        expert_choices: jax.Array | None = None,
+    ) -> jax.Array:
         """The block over a batch of `segments` [b, t] (0/1 real tokens, or packed segment ids); `mask` is
-        `attention_mask(segments, index, index, self.window)` [b, t, t]; cos and sin are of `self.rope`."""
+        `attention_mask(segments, index, index, self.window)` [b, t, t]; cos and sin are of `self.rope`;
+        `expert_choices` replays a mixture of experts' routes (`hfjax.models.moe`)."""
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             return causal_attention(q, k, v, valid=segments, mask=mask, window=self.window, softcap=self.softcap)
 
-        return self.block(x, cos, sin, attend)
+        return self.block(x, cos, sin, attend, expert_choices)
 
-    def block(self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: Attend) -> jax.Array:
+    def block(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: Attend, expert_choices: jax.Array | None = None
+    ) -> jax.Array:
         """The residual block with the attention step given as `attend(q, k, v) -> attended` (a full forward
         attends over k, v; generation writes them to its KV cache first and attends over the cache)."""
         attn = self.self_attn
@@ -221,6 +235,10 @@ class DecoderLayer(nnx.Module):
         attended = attn.project_out(attend(q, k, v))
         if self.pre_feedforward_layernorm is None:
             x = constrain(x + attended, RESIDUAL)
-            return constrain(x + self.mlp(self.post_attention_layernorm(x)), RESIDUAL)
+            return constrain(x + self._mlp(self.post_attention_layernorm(x), expert_choices), RESIDUAL)
         x = constrain(x + self.post_attention_layernorm(attended), RESIDUAL)
-        return constrain(x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), RESIDUAL)
+        mlp = self._mlp(self.pre_feedforward_layernorm(x), expert_choices)
+        return constrain(x + self.post_feedforward_layernorm(mlp), RESIDUAL)
+
+    def _mlp(self, x: jax.Array, expert_choices: jax.Array | None) -> jax.Array:
+        return self.mlp(x, expert_choices) if isinstance(self.mlp, SparseMoE) else self.mlp(x)

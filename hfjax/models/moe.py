@@ -11,12 +11,21 @@ collective. `capacity` is the row's length by default, so no token is ever dropp
 token of the row); `capacity_factor` (`set_expert_capacity`) caps it at `factor * length * k / num_experts`
 slots, and a choice past its expert's capacity is dropped: it adds nothing, the token keeps its other choices and
 its residual, and `RoutedTokens.dropped` counts it.
+
+Routing replay: a forward given `expert_choices` [rows, length, moe layers, k] (the experts a generation engine
+chose for each token, -1 where it chose none) routes each recorded token to exactly those experts, weighted by this
+forward's own router probabilities of them (renormalised as usual), so the router still learns how to weigh the
+chosen experts but not which to choose; unrecorded tokens route themselves. `record_routes()` collects the experts
+every layer chose while a forward is traced (the engine's prefill and decode steps).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +56,32 @@ class RoutedTokens:
         return jnp.sum(self.slots == self.num_experts * self.capacity, axis=-1, dtype=jnp.int32)
 
 
+_RECORDING: contextvars.ContextVar[dict[int, jax.Array] | None] = contextvars.ContextVar("hfjax_routes", default=None)
+ROUTE_DTYPE = jnp.int16  # recorded expert ids: -1 (none) to 32767
+
+
+@contextlib.contextmanager
+def record_routes() -> Iterator[dict[int, jax.Array]]:
+    """A dict that the mixture-of-experts layers traced inside the block fill: moe layer index -> the experts
+    [rows, length, k] each token was routed to (read at trace time, like `hfjax.models.lora.adapters_off`)."""
+    tape: dict[int, jax.Array] = {}
+    token = _RECORDING.set(tape)
+    try:
+        yield tape
+    finally:
+        _RECORDING.reset(token)
+
+
+def recording_routes() -> bool:
+    """Whether a `record_routes` block is being traced."""
+    return _RECORDING.get() is not None
+
+
+def stacked_routes(tape: dict[int, jax.Array]) -> jax.Array:
+    """The recorded routes as one array [rows, length, moe layers, k] of `ROUTE_DTYPE`, layers in order."""
+    return jnp.stack([tape[i] for i in sorted(tape)], axis=2).astype(ROUTE_DTYPE)
+
+
 def expert_capacity(length: int, k: int, num_experts: int, factor: float | None) -> int:
     """Slots per expert and row of `length` tokens: `length` (no token dropped) without a factor, else
     `ceil(factor * length * k / num_experts)`, at least 1 and at most `length`."""
@@ -55,14 +90,22 @@ def expert_capacity(length: int, k: int, num_experts: int, factor: float | None)
     return max(1, min(length, math.ceil(factor * length * k / num_experts)))
 
 
-def top_k_routing(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def top_k_routing(
+    logits: jax.Array, k: int, normalize: bool, replay: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(weights float32, experts int32), each [..., k], from router `logits` [..., experts]: the top-k of the
-    float32 softmax (ties to the lower index), renormalised to sum to 1 when `normalize`."""
+    float32 softmax (ties to the lower index), or the experts of `replay` [..., k] where it holds them (>= 0), with
+    their softmax probabilities; renormalised to sum to 1 when `normalize`."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, k)
+    experts = experts.astype(jnp.int32)
+    if replay is not None:
+        recorded = replay[..., :1] >= 0
+        experts = jnp.where(recorded, replay.astype(jnp.int32), experts)
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+    return weights, experts
 
 
 def buffer_slots(experts: jax.Array, num_experts: int, capacity: int) -> jax.Array:
@@ -79,7 +122,15 @@ class SparseMoE(nnx.Module):
     """Router [experts, embed] and stacked expert weights: gate and up [experts, mlp, embed], down [experts,
     embed, mlp] (HF's per-expert `[out, in]` matrices, stacked)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs | None, std: float):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: jnp.dtype,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs | None,
+        std: float,
+        moe_index: int = 0,
+    ):
         e, d, m = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
         init = normal_init(std)
         self.router_kernel = logical_param(rngs, init, (e, d), ("expert", "embed"), param_dtype)
@@ -90,22 +141,28 @@ class SparseMoE(nnx.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
         self.hidden_act = cfg.hidden_act
         self.capacity_factor: float | None = None  # `set_expert_capacity`: static, so it keys the compiled programs
+        self.moe_index = moe_index  # this layer's index among the model's mixture-of-experts layers
         self.dtype = dtype
 
     @property
     def num_experts(self) -> int:
         return self.router_kernel.shape[0]
 
-    def route(self, x: jax.Array) -> RoutedTokens:
-        """The routing of hidden states x [rows, length, embed]."""
+    def route(self, x: jax.Array, replay: jax.Array | None = None) -> RoutedTokens:
+        """The routing of hidden states x [rows, length, embed] (`replay` [rows, length, k]: `top_k_routing`)."""
         logits = constrain(dense(x, self.router_kernel[...].astype(self.dtype)), ("batch", "length", None))
-        weights, experts = top_k_routing(logits, self.experts_per_token, self.norm_topk_prob)
+        weights, experts = top_k_routing(logits, self.experts_per_token, self.norm_topk_prob, replay)
+        tape = _RECORDING.get()
+        if tape is not None:
+            tape[self.moe_index] = experts
         capacity = expert_capacity(x.shape[1], self.experts_per_token, self.num_experts, self.capacity_factor)
         slots = buffer_slots(experts, self.num_experts, capacity)
         return RoutedTokens(experts, weights, slots, self.num_experts, capacity)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.apply_experts(x, self.route(x))
+    def __call__(self, x: jax.Array, expert_choices: jax.Array | None = None) -> jax.Array:
+        """The layer over x [rows, length, embed]; `expert_choices` [rows, length, moe layers, k] replays routes."""
+        replay = None if expert_choices is None else expert_choices[:, :, self.moe_index]
+        return self.apply_experts(x, self.route(x, replay))
 
     def apply_experts(self, x: jax.Array, routed: RoutedTokens) -> jax.Array:
         """The layer's output [rows, length, embed] for hidden states x routed by `routed`."""

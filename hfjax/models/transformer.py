@@ -20,6 +20,7 @@ from hfjax.models.config import MASKED_SCORE, ModelConfig, RopeConfig
 from hfjax.models.dense import dense
 from hfjax.models.layers import RESIDUAL, DecoderLayer, norm, rope_inv_freq, rope_tables
 from hfjax.models.lm_head import chunk_length, softcap_logits, token_logprobs
+from hfjax.models.moe import recording_routes
 from hfjax.models.primitives import logical_param, normal_init
 from hfjax.models.program import constrain, lookup_rows
 
@@ -66,17 +67,22 @@ REMAT_POLICIES = {  # what a layer's backward keeps from its forward; the rest i
 REMAT = ("none", *REMAT_POLICIES)
 
 
-def _layer_step(layer: DecoderLayer, x: jax.Array, tables: tuple[jax.Array, ...], remat: str) -> jax.Array:
-    """One decoder layer over `tables` (cos, sin, mask, segments), under `jax.checkpoint` with the `remat` policy
-    unless it is `none` (the layer's state is split off so that the checkpointed function is pure)."""
+def _layer_step(
+    layer: DecoderLayer, x: jax.Array, tables: tuple[jax.Array, ...], remat: str, choices: jax.Array | None
+) -> jax.Array:
+    """One decoder layer over `tables` (cos, sin, mask, segments) and replayed expert `choices`, under
+    `jax.checkpoint` with the `remat` policy unless it is `none` (the layer's state is split off so that the
+    checkpointed function is pure)."""
     if remat == "none":
-        return layer(x, *tables)
+        return layer(x, *tables, choices)
+    if recording_routes():
+        raise ValueError(f"record_routes: remat {remat!r} runs each layer under jax.checkpoint, which keeps its routes")
     graphdef, state = nnx.split(layer)
 
-    def pure(state: nnx.State, x: jax.Array, tables: tuple[jax.Array, ...]) -> jax.Array:
-        return nnx.merge(graphdef, state)(x, *tables)
+    def pure(state: nnx.State, x: jax.Array, tables: tuple[jax.Array, ...], choices: jax.Array | None) -> jax.Array:
+        return nnx.merge(graphdef, state)(x, *tables, choices)
 
-    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x, tables)
+    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x, tables, choices)
 
 
 def set_remat(model: nnx.Module, remat: str) -> nnx.Module:
@@ -102,8 +108,14 @@ class Decoder(nnx.Module):
         self.dtype = dtype
 
     def __call__(
-        self, input_ids: jax.Array, attention_mask_: jax.Array | None = None, positions: jax.Array | None = None
+        self,
+        input_ids: jax.Array,
+        attention_mask_: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        expert_choices: jax.Array | None = None,
     ) -> jax.Array:
+        """Hidden states for `input_ids` [batch, length]; `expert_choices` [batch, length, moe layers, k] replays a
+        mixture of experts' routes (`hfjax.models.moe`)."""
         batch, length = input_ids.shape
         segments = (
             jnp.ones((batch, length), jnp.int32) if attention_mask_ is None else attention_mask_.astype(jnp.int32)
@@ -116,7 +128,7 @@ class Decoder(nnx.Module):
         tables = self.rotary(positions)
         x = constrain(self.embed(input_ids), RESIDUAL)
         for layer in self.layers:
-            x = _layer_step(layer, x, (*tables[layer.rope], masks[layer.window], segments), self.remat)
+            x = _layer_step(layer, x, (*tables[layer.rope], masks[layer.window], segments), self.remat, expert_choices)
         return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:
