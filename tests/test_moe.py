@@ -10,12 +10,14 @@ import transformers as tf
 from flax import nnx
 from support.checkpoints import left_padded_batch, relative_error, save_hf_model, torch_logits
 from support.devices import needs_devices
+from support.rl_setup import TINY, build_run_inputs, rl_config
 from support.tiny_models import compiled_forward
 
+from hfjax.config.rl import load_rl_config
 from hfjax.config.roles import ActorConfig
 from hfjax.models import load_hf, save_hf
 from hfjax.models.config import UnsupportedModelError, config_from_hf
-from hfjax.models.hf import abstract_model
+from hfjax.models.hf import abstract_model, load_tokenizer
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora, lora_parameter_count
 from hfjax.models.moe import (
     SparseMoE,
@@ -28,8 +30,11 @@ from hfjax.models.moe import (
 from hfjax.models.presets import named_config
 from hfjax.models.transformer import set_remat
 from hfjax.parallel import Layout
-from hfjax.rollout import JaxEngine
+from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+from hfjax.trainer.launch import run_rl
+from hfjax.workers.actor import response_logprobs
 from hfjax.workers.model_role import load_trained
+from hfjax.workers.sequences import ROUTED_EXPERTS, assemble
 
 LENGTHS = [12, 7, 3, 10]
 ONE_LAYER = dict(  # a one-layer Qwen3-MoE config.json, without its experts
@@ -284,3 +289,104 @@ def test_replayed_routes_are_the_recorded_ones_and_the_router_still_learns(tmp_p
     grads = jax.jit(jax.grad(loss))(params)
     for layer in range(2):
         assert np.abs(np.asarray(grads["model"]["layers"][layer]["mlp"]["router_kernel"][...])).sum() > 0
+
+
+def test_the_engine_records_each_tokens_routes_where_a_full_forward_routes_it(tmp_path):
+    """Generation with `record_experts`: each sample's recorded experts (its prompt's from the prefill, then one
+    token per decode step) are those a full forward over the prompt and response chooses, position by position
+    (float32, routers far from ties), for samples that share prompts and finish at different steps."""
+    _, path = save_hf_model(tmp_path, "qwen3_moe", vocab_size=96, eos_token_id=7)
+    model = load_hf(path)
+    engine = JaxEngine(model, max_concurrent_decodes=4, max_prefill_length=16, max_new_tokens=8, record_experts=True)
+    generator = OfflineGenerator(engine, nnx.state(model, nnx.Param), progress=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(8, 96, n).tolist() for n in (5, 11, 3)]
+    outputs = generator.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=1))
+    for out in outputs:
+        sequence = np.array([*prompts[out.request], *out.tokens[:-1]], np.int32)[None]
+        assert out.experts.shape == (sequence.shape[1], 1, 2) and out.experts.dtype == np.int16
+        _, routes = _routed_forward(model, sequence, np.ones_like(sequence))
+        np.testing.assert_array_equal(out.experts, np.asarray(routes)[0])
+
+
+def test_replaying_the_rollouts_routes_gives_the_training_pass_its_experts(tmp_path):
+    """A rollout recorded by the engine, assembled into the batch, and the training pass's log probs under a moved
+    router (as the policy moves, or as numerics differ between generation and training). Top-1 routing renormalised
+    (each token's one expert weighs 1), so routing is the only difference the move makes: without replay the pass
+    routes some tokens to other experts than the rollout did and its log probs drift from the rollout's; replaying
+    `routed_experts`, every token goes to the rollout's expert and the log probs are the rollout's."""
+    overrides = dict(vocab_size=96, eos_token_id=7, mlp_only_layers=[], num_experts_per_tok=1, norm_topk_prob=True)
+    _, path = save_hf_model(tmp_path, "qwen3_moe", **overrides)
+    model = load_hf(path)
+    engine = JaxEngine(model, max_concurrent_decodes=4, max_prefill_length=16, max_new_tokens=6, record_experts=True)
+    generator = OfflineGenerator(engine, nnx.state(model, nnx.Param), progress=False)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(8, 96, n).tolist() for n in (5, 9, 3, 12)]
+    outputs = generator.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, seed=3))
+    width = 12
+    ids = np.zeros((4, width), np.int32)
+    mask = np.zeros((4, width), np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    batch = {k: jnp.asarray(v) for k, v in assemble(ids, mask, outputs, 1, 6, 0).items()}
+    routed = batch[ROUTED_EXPERTS]
+    assert routed.shape == (4, 18, 2, 1)
+    real = np.asarray(batch["attention_mask"]).astype(bool)
+    last = real.sum(1) - 1 + (width - real[:, :width].sum(1))  # each row's last real position: no route recorded
+    assert (np.asarray(routed)[~real] == -1).all() and (np.asarray(routed)[np.arange(4), last] == -1).all()
+    rollout = np.asarray(batch["rollout_log_probs"])
+    for layer in model.model.layers:  # the router moves
+        kernel = layer.mlp.router_kernel
+        kernel[...] = kernel[...] + 0.3 * jax.random.normal(jax.random.key(5), kernel.shape)
+    graphdef, state = nnx.split(model)
+
+    def training_pass(state, batch):
+        with record_routes() as tape:
+            logp, _ = response_logprobs(nnx.merge(graphdef, state), batch, 1.0, with_entropy=False)
+        return logp, stacked_routes(tape)
+
+    free = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
+    free_logp, free_routes = jax.jit(training_pass)(state, free)
+    replay_logp, replay_routes = jax.jit(training_pass)(state, batch)
+    recorded = np.asarray(routed) >= 0
+    assert (np.asarray(free_routes)[recorded] != np.asarray(routed)[recorded]).any()
+    np.testing.assert_array_equal(np.asarray(replay_routes)[recorded], np.asarray(routed)[recorded])
+    response = np.asarray(batch["response_mask"]).astype(bool)
+    free_drift = np.abs(np.asarray(free_logp) - rollout)[response]
+    replay_drift = np.abs(np.asarray(replay_logp) - rollout)[response]
+    print(f"max |log prob - rollout's| under the moved router: {free_drift.max():.2e} free, {replay_drift.max():.2e}")
+    assert free_drift.max() > 1e-2
+    assert replay_drift.max() < 1e-5  # the engine's and the full forward's float32 numerics
+
+
+def _moe_run_inputs(root):
+    """The RL test inputs (support/rl_setup.py) with a tiny Qwen3-MoE policy on the addition tokenizer."""
+    inputs = build_run_inputs(root)
+    tokenizer = load_tokenizer(inputs["policy"])
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    _, policy = save_hf_model(root, "qwen3_moe", **TINY, **ids, mlp_only_layers=[])
+    tokenizer.save_pretrained(policy)
+    return {**inputs, "policy": str(policy)}
+
+
+def test_a_grpo_run_replays_its_rollouts_routes(tmp_path):
+    """Two GRPO steps of a mixture-of-experts policy with `actor.router_replay` (trimmed micro-batches, the KL
+    loss against a reference that routes itself), and the settings it refuses."""
+    inputs = _moe_run_inputs(tmp_path)
+    cfg = rl_config(inputs, tmp_path / "run", "grpo", actor={"router_replay": True}, trainer={"total_steps": 2})
+    history = run_rl(load_rl_config(cfg))
+    assert len(history) == 2
+    for step in history:  # float32: the training pass replays the rollout's routes and matches its log probs
+        assert step["rollout_corr/log_prob_abs_diff_max"] < 1e-4
+        assert np.isfinite(step["actor/pg_loss"])
+    for section, value, name in (
+        ("actor", {"packed_row_tokens": 64}, "actor.packed_row_tokens"),
+        ("async", {"max_staleness": 1, "partial_rollout": True}, "async.partial_rollout"),
+    ):
+        bad = rl_config(inputs, tmp_path / "bad", "grpo", actor={"router_replay": True})
+        bad[section] = {**bad.get(section, {}), **value}
+        with pytest.raises(ValueError, match=f"actor.router_replay: not supported with {name} yet"):
+            load_rl_config(bad)
+    dense = rl_config(build_run_inputs(tmp_path / "dense"), tmp_path / "d", "grpo", actor={"router_replay": True})
+    with pytest.raises(ValueError, match=r"actor.router_replay: .* has no mixture-of-experts layers to replay"):
+        run_rl(load_rl_config(dense))

@@ -222,6 +222,11 @@ class ActorConfig:
     # per row in the update, log-prob and reference passes (about f x k x the row), and a token choice past its
     # expert's capacity adds nothing. Generation never drops a token.
     expert_capacity_factor: float | None = None
+    # Rollout routing replay (mixture-of-experts policies): generation records the experts every layer chose for
+    # each token, and the log-prob passes and the update route each token to exactly those (weighted by the
+    # policy's own router probabilities, so the router still learns to weigh them), removing the routing mismatch
+    # between generation and training. The reference routes itself.
+    router_replay: bool = False
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     # Low-rank adapters (rank > 0): the base is frozen and stored in `dtype` (param_dtype applies to nothing then),
     # float32 adapters and their optimizer state are trained, checkpoints hold the adapters, and the reference policy

@@ -244,7 +244,7 @@ class AgentGenerator:
         by_key = np.zeros(len(firsts), np.int64)
         for (key, _), request in zip(batch, requests, strict=True):
             by_key[key] = request
-        state, (tokens, logprobs) = self.generator.fill(state, firsts, batch, targets, sampling, by_key)
+        state, (tokens, logprobs, _) = self.generator.fill(state, firsts, batch, targets, sampling, by_key)
         for slot, run, token, logprob in zip(targets, runs, tokens, logprobs, strict=True):
             live[slot] = run
             record(slot, int(token), float(logprob))
@@ -336,7 +336,7 @@ class AgentGenerator:
             batch.append((j, run.sample))
             requests.append(turn_request(int(request_ids[run.request]), run.turns + 1, self.max_turns))
         targets = [slot for slot, _ in appends]
-        state, (tokens, logprobs) = self.generator.fill(
+        state, (tokens, logprobs, _) = self.generator.fill(
             state, histories, batch, targets, sampling, np.asarray(requests)
         )
         for slot, token, logprob in zip(targets, tokens, logprobs, strict=True):

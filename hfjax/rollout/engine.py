@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.attention import configured_implementation
-from hfjax.models.moe import set_expert_capacity
+from hfjax.models.moe import record_routes, set_expert_capacity, stacked_routes
 from hfjax.models.program import constrain, program_layout, setting_key
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
@@ -86,7 +86,8 @@ def _sample_rng(keys: jax.Array, samples: jax.Array) -> jax.Array:
 class JaxEngine:
     """Generation for an hfjax `CausalLM` (concrete or abstract: only its structure is used) over `layout`. Past
     `max_extend_programs` compiled `extend` shapes, an extend pads up to a compiled shape that holds it, and compiles
-    only where none does (`hfjax.rollout.extend_shapes`)."""
+    only where none does (`hfjax.rollout.extend_shapes`). With `record_experts`, a mixture of experts' routes come
+    back with the tokens of `prefill_insert` and `generate` (`ResultTokens.experts`; not `extend`'s)."""
 
     def __init__(
         self,
@@ -98,6 +99,7 @@ class JaxEngine:
         max_new_tokens: int = 512,
         max_extend_programs: int = 16,
         prompt_cache_tokens: int | None = None,
+        record_experts: bool = False,
     ):
         for name, value in (
             ("max_concurrent_decodes", max_concurrent_decodes),
@@ -110,6 +112,8 @@ class JaxEngine:
         self.config = cfg
         self.layout = layout or Layout.from_config({"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]})
         self._slots = max_concurrent_decodes
+        # a mixture of experts' routes, recorded by `prefill_insert` and `generate` (routing replay)
+        self.record_experts = record_experts and any(cfg.moe_layers)
         self._max_prefill = max_prefill_length
         self.capacity = max_prefill_length + max_new_tokens  # the longest sequence: a prompt and its response
         self.cache = CacheLayout(
@@ -136,7 +140,13 @@ class JaxEngine:
         self.state_sharding = self.cache.sharding
         key = None
         if not jax.tree.leaves(self._rest):
-            settings = (max_concurrent_decodes, max_prefill_length, max_new_tokens, prompt_cache_tokens)
+            settings = (
+                max_concurrent_decodes,
+                max_prefill_length,
+                max_new_tokens,
+                prompt_cache_tokens,
+                self.record_experts,
+            )
             key = (
                 self.graphdef,
                 setting_key(cfg),
@@ -483,7 +493,8 @@ class JaxEngine:
         model = self._model(params)
         live_keys, live_values = tuple(k[:live] for k in state.keys), tuple(v[:live] for v in state.values)
         prompt = self._prompt(state, self.prompt_blocks if prompt_live is None else prompt_live)
-        logits, keys, values = decode_forward(model, state.tokens, state.lengths, live_keys, live_values, prompt)
+        with record_routes() as routes:
+            logits, keys, values = decode_forward(model, state.tokens, state.lengths, live_keys, live_values, prompt)
         keys = tuple(new + old[live:] for new, old in zip(keys, state.keys, strict=True))
         values = tuple(new + old[live:] for new, old in zip(values, state.values, strict=True))
         tokens, logprobs = sample_tokens(
@@ -492,7 +503,8 @@ class JaxEngine:
         state = state._replace(
             keys=keys, values=values, lengths=state.lengths + 1, tokens=tokens, steps=state.steps + 1
         )
-        return state, ResultTokens(tokens, logprobs)
+        experts = stacked_routes(routes)[:, 0] if self.record_experts else None
+        return state, ResultTokens(tokens, logprobs, experts)
 
     def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
         rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
@@ -519,5 +531,7 @@ class JaxEngine:
 
     def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
                            samples, placement, *, kind):  # fmt: skip
-        prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
-        return self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)
+        with record_routes() as routes:
+            prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
+        state, first = self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)
+        return state, first._replace(experts=stacked_routes(routes)[rows]) if self.record_experts else first

@@ -49,6 +49,9 @@ class SampleOutput:
     finish_reason: str
     error: str | None = None
     versions: np.ndarray | None = None  # the policy version of each token (partial rollouts), else None
+    # an engine that records routes: the experts each mixture-of-experts layer chose for the prompt's tokens and
+    # every response token but the last (which no step ran on) [prompt + response - 1, moe layers, k], else None
+    experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -57,6 +60,7 @@ class _Running:
     sample: int
     tokens: list[int]
     logprobs: list[float]
+    experts: list[np.ndarray] = dataclasses.field(default_factory=list)  # the prompt's, then one per decode step
 
 
 def free_decode_state(state: Any) -> None:
@@ -64,6 +68,10 @@ def free_decode_state(state: Any) -> None:
     for leaf in jax.tree.leaves(state):
         if isinstance(leaf, jax.Array) and not leaf.is_deleted():
             leaf.delete()
+
+
+def _row(array: np.ndarray | None, row: int) -> np.ndarray | None:
+    return None if array is None else array[row]
 
 
 def _no_tokens() -> tuple[np.ndarray, np.ndarray]:
@@ -224,15 +232,19 @@ class OfflineGenerator:
 
         def finish(slot: int, reason: str) -> None:
             run = running.pop(slot)
+            tokens, logprobs = np.array(run.tokens, np.int32), np.array(run.logprobs, np.float32)
+            experts = np.concatenate(run.experts) if run.experts else None
             results[run.request, run.sample] = SampleOutput(
-                run.request, run.sample, np.array(run.tokens, np.int32), np.array(run.logprobs, np.float32), reason
+                run.request, run.sample, tokens, logprobs, reason, experts=experts
             )
             free.append(slot)
             self.engine.release([slot])
             bar.update(1)
 
-        def record(slot: int, token: int, logprob: float) -> None:
+        def record(slot: int, token: int, logprob: float, experts: np.ndarray | None = None) -> None:
             run = running[slot]
+            if experts is not None:  # the routes of the step's input: the last token so far
+                run.experts.append(experts[None])
             run.tokens.append(token)
             run.logprobs.append(logprob)
             if token in stops:
@@ -263,9 +275,10 @@ class OfflineGenerator:
                         free.remove(slot)
                     state, first = self.fill(state, prompts, batch, targets, sampling, request_index)
                     self._pool_peak = max(self._pool_peak, self.engine.pool.used_blocks)
-                    for slot, (r, i), token, logprob in zip(targets, batch, *first, strict=False):
-                        running[slot] = _Running(r, i, [], [])
-                        record(slot, int(token), float(logprob))
+                    tokens, logprobs, routes = first
+                    for j, (slot, (r, i)) in enumerate(zip(targets, batch, strict=True)):
+                        running[slot] = _Running(r, i, [], [], [] if routes is None else [routes[j]])
+                        record(slot, int(tokens[j]), float(logprobs[j]))
                 elif queue and not running:  # an empty engine holds any one group: only a broken pool gets here
                     raise SamplingError(f"generate: request {queue[0][0]} fits no free slots and prompt pool blocks")
                 ahead = int(pending is not None)
@@ -280,10 +293,10 @@ class OfflineGenerator:
                     dispatched = None
                 if pending is not None:
                     out, ran = pending
-                    tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+                    tokens, logprobs, experts = jax.device_get((out.tokens, out.logprobs, out.experts))
                     for slot, run in ran.items():
                         if running.get(slot) is run:
-                            record(slot, int(tokens[slot]), float(logprobs[slot]))
+                            record(slot, int(tokens[slot]), float(logprobs[slot]), _row(experts, slot))
                 pending = dispatched
         finally:
             bar.close()
@@ -298,22 +311,26 @@ class OfflineGenerator:
         targets: list[int],
         sampling: SamplingParams,
         request_index: np.ndarray,
-    ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+    ) -> tuple[Any, tuple[np.ndarray, np.ndarray, list[np.ndarray] | None]]:
         """Prefills the distinct prompts of `batch` ((request, sample) pairs) and inserts every sample into its target
         slot of `state` (also for loops of other kinds, e.g. multi-turn rollouts), one compiled call per prefill length
         bucket (a short prompt is not padded to the batch's longest). Returns each sample's first
-        token and logprob, in batch order."""
+        token and logprob, in batch order, and with an engine that records routes each sample's prompt routes
+        [prompt length, moe layers, k] (else None)."""
         groups: dict[int, list[int]] = {}
         for j, (r, _) in enumerate(batch):
             groups.setdefault(self.engine.bucket(len(prompts[r])), []).append(j)
         tokens, logprobs = np.zeros(len(batch), np.int32), np.zeros(len(batch), np.float32)
+        routes: list[Any] | None = [None] * len(batch) if self.engine.record_experts else None
         for length, members in sorted(groups.items()):
             for chunk in _row_chunks(members, [r for r, _ in batch]):
                 group = [batch[j] for j in chunk]
                 slots = [targets[j] for j in chunk]
                 state, first = self._fill_bucket(state, prompts, group, slots, length, sampling, request_index)
                 tokens[chunk], logprobs[chunk] = first[0][: len(chunk)], first[1][: len(chunk)]
-        return state, (tokens, logprobs)
+                for n, j in enumerate(chunk if routes is not None else ()):
+                    routes[j] = first[2][n, : len(prompts[batch[j][0]])]
+        return state, (tokens, logprobs, routes)
 
     def _fill_bucket(
         self,
@@ -324,7 +341,7 @@ class OfflineGenerator:
         length: int,
         sampling: SamplingParams,
         request_index: np.ndarray,
-    ) -> tuple[Any, tuple[np.ndarray, np.ndarray]]:
+    ) -> tuple[Any, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         """`fill` for samples whose prompts all pad to `length`: one prefill row per distinct prompt (the samples
         share it), rows bucketed to a power of two, at least the engine's `batch_parts` (so that each part of the batch
         mesh axes prefills rows of its own), and the samples bucketed to a power of two."""
@@ -348,4 +365,4 @@ class OfflineGenerator:
         state, first = self.engine.prefill_insert(
             self.params, state, tokens, lengths, sampling, request_ids, slot_ids, rows, sample_ids
         )
-        return state, jax.device_get((first.tokens, first.logprobs))
+        return state, jax.device_get((first.tokens, first.logprobs, first.experts))

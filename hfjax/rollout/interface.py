@@ -54,10 +54,13 @@ class DecodeState(NamedTuple):
 
 
 class ResultTokens(NamedTuple):
-    """Tokens and their logprobs, one per slot (or per inserted sample)."""
+    """Tokens and their logprobs, one per slot (or per inserted sample); with an engine that records routes, the
+    experts each mixture-of-experts layer chose for the token the step ran on ([slots, moe layers, k]; an insert's:
+    its prompt's [samples, prompt positions, moe layers, k])."""
 
     tokens: jax.Array
     logprobs: jax.Array
+    experts: jax.Array | None = None
 
 
 class Engine(Protocol):

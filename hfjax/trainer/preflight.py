@@ -140,6 +140,8 @@ def check_rl_run(cfg: RLConfig) -> None:
         if section.enabled:
             checkpoints.append((f"reward.{name}.model_path", section.model_path, "seq_cls"))
     models = {key: model_config(path, key) for key, path, _ in checkpoints}
+    if cfg.actor.router_replay and not any(models[checkpoints[0][0]].moe_layers):
+        raise ConfigError(f"actor.router_replay: {cfg.actor.model_path} has no mixture-of-experts layers to replay")
     for key, path, head in checkpoints:  # the model each role builds against the checkpoint's tensors
         check_weights(path, key, head)
     tokenizer = run_tokenizer(cfg.tokenizer_path)

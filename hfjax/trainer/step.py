@@ -26,6 +26,7 @@ from hfjax.workers.actor import ActorRolloutRefWorker
 from hfjax.workers.critic import CriticWorker
 from hfjax.workers.reward_model import RewardModelWorker
 from hfjax.workers.rollout import RolloutWorker
+from hfjax.workers.sequences import ROUTED_EXPERTS
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
 PUBLIC_API = (
@@ -366,6 +367,7 @@ class Step:
         keys += ["rollout_is_weights"] if "rollout_is_weights" in self.batch.batch else []  # off-policy correction
         if self.cfg.reuses_update_log_probs and "rollout_log_probs" in self.batch.batch:
             keys.append("rollout_log_probs")  # the update measures the mismatch to its own log probs
+        keys += [ROUTED_EXPERTS] if self.cfg.actor.router_replay else []  # routing replay
         data = self.batch.select(batch_keys=keys)
         if rows is not None:
             data.batch["response_mask"] = data.batch["response_mask"] * np.asarray(rows, bool)[:, None]

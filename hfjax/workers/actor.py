@@ -38,6 +38,7 @@ from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
 from hfjax.workers.model_role import LoadedModel, TrainedRole, load_trained, padding_masked, reports_usage
 from hfjax.workers.packing import response_positions, to_response_rows
+from hfjax.workers.sequences import ROUTED_EXPERTS
 from hfjax.workers.weight_sync import WeightShards, export_shards
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
@@ -49,8 +50,8 @@ def response_logprobs(
     """(log probs, entropies or None) [rows, response] of the response tokens under logits / temperature: the
     vocabulary projection runs on the response positions only, a chunk of tokens at a time (never the whole
     [rows, response, vocab] logits: `CausalLM.token_logprobs`); of a packed micro-batch, on its response tokens only
-    (`hfjax.workers.packing`), with one row per sequence out."""
-    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    (`hfjax.workers.packing`), with one row per sequence out. A batch with `ROUTED_EXPERTS` replays them."""
+    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.get(ROUTED_EXPERTS))
     response, labels = response_positions(hidden, batch)
     logp, entropies = model.token_logprobs(response, labels, temperature=temperature, with_entropy=with_entropy)
     return to_response_rows(logp, batch), None if entropies is None else to_response_rows(entropies, batch)
@@ -159,6 +160,8 @@ class ActorRolloutRefWorker(TrainedRole):
         layout = layout_or_default(cfg.train_layout, where="actor.train_layout")
         lora = cfg.lora.enabled
         self.policy, trainable = load_trained(cfg, layout, "causal_lm")
+        if cfg.router_replay and not any(self.policy.config.moe_layers):
+            raise ValueError(f"actor.router_replay: {cfg.model_path} has no mixture-of-experts layers to replay")
         self.pad_id = self.policy.config.pad_token_id or 0
         self.state = None
         if self.has_actor:
@@ -192,6 +195,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 max_prefill_length=self.max_prompt_length,
                 max_new_tokens=rollout.response_length,
                 prompt_cache_tokens=rollout.prompt_cache_tokens,
+                record_experts=cfg.router_replay,
             )
             self.generator = OfflineGenerator(self.engine, None, progress=False)
             self.agent = agent_generator(self.generator, rollout)
@@ -236,8 +240,9 @@ class ActorRolloutRefWorker(TrainedRole):
         timing["reshard_seconds"] = transitions["to_gen_s"][-1] + transitions["to_train_s"][-1]
         return DataProto.from_dict(batch, meta_info={"metrics": timing})
 
-    def _log_probs(self, jitted: Any, params: Any, data: DataProto) -> dict[str, np.ndarray]:
+    def _log_probs(self, jitted: Any, params: Any, data: DataProto, replay: bool = False) -> dict[str, np.ndarray]:
         keys = ("input_ids", "attention_mask", "position_ids", "responses")
+        keys += (ROUTED_EXPERTS,) if replay and self.cfg.router_replay else ()
         arrays = {k: data.batch[k] for k in keys}
         length = data.batch["responses"].shape[1]
         packed = self.cfg.packed_row_tokens
@@ -248,7 +253,7 @@ class ActorRolloutRefWorker(TrainedRole):
     @reports_usage
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_probs` and `entropys` [B, R] under the current policy."""
-        out = self._log_probs(self._logprob, self.params, data)
+        out = self._log_probs(self._logprob, self.params, data, replay=True)
         return DataProto.from_dict({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -270,6 +275,7 @@ class ActorRolloutRefWorker(TrainedRole):
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
         optional = ("old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights", ROW_IN_LOSS)
         keys += [k for k in optional if k in data.batch]
+        keys += [ROUTED_EXPERTS] if cfg.router_replay else []
         arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
         if "old_log_probs" not in arrays and (
             cfg.ppo_epochs > 1 or len(data) * jax.process_count() > cfg.ppo_mini_batch_size

@@ -85,6 +85,7 @@ class RolloutWorker(Worker):
             max_prefill_length=self.max_prompt_length + (rollout.response_length if self.partial else 0),
             max_new_tokens=rollout.response_length,
             prompt_cache_tokens=rollout.prompt_cache_tokens,
+            record_experts=self.actor_cfg.router_replay,
         )
         self.generator = OfflineGenerator(self.engine, None, progress=False)
         self.agent = agent_generator(self.generator, rollout)

@@ -21,11 +21,27 @@ from hfjax.rollout import prefill_buckets
 from hfjax.rollout.generator import SampleOutput
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]; `prompts` is [B, P], the rest [B, R]
+# The experts each mixture-of-experts layer chose for each token at generation [B, P + R, moe layers, k], -1 where
+# none (padding, each response's last token): `actor.router_replay`
+ROUTED_EXPERTS = "routed_experts"
 
 
 def prompt_token_lists(input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
     """The real tokens of each left-padded prompt row."""
     return [row[mask.astype(bool)] for row, mask in zip(input_ids, attention_mask, strict=True)]
+
+
+def _routed_experts(masks: np.ndarray, outputs: Sequence[SampleOutput], response_length: int) -> np.ndarray:
+    """`ROUTED_EXPERTS` of the rows: each output's recorded experts (its prompt's, then its response's but the last
+    token's) aligned with the left-padded prompts and the responses, -1 elsewhere."""
+    width = masks.shape[1]
+    layers_k = next(out.experts.shape[1:] for out in outputs if out.experts is not None)
+    routed = np.full((len(outputs), width + response_length, *layers_k), -1, np.int16)
+    for i, out in enumerate(outputs):
+        if out.experts is not None:
+            prompt = int(masks[i].sum())
+            routed[i, width - prompt : width - prompt + len(out.experts)] = out.experts
+    return routed
 
 
 def assemble(
@@ -73,6 +89,8 @@ def assemble(
             rewards[i, : len(out.rewards)] = out.rewards
         batch["env_rewards"] = rewards
         batch.update(agent_columns(outputs))
+    if any(out.experts is not None for out in outputs):
+        batch[ROUTED_EXPERTS] = _routed_experts(masks, outputs, response_length)
     if any(out.versions is not None for out in outputs):  # partial rollouts: each token's policy version (-1: none)
         versions = np.full((rows, response_length), -1, np.int32)
         for i, out in enumerate(outputs):
@@ -153,7 +171,7 @@ def trim_padding(
     prompt_width, width = widths or trimmed_widths(batch, response_length)
     out = {}
     for key, value in batch.items():
-        if key in SEQUENCE_KEYS:
+        if key in SEQUENCE_KEYS or key == ROUTED_EXPERTS:
             out[key] = value[:, split - prompt_width : split + width]
         elif key == "prompts":
             out[key] = value[:, split - prompt_width :]
