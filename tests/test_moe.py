@@ -12,6 +12,7 @@ from support.checkpoints import left_padded_batch, relative_error, save_hf_model
 from support.devices import needs_devices
 from support.rl_setup import TINY, build_run_inputs, rl_config
 from support.tiny_models import compiled_forward
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from hfjax.config.rl import load_rl_config
 from hfjax.config.roles import ActorConfig
@@ -22,7 +23,9 @@ from hfjax.models.lora import LoraConfig, LoraParam, add_lora, lora_parameter_co
 from hfjax.models.moe import (
     SparseMoE,
     buffer_slots,
+    collect_router_stats,
     record_routes,
+    router_summary,
     set_expert_capacity,
     stacked_routes,
     top_k_routing,
@@ -126,15 +129,17 @@ def test_expert_parallel_layout_equals_one_device(tmp_path, mesh):
     assert not [line for line in gathers if any(s in line.split("=")[1].split("all-gather")[0] for s in stacked)]
 
 
-def _dispatch_reference(x, weights, experts, num_experts, capacity, expert_fn):
-    """Per row: slots taken first choices before second choices, each in token order; a choice finding its
-    expert full adds nothing."""
+def _dispatch_reference(x, weights, experts, num_experts, capacity, expert_fn, valid):
+    """Per row: slots taken first choices before second choices, each in token order, by real tokens only (a
+    padding token adds nothing); a choice finding its expert full adds nothing."""
     out = np.zeros_like(x)
     dropped = np.zeros(x.shape[0], np.int64)
     for row in range(x.shape[0]):
         used = [0] * num_experts
         for choice in range(experts.shape[-1]):
             for token in range(x.shape[1]):
+                if not valid[row, token]:
+                    continue
                 e = int(experts[row, token, choice])
                 if used[e] == capacity:
                     dropped[row] += 1
@@ -145,12 +150,15 @@ def _dispatch_reference(x, weights, experts, num_experts, capacity, expert_fn):
 
 
 @pytest.mark.parametrize("factor", [None, 1.0, 0.5])
-def test_capacity_drops_late_choices_as_the_reference_does(factor):
+@pytest.mark.parametrize("padded", [False, True])
+def test_capacity_drops_late_choices_as_the_reference_does(factor, padded):
+    """Also with left padding, which takes no slot (else a padded row's padding would crowd out its tokens)."""
     cfg, _ = config_from_hf({**ONE_LAYER, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8})
     layer = SparseMoE(cfg, jnp.float32, jnp.float32, nnx.Rngs(0), std=0.5)
     set_expert_capacity(layer, factor)
     x = jax.random.normal(jax.random.key(1), (3, 10, 16))
-    routed = layer.route(x)
+    valid = np.arange(10)[None, :] >= np.array([[0], [4], [7]]) if padded else np.ones((3, 10), bool)
+    routed = layer.route(x, valid=jnp.asarray(valid) if padded else None)
     got = np.asarray(layer.apply_experts(x, routed))
     gate, up, down = (np.asarray(k[...], np.float64) for k in (layer.gate_kernel, layer.up_kernel, layer.down_kernel))
 
@@ -161,14 +169,16 @@ def test_capacity_drops_late_choices_as_the_reference_does(factor):
     capacity = {None: 10, 1.0: 5, 0.5: 3}[factor]  # ceil(factor * 10 * 2 / 4)
     assert routed.capacity == capacity
     want, dropped = _dispatch_reference(
-        np.asarray(x, np.float64), np.asarray(routed.weights), np.asarray(routed.experts), 4, capacity, expert_fn
+        np.asarray(x, np.float64), np.asarray(routed.weights), np.asarray(routed.experts), 4, capacity, expert_fn, valid
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(routed.dropped), dropped)
+    np.testing.assert_array_equal(np.asarray(routed.dropped).sum(-1), dropped)
     if factor is None:
         assert dropped.sum() == 0
-    if factor == 0.5:  # 20 choices per row, 4 x 3 slots
+    if factor == 0.5 and not padded:  # 20 choices per row, 4 x 3 slots
         assert (dropped >= 8).all()
+    if factor == 0.5 and padded:  # the 6 choices of the 3-token row all fit
+        assert dropped[2] == 0 and dropped[0] >= 8
 
 
 def test_routing_is_the_top_k_of_the_softmax():
@@ -236,15 +246,12 @@ def test_a_role_capacity_factor_reaches_its_passes_and_generation_stays_dropless
 
 
 def _routed_forward(model, ids, mask, replay=None):
-    """(logits, the experts every mixture-of-experts layer chose [rows, length, moe layers, k], or None under
-    remat: a checkpointed layer cannot hand its routes out) of one jitted forward, replaying `replay` when given."""
+    """(logits, the experts every mixture-of-experts layer chose [rows, length, moe layers, k]) of one jitted
+    forward, replaying `replay` when given."""
     graphdef, state = nnx.split(model)
-    record = model.model.remat == "none"
 
     def forward(state, replay):
         net = nnx.merge(graphdef, state)
-        if not record:
-            return net.logits(net.model(ids, mask, None, replay)), None
         with record_routes() as tape:
             hidden = net.model(ids, mask, None, replay)
         return net.logits(hidden), stacked_routes(tape)
@@ -253,10 +260,10 @@ def _routed_forward(model, ids, mask, replay=None):
 
 
 def test_replayed_routes_are_the_recorded_ones_and_the_router_still_learns(tmp_path):
-    """A forward replaying its own recorded routes is the same forward (replayed under remat, recorded without: a
-    checkpointed layer cannot hand its routes out); after the router moves (a perturbed router, as training moves
-    it), the free forward routes some tokens elsewhere, while the replaying one routes every token as recorded, and
-    its loss still has a gradient on the router."""
+    """A forward replaying its own recorded routes is the same forward (recorded without remat, replayed and
+    recorded again under remat: the checkpointed layers hand their routes out); after the router moves (a
+    perturbed router, as training moves it), the free forward routes some tokens elsewhere, while the replaying one
+    routes every token as recorded, and its loss still has a gradient on the router."""
     remat = "full"
     _, path = save_hf_model(tmp_path, "qwen3_moe", mlp_only_layers=[], num_hidden_layers=2)
     model = load_hf(path)
@@ -264,8 +271,9 @@ def test_replayed_routes_are_the_recorded_ones_and_the_router_still_learns(tmp_p
     logits, routes = _routed_forward(model, ids, mask)
     assert routes.shape == (4, 12, 2, 2) and routes.dtype == jnp.int16
     set_remat(model, remat)
-    replayed, _ = _routed_forward(model, ids, mask, routes)
+    replayed, remat_routes = _routed_forward(model, ids, mask, routes)
     np.testing.assert_array_equal(np.asarray(replayed), np.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(remat_routes), np.asarray(routes))
     unrecorded, _ = _routed_forward(model, ids, mask, jnp.full_like(routes, -1))  # -1: a token routes itself
     np.testing.assert_array_equal(np.asarray(unrecorded), np.asarray(logits))
     for layer in model.model.layers:  # the router moves
@@ -290,6 +298,70 @@ def test_replayed_routes_are_the_recorded_ones_and_the_router_still_learns(tmp_p
     grads = jax.jit(jax.grad(loss))(params)
     for layer in range(2):
         assert np.abs(np.asarray(grads["model"]["layers"][layer]["mlp"]["router_kernel"][...])).sum() > 0
+
+
+def _router_summary(model, ids, mask):
+    """(`router_summary` of one jitted forward, the gradient of its `aux_loss` on the parameters)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def summary(params):
+        net = nnx.merge(graphdef, params, rest)
+        with collect_router_stats() as stats:
+            net.model(ids, mask)
+        figures = router_summary(stats, net.config.experts_per_token)
+        return figures["aux_loss"], figures
+
+    (_, figures), grads = jax.jit(jax.value_and_grad(summary, has_aux=True))(params)
+    return figures, grads
+
+
+def test_router_figures_and_balancing_loss_match_transformers(tmp_path):
+    """The load-balancing loss equals transformers' `load_balancing_loss_func` over its own router logits (left
+    padding masked out); entropy and the busiest and idlest experts' loads equal numpy's from those logits; under
+    remat the figures and the loss's gradient are the same (the checkpointed layers hand their statistics out)."""
+    reference, path = save_hf_model(tmp_path, "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    ids, mask, positions = left_padded_batch(97, LENGTHS, seed=2)
+    with torch.no_grad():
+        out = reference(
+            input_ids=torch.as_tensor(ids, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask),
+            position_ids=torch.as_tensor(positions, dtype=torch.long),
+            output_router_logits=True,
+        )
+    assert len(out.router_logits) == 2  # layer 1 is dense
+    want_aux = float(load_balancing_loss_func(out.router_logits, 8, 2, torch.as_tensor(mask)))
+    valid = mask.reshape(-1).astype(bool)
+    entropies, peaks, lows = [], [], []
+    for layer_logits in out.router_logits:
+        logits = layer_logits.double().numpy()[valid]
+        logp = (
+            logits
+            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True)
+        )
+        entropies.append(-(np.exp(logp) * logp).sum(-1))
+        top2 = np.argsort(-logits, axis=-1)[:, :2]
+        share = np.bincount(top2.reshape(-1), minlength=8) / top2.size * 8
+        peaks.append(share.max())
+        lows.append(share.min())
+    model = load_hf(path)
+    figures, grads = _router_summary(model, ids, mask)
+    assert abs(float(figures["aux_loss"]) - want_aux) <= 1e-5 * want_aux
+    np.testing.assert_allclose(float(figures["entropy"]), np.concatenate(entropies).mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(figures["max_load"]), np.mean(peaks), rtol=1e-6)
+    np.testing.assert_allclose(float(figures["min_load"]), np.mean(lows), rtol=1e-6)
+    assert float(figures["dropped"]) == 0.0
+    set_remat(model, "full")
+    remat_figures, remat_grads = _router_summary(model, ids, mask)
+    for key, value in figures.items():
+        np.testing.assert_allclose(float(remat_figures[key]), float(value), rtol=1e-6, err_msg=key)
+    router = grads["model"]["layers"][0]["mlp"]["router_kernel"][...]
+    assert np.abs(np.asarray(router)).sum() > 0
+    for (key, got), (_, want) in zip(nnx.to_flat_state(remat_grads), nnx.to_flat_state(grads), strict=True):
+        if not np.any(want[...]):  # the LM head and last norm are not in the loss
+            assert not np.any(got[...]), key
+            continue
+        assert relative_error(got[...], want[...]) <= 1e-5, key
 
 
 def test_the_engine_records_each_tokens_routes_where_a_full_forward_routes_it(tmp_path):
@@ -372,14 +444,20 @@ def _moe_run_inputs(root):
 
 def test_a_grpo_run_replays_its_rollouts_routes(tmp_path):
     """A GRPO step of a mixture-of-experts policy with `actor.router_replay` (trimmed micro-batches, the KL loss
-    against a reference that routes itself), and the settings it refuses."""
+    against a reference that routes itself) and the load-balancing loss, its router metrics, and the settings it
+    refuses."""
     inputs = _moe_run_inputs(tmp_path)
-    cfg = rl_config(inputs, tmp_path / "run", "grpo", actor={"router_replay": True}, trainer={"total_steps": 1})
+    actor = {"router_replay": True, "router_aux_loss_coef": 0.01}
+    cfg = rl_config(inputs, tmp_path / "run", "grpo", actor=actor, trainer={"total_steps": 1})
     history = run_rl(load_rl_config(cfg))  # 8 rows, mini-batches of 4: the old log probs are a pass of their own
     assert len(history) == 1
     for step in history:  # float32: the training pass replays the rollout's routes and matches its log probs
         assert step["rollout_corr/log_prob_abs_diff_max"] < 1e-4
         assert np.isfinite(step["actor/pg_loss"])
+        # the busiest expert has at least, the idlest at most, the mean share; 8 experts; no capacity: none dropped
+        assert step["actor/router_max_load"] >= 1 - 1e-5 >= step["actor/router_min_load"] - 2e-5 >= 0
+        assert 0 < step["actor/router_entropy"] <= np.log(8) + 1e-5
+        assert step["actor/router_dropped"] == 0 and step["actor/router_aux_loss"] > 0
     for section, value, name in (
         ("actor", {"packed_row_tokens": 64}, "actor.packed_row_tokens"),
         ("async", {"max_staleness": 1, "partial_rollout": True}, "async.partial_rollout"),
@@ -390,4 +468,7 @@ def test_a_grpo_run_replays_its_rollouts_routes(tmp_path):
             load_rl_config(bad)
     dense = rl_config(build_run_inputs(tmp_path / "dense"), tmp_path / "d", "grpo", actor={"router_replay": True})
     with pytest.raises(ValueError, match=r"actor.router_replay: .* has no mixture-of-experts layers to replay"):
+        run_rl(load_rl_config(dense))
+    dense["actor"] = {**dense["actor"], "router_replay": False, "router_aux_loss_coef": 0.01}
+    with pytest.raises(ValueError, match=r"actor.router_aux_loss_coef: .* has no mixture-of-experts router"):
         run_rl(load_rl_config(dense))

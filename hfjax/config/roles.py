@@ -227,6 +227,10 @@ class ActorConfig:
     # policy's own router probabilities, so the router still learns to weigh them), removing the routing mismatch
     # between generation and training. The reference routes itself.
     router_replay: bool = False
+    # Mixture-of-experts policies: the update adds this times transformers' load-balancing loss (Switch
+    # Transformer's: experts x sum over experts of the share of choices times the mean router probability, over
+    # every layer's real tokens) to the policy loss; 0 leaves it out (the router metrics are reported either way).
+    router_aux_loss_coef: float = 0.0
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     # Low-rank adapters (rank > 0): the base is frozen and stored in `dtype` (param_dtype applies to nothing then),
     # float32 adapters and their optimizer state are trained, checkpoints hold the adapters, and the reference policy
@@ -249,6 +253,7 @@ class ActorConfig:
             entropy_coeff=NON_NEGATIVE,
             kl_loss_coef=NON_NEGATIVE,
             expert_capacity_factor=POSITIVE_OR_NULL,
+            router_aux_loss_coef=NON_NEGATIVE,
         )
         warn_low_precision_master("actor", self.param_dtype)
 

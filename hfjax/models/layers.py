@@ -223,22 +223,29 @@ class DecoderLayer(nnx.Module):
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             return causal_attention(q, k, v, valid=segments, mask=mask, window=self.window, softcap=self.softcap)
 
-        return self.block(x, cos, sin, attend, expert_choices)
+        return self.block(x, cos, sin, attend, expert_choices, segments > 0)
 
     def block(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: Attend, expert_choices: jax.Array | None = None
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        attend: Attend,
+        expert_choices: jax.Array | None = None,
+        valid: jax.Array | None = None,
     ) -> jax.Array:
         """The residual block with the attention step given as `attend(q, k, v) -> attended` (a full forward
-        attends over k, v; generation writes them to its KV cache first and attends over the cache)."""
+        attends over k, v; generation writes them to its KV cache first and attends over the cache); `valid`
+        [b, t] marks the real tokens for a mixture of experts' router statistics."""
         attn = self.self_attn
         q, k, v = attn.project_qkv(self.input_layernorm(x), cos, sin)
         attended = attn.project_out(attend(q, k, v))
         if self.pre_feedforward_layernorm is None:
             x = constrain(x + attended, RESIDUAL)
-            return constrain(x + self._mlp(self.post_attention_layernorm(x), expert_choices), RESIDUAL)
+            return constrain(x + self._mlp(self.post_attention_layernorm(x), expert_choices, valid), RESIDUAL)
         x = constrain(x + self.post_attention_layernorm(attended), RESIDUAL)
-        mlp = self._mlp(self.pre_feedforward_layernorm(x), expert_choices)
+        mlp = self._mlp(self.pre_feedforward_layernorm(x), expert_choices, valid)
         return constrain(x + self.post_feedforward_layernorm(mlp), RESIDUAL)
 
-    def _mlp(self, x: jax.Array, expert_choices: jax.Array | None) -> jax.Array:
-        return self.mlp(x, expert_choices) if isinstance(self.mlp, SparseMoE) else self.mlp(x)
+    def _mlp(self, x: jax.Array, expert_choices: jax.Array | None, valid: jax.Array | None) -> jax.Array:
+        return self.mlp(x, expert_choices, valid) if isinstance(self.mlp, SparseMoE) else self.mlp(x)

@@ -17,6 +17,11 @@ chose for each token, -1 where it chose none) routes each recorded token to exac
 forward's own router probabilities of them (renormalised as usual), so the router still learns how to weigh the
 chosen experts but not which to choose; unrecorded tokens route themselves. `record_routes()` collects the experts
 every layer chose while a forward is traced (the engine's prefill and decode steps).
+
+Router statistics: `collect_router_stats()` collects each layer's sums over the real tokens of a forward (choices
+per expert, router probabilities per expert, router entropy, dropped choices), from which `router_summary` gives
+transformers' load-balancing loss (`load_balancing_loss_func`) and the router metrics. Both tapes are filled at
+trace time; `checkpointed` carries them out of a layer under `jax.checkpoint` as outputs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,45 +47,136 @@ from hfjax.models.program import constrain
 class RoutedTokens:
     """The routing of a batch [rows, length]: each token's chosen `experts` [rows, length, k] (int32) and their
     float32 `weights` [rows, length, k]; `slots` [rows, length * k], each choice's slot in its row's buffers of
-    `num_experts * capacity` slots (expert * capacity + position, or `num_experts * capacity` when dropped), choices
-    k-major."""
+    `num_experts * capacity` slots (expert * capacity + position, or `num_experts * capacity` when dropped or of
+    padding), choices k-major; `valid` [rows, length]: the real tokens (None: all)."""
 
     experts: jax.Array
     weights: jax.Array
     slots: jax.Array
     num_experts: int
     capacity: int
+    valid: jax.Array | None = None
 
     @property
     def dropped(self) -> jax.Array:
-        """Choices past their expert's capacity, per row [rows] (int32)."""
-        return jnp.sum(self.slots == self.num_experts * self.capacity, axis=-1, dtype=jnp.int32)
+        """Real tokens' choices past their expert's capacity, per row and token [rows, length] (int32)."""
+        rows, length, k = self.experts.shape
+        unplaced = jnp.sum(self.slots.reshape(rows, k, length) == self.num_experts * self.capacity, axis=1)
+        return unplaced if self.valid is None else unplaced * self.valid
 
 
-_RECORDING: contextvars.ContextVar[dict[int, jax.Array] | None] = contextvars.ContextVar("hfjax_routes", default=None)
 ROUTE_DTYPE = jnp.int16  # recorded expert ids: -1 (none) to 32767
+RouterStats = dict[str, jax.Array]  # one layer's sums: tokens, load [experts], probs [experts], entropy, dropped
+
+
+@dataclasses.dataclass
+class RouterTape:
+    """What the mixture-of-experts layers traced inside a `record_routes` or `collect_router_stats` block write,
+    by moe layer index: the experts [rows, length, k] each token was routed to, and the layer's `RouterStats`."""
+
+    routes: dict[int, jax.Array] | None = None
+    stats: dict[int, RouterStats] | None = None
+
+    def contents(self) -> tuple[dict[int, jax.Array] | None, dict[int, RouterStats] | None]:
+        return self.routes, self.stats
+
+    def add(self, contents: tuple[dict[int, jax.Array] | None, dict[int, RouterStats] | None]) -> None:
+        for mine, theirs in zip(self.contents(), contents, strict=True):
+            if mine is not None:
+                mine.update(theirs)
+
+
+_TAPE: contextvars.ContextVar[RouterTape | None] = contextvars.ContextVar("hfjax_router_tape", default=None)
+
+
+@contextlib.contextmanager
+def _taping(tape: RouterTape) -> Iterator[RouterTape]:
+    token = _TAPE.set(tape)
+    try:
+        yield tape
+    finally:
+        _TAPE.reset(token)
 
 
 @contextlib.contextmanager
 def record_routes() -> Iterator[dict[int, jax.Array]]:
     """A dict that the mixture-of-experts layers traced inside the block fill: moe layer index -> the experts
     [rows, length, k] each token was routed to (read at trace time, like `hfjax.models.lora.adapters_off`)."""
-    tape: dict[int, jax.Array] = {}
-    token = _RECORDING.set(tape)
-    try:
-        yield tape
-    finally:
-        _RECORDING.reset(token)
+    outer = _TAPE.get() or RouterTape()
+    with _taping(dataclasses.replace(outer, routes={})) as tape:
+        yield tape.routes
 
 
-def recording_routes() -> bool:
-    """Whether a `record_routes` block is being traced."""
-    return _RECORDING.get() is not None
+@contextlib.contextmanager
+def collect_router_stats() -> Iterator[dict[int, RouterStats]]:
+    """A dict that the mixture-of-experts layers traced inside the block fill: moe layer index -> its
+    `RouterStats` over the forward's real tokens (`router_summary` reads it). Empty for a dense model."""
+    outer = _TAPE.get() or RouterTape()
+    with _taping(dataclasses.replace(outer, stats={})) as tape:
+        yield tape.stats
+
+
+def checkpointed(fn: Callable[..., jax.Array], policy: Callable[..., bool]) -> Callable[..., jax.Array]:
+    """`jax.checkpoint(fn, policy=policy)` that also carries what `fn`'s mixture-of-experts layers write to the
+    active tape out of the checkpoint, as outputs (a tape filled inside would hold the checkpoint's own tracers)."""
+    outer = _TAPE.get()
+    if outer is None:
+        return jax.checkpoint(fn, policy=policy)
+
+    def taped(*args: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        inner = RouterTape(*({} if part is not None else None for part in outer.contents()))
+        with _taping(inner):
+            return fn(*args), inner.contents()
+
+    def call(*args: Any) -> jax.Array:
+        out, contents = jax.checkpoint(taped, policy=policy)(*args)
+        outer.add(contents)
+        return out
+
+    return call
 
 
 def stacked_routes(tape: dict[int, jax.Array]) -> jax.Array:
     """The recorded routes as one array [rows, length, moe layers, k] of `ROUTE_DTYPE`, layers in order."""
     return jnp.stack([tape[i] for i in sorted(tape)], axis=2).astype(ROUTE_DTYPE)
+
+
+def router_stats(logits: jax.Array, routed: RoutedTokens, valid: jax.Array | None) -> RouterStats:
+    """One layer's sums over the tokens where `valid` [rows, length] (all when None) from its router `logits`
+    [rows, length, experts] and routing: `tokens`, `load` (choices per expert), `probs` (router probabilities per
+    expert), `entropy` (of the router's distribution) and `dropped` (choices past capacity), float32."""
+    weight = jnp.ones(routed.experts.shape[:2], jnp.float32) if valid is None else valid.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    probs = jnp.exp(logp)
+    per_choice = jnp.broadcast_to(weight[..., None], routed.experts.shape)
+    return {
+        "tokens": jnp.sum(weight),
+        "load": jnp.zeros(routed.num_experts, jnp.float32).at[routed.experts.reshape(-1)].add(per_choice.reshape(-1)),
+        "probs": jnp.einsum("rte,rt->e", probs, weight),
+        "entropy": -jnp.sum(jnp.sum(probs * logp, axis=-1) * weight),
+        "dropped": jnp.sum(routed.dropped * weight),
+    }
+
+
+def router_summary(stats: dict[int, RouterStats], k: int) -> dict[str, jax.Array]:
+    """The router's figures from the layers' `RouterStats`: `aux_loss`, transformers' load-balancing loss
+    (experts x sum over experts of the share of choices times the mean router probability, both over every layer's
+    real tokens; differentiable through the probabilities only); `max_load` and `min_load`, the busiest and idlest
+    expert's share of a layer's choices times the number of experts (1 when balanced), averaged over layers;
+    `entropy`, the router's mean entropy per token (nats); `dropped`, the share of choices past capacity."""
+    layers = [stats[i] for i in sorted(stats)]
+    tokens = jnp.maximum(sum(layer["tokens"] for layer in layers), 1.0)
+    experts = layers[0]["load"].shape[0]
+    load = jax.lax.stop_gradient(sum(layer["load"] for layer in layers)) / tokens
+    probs = sum(layer["probs"] for layer in layers) / tokens
+    shares = [layer["load"] * experts / (k * jnp.maximum(layer["tokens"], 1.0)) for layer in layers]
+    return {
+        "aux_loss": experts * jnp.sum(load * probs),
+        "max_load": sum(jnp.max(share) for share in shares) / len(layers),
+        "min_load": sum(jnp.min(share) for share in shares) / len(layers),
+        "entropy": sum(layer["entropy"] for layer in layers) / tokens,
+        "dropped": sum(layer["dropped"] for layer in layers) / (k * tokens),
+    }
 
 
 def expert_capacity(length: int, k: int, num_experts: int, factor: float | None) -> int:
@@ -108,14 +205,16 @@ def top_k_routing(
     return weights, experts
 
 
-def buffer_slots(experts: jax.Array, num_experts: int, capacity: int) -> jax.Array:
+def buffer_slots(experts: jax.Array, num_experts: int, capacity: int, valid: jax.Array | None = None) -> jax.Array:
     """Each choice's slot [rows, length * k] in its row's buffers of `num_experts * capacity` slots, choices
-    k-major (every token's first choice before any second choice), the dropped ones at `num_experts * capacity`."""
+    k-major (every token's first choice before any second choice), the dropped ones, and those of tokens not
+    `valid` [rows, length] (padding takes no slot), at `num_experts * capacity`."""
     rows, length, k = experts.shape
     choices = jnp.swapaxes(experts, 1, 2).reshape(rows, k * length)
-    onehot = jax.nn.one_hot(choices, num_experts, dtype=jnp.int32)
+    placed = jnp.ones(choices.shape, bool) if valid is None else jnp.tile(valid.astype(bool), (1, k))
+    onehot = jax.nn.one_hot(choices, num_experts, dtype=jnp.int32) * placed[..., None]
     position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
-    return jnp.where(position < capacity, choices * capacity + position, num_experts * capacity)
+    return jnp.where(placed & (position < capacity), choices * capacity + position, num_experts * capacity)
 
 
 class SparseMoE(nnx.Module):
@@ -148,21 +247,28 @@ class SparseMoE(nnx.Module):
     def num_experts(self) -> int:
         return self.router_kernel.shape[0]
 
-    def route(self, x: jax.Array, replay: jax.Array | None = None) -> RoutedTokens:
-        """The routing of hidden states x [rows, length, embed] (`replay` [rows, length, k]: `top_k_routing`)."""
+    def route(self, x: jax.Array, replay: jax.Array | None = None, valid: jax.Array | None = None) -> RoutedTokens:
+        """The routing of hidden states x [rows, length, embed] (`replay` [rows, length, k]: `top_k_routing`),
+        written to the active tape (`valid` [rows, length]: the real tokens its statistics count)."""
         logits = constrain(dense(x, self.router_kernel[...].astype(self.dtype)), ("batch", "length", None))
         weights, experts = top_k_routing(logits, self.experts_per_token, self.norm_topk_prob, replay)
-        tape = _RECORDING.get()
-        if tape is not None:
-            tape[self.moe_index] = experts
         capacity = expert_capacity(x.shape[1], self.experts_per_token, self.num_experts, self.capacity_factor)
-        slots = buffer_slots(experts, self.num_experts, capacity)
-        return RoutedTokens(experts, weights, slots, self.num_experts, capacity)
+        slots = buffer_slots(experts, self.num_experts, capacity, valid)
+        routed = RoutedTokens(experts, weights, slots, self.num_experts, capacity, valid)
+        tape = _TAPE.get()
+        if tape is not None and tape.routes is not None:
+            tape.routes[self.moe_index] = experts
+        if tape is not None and tape.stats is not None:
+            tape.stats[self.moe_index] = router_stats(logits, routed, valid)
+        return routed
 
-    def __call__(self, x: jax.Array, expert_choices: jax.Array | None = None) -> jax.Array:
-        """The layer over x [rows, length, embed]; `expert_choices` [rows, length, moe layers, k] replays routes."""
+    def __call__(
+        self, x: jax.Array, expert_choices: jax.Array | None = None, valid: jax.Array | None = None
+    ) -> jax.Array:
+        """The layer over x [rows, length, embed]; `expert_choices` [rows, length, moe layers, k] replays routes;
+        `valid` [rows, length] marks the real tokens (for the router statistics)."""
         replay = None if expert_choices is None else expert_choices[:, :, self.moe_index]
-        return self.apply_experts(x, self.route(x, replay))
+        return self.apply_experts(x, self.route(x, replay, valid))
 
     def apply_experts(self, x: jax.Array, routed: RoutedTokens) -> jax.Array:
         """The layer's output [rows, length, embed] for hidden states x routed by `routed`."""

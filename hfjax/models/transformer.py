@@ -20,7 +20,7 @@ from hfjax.models.config import MASKED_SCORE, ModelConfig, RopeConfig
 from hfjax.models.dense import dense
 from hfjax.models.layers import RESIDUAL, DecoderLayer, norm, rope_inv_freq, rope_tables
 from hfjax.models.lm_head import chunk_length, softcap_logits, token_logprobs
-from hfjax.models.moe import recording_routes
+from hfjax.models.moe import checkpointed
 from hfjax.models.primitives import logical_param, normal_init
 from hfjax.models.program import constrain, lookup_rows
 
@@ -72,17 +72,15 @@ def _layer_step(
 ) -> jax.Array:
     """One decoder layer over `tables` (cos, sin, mask, segments) and replayed expert `choices`, under
     `jax.checkpoint` with the `remat` policy unless it is `none` (the layer's state is split off so that the
-    checkpointed function is pure)."""
+    checkpointed function is pure; `hfjax.models.moe.checkpointed` carries the router tapes out)."""
     if remat == "none":
         return layer(x, *tables, choices)
-    if recording_routes():
-        raise ValueError(f"record_routes: remat {remat!r} runs each layer under jax.checkpoint, which keeps its routes")
     graphdef, state = nnx.split(layer)
 
     def pure(state: nnx.State, x: jax.Array, tables: tuple[jax.Array, ...], choices: jax.Array | None) -> jax.Array:
         return nnx.merge(graphdef, state)(x, *tables, choices)
 
-    return jax.checkpoint(pure, policy=REMAT_POLICIES[remat])(state, x, tables, choices)
+    return checkpointed(pure, REMAT_POLICIES[remat])(state, x, tables, choices)
 
 
 def set_remat(model: nnx.Module, remat: str) -> nnx.Module:

@@ -140,8 +140,11 @@ def check_rl_run(cfg: RLConfig) -> None:
         if section.enabled:
             checkpoints.append((f"reward.{name}.model_path", section.model_path, "seq_cls"))
     models = {key: model_config(path, key) for key, path, _ in checkpoints}
-    if cfg.actor.router_replay and not any(models[checkpoints[0][0]].moe_layers):
+    dense_actor = not any(models[checkpoints[0][0]].moe_layers)
+    if cfg.actor.router_replay and dense_actor:
         raise ConfigError(f"actor.router_replay: {cfg.actor.model_path} has no mixture-of-experts layers to replay")
+    if cfg.actor.router_aux_loss_coef and dense_actor:
+        raise ConfigError(f"actor.router_aux_loss_coef: {cfg.actor.model_path} has no mixture-of-experts router")
     for key, path, head in checkpoints:  # the model each role builds against the checkpoint's tensors
         check_weights(path, key, head)
     tokenizer = run_tokenizer(cfg.tokenizer_path)

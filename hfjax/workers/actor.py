@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -28,6 +29,7 @@ from hfjax.algos import (
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, register
 from hfjax.models.lora import LoraParam, adapters_off, merge_lora
+from hfjax.models.moe import collect_router_stats, router_summary
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
@@ -73,7 +75,8 @@ def actor_loss(
         "global_seqs": batch["global_seqs"][0],
         "norm_length": response_length,
     }
-    logp, entropies = response_logprobs(model, batch, temperature, with_entropy=True)
+    with collect_router_stats() as router:
+        logp, entropies = response_logprobs(model, batch, temperature, with_entropy=True)
     # Without old log probs they are the current policy's, i.e. this forward's until the update's single optimizer
     # step (`RLConfig.reuses_update_log_probs`), detached.
     old_log_probs = batch.get("old_log_probs", jax.lax.stop_gradient(logp))
@@ -116,6 +119,12 @@ def actor_loss(
         kl = agg_loss(kl_penalty(logp, batch["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **counts)
         loss = loss + cfg.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl
+    if router:  # a mixture of experts: this micro-batch's figures, weighted by its share of the response tokens
+        share = jnp.sum(mask) / jnp.maximum(counts["global_tokens"], 1.0)
+        figures = router_summary(router, model.config.experts_per_token)
+        metrics.update({f"actor/router_{name}": value * share for name, value in figures.items()})
+        if cfg.router_aux_loss_coef:
+            loss = loss + cfg.router_aux_loss_coef * figures["aux_loss"] * share
     return loss, metrics
 
 
