@@ -25,7 +25,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 GSM8K = sorted((CONFIGS / "gsm8k").glob("*.yaml"))
 
 
-SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b", "gemma-3-1b")
+SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b", "gemma-3-1b", "qwen3-30b-a3b")
 HARDWARE = {"tpu-v5e": "tpu-v5e", "tpu-v5p": "tpu-v5p", "gpu": "h100"}  # file name part -> built-in device profile
 
 

@@ -9,6 +9,7 @@ counts LoRA's memory."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -27,16 +28,20 @@ from support.tiny_models import TINY, compiled_forward, random_model
 
 from hfjax.compiled.programs import AbstractModel, actor_programs, actor_resident, bytes_per_device, measure
 from hfjax.config.rl import RLConfig, load_rl_config
+from hfjax.config.roles import ActorConfig
 from hfjax.models import load_hf, save_hf
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import (
     LORA_SITES,
+    LoraAdapter,
     LoraConfig,
     LoraParam,
+    adapter_dropout,
     adapters_off,
     add_lora,
     lora_parameter_count,
     merge_lora,
+    with_adapter,
 )
 from hfjax.models.peft_io import save_peft
 from hfjax.models.presets import named_config
@@ -133,6 +138,46 @@ def test_adapter_gradients_follow_the_chain_rule_through_the_merged_weight():
             np.testing.assert_allclose(got_b, want_b, rtol=1e-4, atol=1e-6 * np.abs(want_b).max(), err_msg=where)
 
 
+def test_adapter_dropout_is_unbiased_per_row_and_leaves_the_base_term_alone():
+    """Under `adapter_dropout`, an adapter's term sees its input with a share `dropout` of elements zeroed and the
+    rest scaled by 1 / (1 - dropout): over many rows of one input the mean term is the whole input's (within five
+    standard errors), about that share of elements is dropped, a row's term depends on its seed alone (not on the
+    rows beside it), the base term passes through, and outside the block the adapter sees the whole input."""
+    rows, width, out, rate = 4096, 12, 6, 0.25
+    kernel = nnx.Param(jnp.zeros((out, width)), logical_axes=("mlp", "embed"))
+    adapter = LoraAdapter(kernel, 1, RANK, ALPHA, jax.random.key(0), rate, site=3)
+    adapter.b[...] = jax.random.normal(jax.random.key(1), adapter.b.shape)
+    x = jnp.broadcast_to(jax.random.normal(jax.random.key(2), (width,)), (rows, width))
+    base = jnp.full((rows, out), 0.5)
+    whole = np.asarray(with_adapter(base, x, adapter, jnp.float32))
+    seeds = jnp.arange(rows, dtype=jnp.int32) * 7 + 1
+
+    @jax.jit
+    def dropped(seeds, x):
+        with adapter_dropout(seeds):
+            return with_adapter(base[: len(seeds)], x, adapter, jnp.float32)
+
+    got = np.asarray(dropped(seeds, x))
+    terms = got - 0.5
+    want = whole[0] - 0.5
+    stderr = terms.std(axis=0) / np.sqrt(rows)
+    assert (np.abs(terms.mean(axis=0) - want) <= 5 * stderr).all()
+    assert np.abs(terms - want).max() > 1e-2  # the masks change each row's term
+    # the mask itself, read off an adapter with A = I, B = I and scale 1 on a ones input
+    identity = LoraAdapter(nnx.Param(jnp.zeros((width, width)), logical_axes=("mlp", "embed")), 1, width, width,
+                           jax.random.key(0), rate, site=3)  # fmt: skip
+    identity.a[...], identity.b[...] = jnp.eye(width), jnp.eye(width)
+    with adapter_dropout(seeds):
+        mask = np.asarray(with_adapter(jnp.zeros((rows, width)), jnp.ones((rows, width)), identity, jnp.float32))
+    np.testing.assert_allclose(np.unique(mask), [0.0, 1 / (1 - rate)], rtol=1e-6)
+    share = (mask == 0).mean()
+    assert abs(share - rate) <= 5 * np.sqrt(rate * (1 - rate) / mask.size)
+    with adapter_dropout(seeds[5:6]):  # row 5 in a micro-batch of its own: the same mask
+        alone = np.asarray(with_adapter(jnp.zeros((1, width)), jnp.ones((1, width)), identity, jnp.float32))
+    np.testing.assert_array_equal(alone[0], mask[5])
+    np.testing.assert_array_equal(np.asarray(with_adapter(base, x, adapter, jnp.float32)), whole)
+
+
 def _at(state: nnx.State, path: tuple) -> jax.Array:
     node = state
     for key in path:
@@ -199,6 +244,8 @@ def test_trainstate_refuses_a_model_without_adapters_when_training_adapters():
         ({"rank": 4, "alpha": 0}, r"lora.alpha: expected > 0, got 0"),
         ({"rank": 4, "targets": ["qkv"]}, r"lora.targets: expected distinct names out of \['q_proj'"),
         ({"rank": 4, "targets": []}, r"lora.targets: expected distinct names"),
+        ({"rank": 4, "dropout": 1.0}, r"lora.dropout: expected a number in \[0, 1\), got 1.0"),
+        ({"rank": 4, "dropout": -0.1}, r"lora.dropout: expected a number in \[0, 1\), got -0.1"),
     ],
 )
 def test_lora_config_names_the_bad_field(fields, message):
@@ -206,14 +253,20 @@ def test_lora_config_names_the_bad_field(fields, message):
         LoraConfig(**fields)
 
 
+def test_adapter_dropout_is_refused_with_packed_rows():
+    with pytest.raises(ValueError, match=r"lora.dropout: not supported with packed_row_tokens yet"):
+        ActorConfig(lora=LoraConfig(rank=4, dropout=0.1), packed_row_tokens=64)
+
+
 def test_ppo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tmp_path):
     """Three PPO steps in-process, the actor with adapters on q and v, the critic with adapters on every projection:
     the KL to the reference is exactly 0 at step 1 (fresh adapters: the policy is its base) and grows after updates,
-    the value loss is finite, and `hfjax export` writes merged weights that transformers loads: q and v changed,
+    the value loss is finite (the actor's adapters with dropout, which a fresh adapter's zero B makes no difference
+    to at step 1), and `hfjax export` writes merged weights that transformers loads: q and v changed,
     every other tensor bit for bit the base's; `hfjax export --adapters` writes adapters that peft puts on the base to
     the merged model's logits."""
     inputs = build_run_inputs(tmp_path)
-    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"]}
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj"], "dropout": 0.1}
     actor = {"lora": lora, "optim": {"lr": 1e-2}, "ppo_mini_batch_size": 8}  # one update per step: at step 1 the
     # KL is measured before any update
     config = rl_config(inputs, tmp_path / "run", "ppo", actor=actor, critic={"lora": {"rank": 4}})
@@ -231,6 +284,7 @@ def test_ppo_with_lora_uses_the_base_as_reference_and_exports_merged_weights(tmp
         np.testing.assert_array_equal(exported[name], base[name], err_msg=name)
     merged = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert export_run(tmp_path / "run", None, tmp_path / "adapters", adapters=True) == 3
+    assert json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
     base_model = tf.AutoModelForCausalLM.from_pretrained(inputs["policy"], dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(base_model, tmp_path / "adapters").eval()
     ids = torch.as_tensor(np.random.default_rng(0).integers(3, 12, (2, 9)))
@@ -389,10 +443,22 @@ def test_a_lora_critic_trains_its_adapters_and_value_head(tmp_path):
     assert {path for path, _ in nnx.to_flat_state(worker.state.items()["params"])} == head | adapters
     rng = np.random.default_rng(0)
     batch = {**_sequences(rng), "values": np.zeros((4, 6), np.float32)}
-    worker.update_critic(DataProto.from_dict({**batch, "returns": rng.normal(size=(4, 6)).astype(np.float32)}))
+    returns = rng.normal(size=(4, 6)).astype(np.float32)
+    worker.update_critic(DataProto.from_dict({**batch, "returns": returns}))
     after = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(worker.state.params)}
     changed = {path for path in before if not np.array_equal(before[path], after[path])}
     assert changed == head | {p for p in adapters if p[-1] == "b"}  # (A moves from the second step: B starts at 0)
+    # with adapter dropout the same update moves B elsewhere (its gradient sees the dropped inputs)
+    critic["lora"] = {"rank": 4, "dropout": 0.5}
+    dropping = CriticWorker(load_rl_config(rl_config(inputs, tmp_path / "run2", "ppo", critic=critic)).critic)
+    dropping.init_model()
+    for path, value in nnx.to_flat_state(dropping.state.params):  # the same start: only the dropout differs
+        np.testing.assert_array_equal(np.asarray(value[...]), before[path], err_msg=str(path))
+    dropping.update_critic(DataProto.from_dict({**batch, "returns": returns}))
+    moved = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(dropping.state.params)}
+    for path in adapters:
+        if path[-1] == "b":
+            assert np.abs(moved[path] - after[path]).max() > 1e-6, path
 
 
 def test_a_weight_sync_of_a_lora_policy_sends_the_adapters_alone(tmp_path):

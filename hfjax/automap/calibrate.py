@@ -83,7 +83,7 @@ def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
 def predict(cluster: ClusterSpec, m: Measurement) -> dict[str, float] | None:
     """The stage seconds the cost model predicts for `m` on `cluster`, or None where it cannot price it."""
     actor = m.mapping.layouts["actor"]
-    model = CostModel(cluster, m.flow, run_workload(m.config, actor.data * actor.fsdp), run_cost_options(m.config))
+    model = CostModel(cluster, m.flow, run_workload(m.config, actor.batch_parts), run_cost_options(m.config))
     try:
         return model.predict(m.shapes, m.mapping).stage_seconds
     except InfeasibleError:

@@ -42,6 +42,7 @@ from typing import Any
 
 from hfjax.automap.cluster import GIB, ClusterSpec
 from hfjax.automap.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
+from hfjax.models.config import ModelConfig
 from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.models.lora import LoraConfig, lora_parameter_count
 from hfjax.parallel.layout import Layout
@@ -54,22 +55,29 @@ ROLLOUT = "rollout"  # the group of a disaggregated placement that only generate
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Sizes:
-    """Mesh sizes of one layout: data x fsdp x tensor devices."""
+    """Mesh sizes of one layout: data x fsdp x expert x tensor devices (the searches keep `expert` at 1)."""
 
     data: int
     fsdp: int
     tensor: int
+    expert: int = 1
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.expert * self.tensor
+
+    @property
+    def batch_parts(self) -> int:
+        """The parts the batch splits into: every rule preset spreads rows over data, fsdp and expert."""
+        return self.data * self.fsdp * self.expert
 
     def config(self, rules: str) -> dict[str, Any]:
-        """The layout config `Layout.from_config` accepts (all three axes, tensor innermost)."""
-        return {"mesh": {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}, "rules": rules}
+        """The layout config `Layout.from_config` accepts (tensor innermost; `expert` where it is above 1)."""
+        mesh = {"data": self.data, "fsdp": self.fsdp, **({"expert": self.expert} if self.expert > 1 else {})}
+        return {"mesh": {**mesh, "tensor": self.tensor}, "rules": rules}
 
     def describe(self) -> str:
-        return f"d{self.data}.f{self.fsdp}.t{self.tensor}"
+        return f"d{self.data}.f{self.fsdp}{f'.e{self.expert}' if self.expert > 1 else ''}.t{self.tensor}"
 
 
 @functools.lru_cache(maxsize=8192)
@@ -82,7 +90,17 @@ def gen_sizes(devices: int, tensor: int) -> Sizes:
     return Sizes(devices // tensor, 1, tensor)
 
 
-def layer_activation_bytes(width: int, mlp_width: int, tensor: int) -> float:
+def mlp_width(cfg: ModelConfig, capacity_factor: float | None) -> float:
+    """The MLP width one token's activations span: the dense MLP's, or, in a mixture of experts, the expert width
+    times the buffer slots per token (every expert's without a capacity factor, `factor x k` with one; the most of
+    any layer)."""
+    if not any(cfg.moe_layers):
+        return cfg.intermediate_size
+    slots = cfg.num_experts if capacity_factor is None else capacity_factor * cfg.experts_per_token
+    return max(cfg.intermediate_size * (not all(cfg.moe_layers)), slots * cfg.expert_intermediate_size)
+
+
+def layer_activation_bytes(width: int, mlp_width: float, tensor: int) -> float:
     """Bytes per token that one decoder layer keeps for its backward (bf16 compute): the two norms' inputs and their
     float32 copies (12 d), the residual (2 d), and split over `tensor`: normed input, q/k/v, rotated q/k and the
     attention output (10 d), and the MLP's gate, up, activation and product (8 m)."""
@@ -105,6 +123,9 @@ class CostOptions:
     # the actor's LoRA adapters (`actor.lora`; None: full fine-tuning): the base in `param_bytes`, float32 adapters
     # with their gradients and optimizer state, and no reference copy (the base serves)
     actor_lora: LoraConfig | None = None
+    # a mixture of experts' capacity factor in the training and log-prob passes (`actor.expert_capacity_factor`;
+    # None: no token dropped, every expert's buffer spans the row); generation never drops a token
+    expert_capacity_factor: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +225,7 @@ class CostModel:
 
     def _passes(self, seqs: int, sizes: Sizes) -> tuple[int, int]:
         """(micro-batches, sequences per micro-batch) one data-parallel rank runs for `seqs` sequences."""
-        local = math.ceil(seqs / (sizes.data * sizes.fsdp))
+        local = math.ceil(seqs / sizes.batch_parts)
         micro = math.ceil(local / self.workload.micro_batch_seqs)
         return micro, math.ceil(local / micro)
 
@@ -212,7 +233,8 @@ class CostModel:
         cfg, opt = shape.config, self.options
         _, m = self._passes(seqs, sizes)
         tokens = m * self.workload.seq_len
-        layer = tokens * layer_activation_bytes(cfg.hidden_size, cfg.intermediate_size, sizes.tensor)
+        width = mlp_width(cfg, opt.expert_capacity_factor)
+        layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor)
         # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits)
         chunk = min(m * self.workload.response_len, LOGITS_CHUNK_TOKENS)
         logits = chunk * cfg.padded_vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
@@ -279,9 +301,9 @@ class CostModel:
         t, L, d = gen.tensor, cfg.num_layers, cfg.hidden_size
         kv_token = shape.kv_elements_per_token() * opt.param_bytes / t
         kv_seq = kv_token * w.seq_len
-        batch = math.ceil(self.sequences("generation") / gen.data)
+        batch = math.ceil(self.sequences("generation") / gen.batch_parts)
         if w.kv_slots is not None:  # the engine allocates every slot's cache whatever the batch
-            slots = math.ceil(w.kv_slots / gen.data)
+            slots = math.ceil(w.kv_slots / gen.batch_parts)
             cache = slots * kv_seq
             prefill_peak = self.prefill_bytes(shape, gen, cache)
             if kv_budget is not None and cache + prefill_peak > kv_budget:
@@ -332,9 +354,10 @@ class CostModel:
         while the prompts' keys and values are written into it, their keys and values, and one layer's activations
         over the prompts (the generator prefills at most the largest power of two of `kv_slots` rows at once)."""
         w, cfg, opt = self.workload, shape.config, self.options
-        rows = math.ceil((1 << (w.kv_slots.bit_length() - 1)) / gen.data)
+        rows = math.ceil((1 << (w.kv_slots.bit_length() - 1)) / gen.batch_parts)
         kv_token = shape.kv_elements_per_token() * opt.param_bytes / gen.tensor
-        layer = layer_activation_bytes(cfg.hidden_size, cfg.intermediate_size, gen.tensor) * opt.param_bytes / 2
+        width = mlp_width(cfg, None)  # generation drops no token
+        layer = layer_activation_bytes(cfg.hidden_size, width, gen.tensor) * opt.param_bytes / 2
         return kv_cache + rows * w.prompt_len * (kv_token + layer)
 
     def role_cost(self, role: str, shape: ModelShape, sizes: Sizes) -> RoleCost:

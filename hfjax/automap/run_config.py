@@ -39,9 +39,10 @@ def run_dataflow(cfg: RLConfig) -> Dataflow:
 
 
 def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
-    """One iteration of `cfg` as the cost model's workload. `batch_ranks`: the data-parallel ranks (data x fsdp)
-    of the actor's training layout, which split each micro-batch of `actor.micro_batch_size` rows (a whole group's);
-    1 when the layout is still to be chosen (the search then assumes whole micro-batches per rank: an upper bound)."""
+    """One iteration of `cfg` as the cost model's workload. `batch_ranks`: the data-parallel ranks (data x fsdp x
+    expert) of the actor's training layout, which split each micro-batch of `actor.micro_batch_size` rows (a whole
+    group's); 1 when the layout is still to be chosen (the search then assumes whole micro-batches per rank: an upper
+    bound)."""
     sequences = cfg.data.train_batch_size * cfg.rollout.n
     return Workload(
         global_batch_prompts=cfg.data.train_batch_size,
@@ -57,7 +58,7 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 
 def run_cost_options(cfg: RLConfig) -> CostOptions:
     """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
-    `remat` setting and its LoRA adapters."""
+    `remat` setting, its LoRA adapters and its experts' capacity factor."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
@@ -65,6 +66,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         master_bytes=itemsize[cfg.actor.dtype if lora else cfg.actor.param_dtype],
         remat=cfg.actor.remat != "none",
         actor_lora=cfg.actor.lora if lora else None,
+        expert_capacity_factor=cfg.actor.expert_capacity_factor,
     )
 
 
@@ -79,7 +81,7 @@ def _micro_batch_rows(cfg: RLConfig, mapping: DeviceMapping, per_rank: int, per_
     out = {}
     for role in ("actor", "critic") if "critic" in mapping.layouts else ("actor",):
         sizes, section = mapping.layouts[role], getattr(cfg, role)
-        rows = per_rank * sizes.data * sizes.fsdp
+        rows = per_rank * sizes.batch_parts
         if rows > section.ppo_mini_batch_size or section.ppo_mini_batch_size % rows or rows % hosts:
             return None
         out[f"{role}.micro_batch_size"] = rows
@@ -142,7 +144,7 @@ def predict_run(cfg: RLConfig, cluster: ClusterSpec, models: Mapping[str, Any] |
     shapes = role_shapes(flow, dict(models) if models is not None else run_models(cfg))
     mapping = config_mapping(to_dict(cfg), tuple(r for r in flow.roles if r in shapes))
     actor = mapping.layouts["actor"]
-    model = CostModel(cluster, flow, run_workload(cfg, actor.data * actor.fsdp), run_cost_options(cfg))
+    model = CostModel(cluster, flow, run_workload(cfg, actor.batch_parts), run_cost_options(cfg))
     return model.predict(shapes, mapping)
 
 

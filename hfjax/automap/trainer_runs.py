@@ -203,10 +203,11 @@ def _sizes(config: Mapping[str, Any] | None, devices: int, where: str) -> Sizes:
     if config is None:
         return Sizes(1, devices, 1)
     mesh = dict(config.get("mesh") or {})
-    unknown = sorted(set(mesh) - {"data", "fsdp", "tensor"})
+    unknown = sorted(set(mesh) - {"data", "fsdp", "expert", "tensor"})
     if unknown:
-        raise ValueError(f"{where}: mesh axes {unknown} are not modelled; expected data, fsdp and tensor")
-    return Sizes(int(mesh.get("data", 1)), int(mesh.get("fsdp", 1)), int(mesh.get("tensor", 1)))
+        raise ValueError(f"{where}: mesh axes {unknown} are not modelled; expected data, fsdp, expert and tensor")
+    sizes = (int(mesh.get(axis, 1)) for axis in ("data", "fsdp", "tensor", "expert"))
+    return Sizes(*sizes)
 
 
 def config_mapping(config: Mapping[str, Any], roles: tuple[str, ...]) -> DeviceMapping:

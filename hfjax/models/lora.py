@@ -7,6 +7,11 @@ starts as PEFT starts it (uniform in +-1/sqrt(in)). An adapter's matrices carry 
 on the side they share with it and `lora_rank` (never split) on the other, so a layout shards them as it shards the
 base. Inside `adapters_off()` (read when a program is traced) the model computes its base alone: a LoRA actor's
 reference policy is its own base, with no second copy. `merge_lora` folds the adapters into the base weights.
+
+Adapter dropout (PEFT's `lora_dropout`): inside `adapter_dropout(row_keys)` each adapter with a `dropout` rate sees
+its input with that share of elements zeroed and the rest scaled by 1 / (1 - rate), a mask drawn per batch row from
+the row's key and the adapter's `site` (so a row's masks do not depend on the micro-batch it lands in); the base
+term sees the whole input. Only the updates open it: log probs, references and generation use the whole adapter.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ LORA_SITES = {
     "down_proj": ("down_kernel", "down_lora", 1),
 }
 _ADAPTERS_ON = contextvars.ContextVar("hfjax_lora_adapters_on", default=True)
+_DROPOUT_KEYS: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("hfjax_lora_dropout", default=None)
 
 
 @dataclasses.dataclass
@@ -50,12 +56,17 @@ class LoraConfig:
     # projections that get adapters, by PEFT's module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
     # down_proj (default: all seven)
     targets: list[str] = dataclasses.field(default_factory=lambda: list(LORA_SITES))
+    # share of each adapter's input elements zeroed in the updates (PEFT's lora_dropout; a fresh mask per row and
+    # update, the same over an update's PPO epochs); 0: none
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise ValueError(f"lora.rank: expected an integer >= 0 (0: no adapters), got {self.rank!r}")
         if not self.alpha > 0:
             raise ValueError(f"lora.alpha: expected > 0, got {self.alpha!r}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, int | float) or not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout: expected a number in [0, 1), got {self.dropout!r}")
         unknown = [t for t in self.targets if t not in LORA_SITES]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(
@@ -88,7 +99,9 @@ class LoraAdapter(nnx.Module):
     """The adapter of one kernel [*out, *in] (`out_dims` output dimensions): A [rank, *in], B [*out, rank]; of an
     abstract kernel (`jax.ShapeDtypeStruct`, `hfjax.models.hf.abstract_model`), abstract too."""
 
-    def __init__(self, kernel: nnx.Param, out_dims: int, rank: int, alpha: float, key: jax.Array):
+    def __init__(
+        self, kernel: nnx.Param, out_dims: int, rank: int, alpha: float, key: jax.Array, dropout: float, site: int
+    ):
         axes = kernel.get_metadata()["logical_axes"]
         out_shape, in_shape = kernel.shape[:out_dims], kernel.shape[out_dims:]
         a_shape, b_shape = (rank, *in_shape), (*out_shape, rank)
@@ -101,6 +114,8 @@ class LoraAdapter(nnx.Module):
         self.a = LoraParam(a, logical_axes=("lora_rank", *axes[out_dims:]))
         self.b = LoraParam(b, logical_axes=(*axes[:out_dims], "lora_rank"))
         self.scale = float(alpha) / rank
+        self.dropout = float(dropout)
+        self.site = site  # this adapter's index in the model: its dropout masks' stream
 
     def delta(self) -> jax.Array:
         """scale * B A as a [prod(out), prod(in)] matrix (float32)."""
@@ -113,10 +128,37 @@ def with_adapter(y: jax.Array, x: jax.Array, adapter: LoraAdapter | None, dtype:
     adapter or adapters are off."""
     if adapter is None or not _ADAPTERS_ON.get():
         return y
+    row_keys = _DROPOUT_KEYS.get()
+    if adapter.dropout and row_keys is not None:
+        x = _dropped(x, row_keys, adapter)
     rank = adapter.a.shape[0]
     a = adapter.a[...].astype(dtype).reshape(rank, -1)
     b = (adapter.b[...] * adapter.scale).astype(dtype).reshape(-1, rank)
     return y + dense(dense(x, a), b)
+
+
+def _dropped(x: jax.Array, row_keys: jax.Array, adapter: LoraAdapter) -> jax.Array:
+    """`x` [rows, ...] with a share `adapter.dropout` of each row's elements zeroed (row r's mask from
+    `row_keys[r]` and the adapter's site) and the rest scaled by 1 / (1 - dropout)."""
+    keep = 1.0 - adapter.dropout
+
+    def row_mask(key: jax.Array) -> jax.Array:
+        return jax.random.bernoulli(jax.random.fold_in(key, adapter.site), keep, x.shape[1:])
+
+    mask = jax.vmap(row_mask)(row_keys)
+    return jnp.where(mask, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
+
+
+@contextlib.contextmanager
+def adapter_dropout(row_seeds: jax.Array | None) -> Iterator[None]:
+    """Programs traced inside drop out adapter inputs (the adapters' `dropout` rates), row r's masks drawn from
+    `row_seeds[r]` (int); None: no dropout."""
+    keys = None if row_seeds is None else jax.vmap(jax.random.key)(row_seeds)
+    token = _DROPOUT_KEYS.set(keys)
+    try:
+        yield
+    finally:
+        _DROPOUT_KEYS.reset(token)
 
 
 @contextlib.contextmanager
@@ -144,7 +186,7 @@ def add_lora(model: nnx.Module, cfg: LoraConfig, seed: int = 0) -> nnx.Module:
     key = jax.random.key(seed)
     for index, (module, kernel_attr, adapter_attr, out_dims) in enumerate(_sites(model, cfg.targets)):
         kernel = getattr(module, kernel_attr)
-        adapter = LoraAdapter(kernel, out_dims, cfg.rank, cfg.alpha, jax.random.fold_in(key, index))
+        adapter = LoraAdapter(kernel, out_dims, cfg.rank, cfg.alpha, jax.random.fold_in(key, index), cfg.dropout, index)
         setattr(module, adapter_attr, nnx.data(adapter))
     return model
 

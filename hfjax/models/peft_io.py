@@ -50,7 +50,7 @@ def save_peft(model: nnx.Module, cfg: LoraConfig, path: str | os.PathLike, base_
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
         "target_modules": sorted(cfg.targets),
-        "lora_dropout": 0.0,
+        "lora_dropout": cfg.dropout,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

@@ -28,7 +28,7 @@ from hfjax.algos import (
 )
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, register
-from hfjax.models.lora import LoraParam, adapters_off, merge_lora
+from hfjax.models.lora import LoraParam, adapter_dropout, adapters_off, merge_lora
 from hfjax.models.moe import collect_router_stats, router_summary
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
@@ -38,7 +38,14 @@ from hfjax.parallel.host_local import local_view, process_layout
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
-from hfjax.workers.model_role import LoadedModel, TrainedRole, load_trained, padding_masked, reports_usage
+from hfjax.workers.model_role import (
+    LORA_DROPOUT_SEED,
+    LoadedModel,
+    TrainedRole,
+    load_trained,
+    padding_masked,
+    reports_usage,
+)
 from hfjax.workers.packing import response_positions, to_response_rows
 from hfjax.workers.sequences import ROUTED_EXPERTS
 from hfjax.workers.weight_sync import WeightShards, export_shards
@@ -75,7 +82,7 @@ def actor_loss(
         "global_seqs": batch["global_seqs"][0],
         "norm_length": response_length,
     }
-    with collect_router_stats() as router:
+    with collect_router_stats() as router, adapter_dropout(batch.get(LORA_DROPOUT_SEED)):
         logp, entropies = response_logprobs(model, batch, temperature, with_entropy=True)
     # Without old log probs they are the current policy's, i.e. this forward's until the update's single optimizer
     # step (`RLConfig.reuses_update_log_probs`), detached.
@@ -293,6 +300,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 "update_actor: no old_log_probs, but this update makes several optimizer steps "
                 f"(ppo_epochs={cfg.ppo_epochs}, {len(data)} rows, ppo_mini_batch_size={cfg.ppo_mini_batch_size})"
             )
+        arrays = self.with_dropout_seeds(arrays, cfg.lora)
         length = arrays["responses"].shape[1]
         loss_fn = self.loss_fns.setdefault(length, bind(actor_loss, cfg, self.rollout_cfg.temperature, length))
         return self.ppo_epochs(

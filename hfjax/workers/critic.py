@@ -16,12 +16,13 @@ from hfjax.algos import value_loss
 from hfjax.config.roles import CriticConfig
 from hfjax.controller import Dispatch, register
 from hfjax.models.hf import HEAD_PARAMS
+from hfjax.models.lora import adapter_dropout
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
 from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
-from hfjax.workers.model_role import TrainedRole, load_trained, padding_masked, reports_usage
+from hfjax.workers.model_role import LORA_DROPOUT_SEED, TrainedRole, load_trained, padding_masked, reports_usage
 from hfjax.workers.packing import response_positions, to_response_rows
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -45,7 +46,8 @@ def critic_loss(
     """The clipped value loss of one micro-batch and its metrics, normalised as `actor_loss` is (mini-batch counts,
     untrimmed `response_length`; the metrics are shares that sum over micro-batches). A module function bound with
     `hfjax.models.program.bind`, for the reasons `actor_loss` gives."""
-    vpreds = response_values(model, batch)
+    with adapter_dropout(batch.get(LORA_DROPOUT_SEED)):
+        vpreds = response_values(model, batch)
     loss, clipfrac = value_loss(
         vpreds,
         batch["returns"],
@@ -95,7 +97,7 @@ class CriticWorker(TrainedRole):
         """Clipped value-loss epochs over mini-batches (micro-batch accumulation normalised by mini-batch counts)."""
         cfg = self.cfg
         keys = (*VALUE_KEYS, "response_mask", "values", "returns")
-        arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
+        arrays = self.with_dropout_seeds(padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data), cfg.lora)
         length = arrays["responses"].shape[1]
         loss_fn = self.loss_fns.setdefault(length, bind(critic_loss, cfg, length))
         return self.ppo_epochs(

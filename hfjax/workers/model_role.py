@@ -258,12 +258,24 @@ def _is_share(key: str) -> bool:
     return "/" in key and not key.endswith(("_max", "_min"))
 
 
+LORA_DROPOUT_SEED = "lora_dropout_seed"  # [rows] int: each row's adapter dropout masks (`adapter_dropout`)
+
+
 class TrainedRole(Worker):
     """What the trained roles (actor, critic) share: PPO epochs over mini-batches with micro-batch accumulation,
     and checkpoints of their `TrainState` (set `self.state` in `init_model`)."""
 
     state: TrainState
     checkpoints: CheckpointManager | None = None
+
+    def with_dropout_seeds(self, arrays: dict[str, np.ndarray], lora: LoraConfig) -> dict[str, np.ndarray]:
+        """`arrays` with a fresh `LORA_DROPOUT_SEED` per row when `lora` drops out adapter inputs (drawn from this
+        process's index and the optimizer steps taken, so a resumed run draws new masks)."""
+        if not (lora.enabled and lora.dropout):
+            return arrays
+        rng = np.random.default_rng((jax.process_index(), self.state.step))
+        seeds = rng.integers(0, 2**31 - 1, len(arrays["responses"]), dtype=np.int32)
+        return {**arrays, LORA_DROPOUT_SEED: seeds}
 
     def ppo_epochs(
         self,
