@@ -31,6 +31,8 @@ TARGETS = {  # each shipped config and the hardware its header names
     "llama-3.1-8b-ppo-8gpu": "h100x8",
     "gemma-3-1b-grpo-tpu-v5e-8": "v5e:2x4",
     "gemma-3-1b-grpo-1gpu": "h100",
+    "qwen3-30b-a3b-grpo-tpu-v5p-32": "v5p:2x2x4",
+    "qwen3-30b-a3b-grpo-lora-8gpu": "h100x8",
 }
 TINY = (  # one config at small shapes: the same programs, compiled in seconds
     "qwen2.5-0.5b-grpo-tpu-v5e-8",

@@ -33,11 +33,12 @@ from hfjax.automap import (
     set_partitions,
 )
 from hfjax.automap.cluster import GIB
-from hfjax.automap.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, stage_seconds
+from hfjax.automap.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, mlp_width, stage_seconds
 from hfjax.automap.dataflow import STAGES, model_shape
 from hfjax.automap.search import allocations, device_counts, train_sizes
 from hfjax.automap.trainer_runs import (
     PLACEMENTS,
+    _sizes,
     host_gen_sizes,
     run_config,
     trainer_candidates,
@@ -762,3 +763,23 @@ def test_automap_of_a_shipped_config_with_hub_ids_runs_offline(tmp_path, capsys,
     assert main([*args, str(tmp_path / "unknown.yaml")]) == 2
     err = capsys.readouterr().err
     assert "'some-org/not-cached' is not in the local Hugging Face cache" in err and err.count("\n") == 1
+
+
+def test_the_cost_model_reads_the_expert_axis_and_a_mixture_of_experts_width():
+    """An `expert` mesh axis in a config's layout: it splits the batch like data and fsdp, and each device holds
+    1/(fsdp x expert) of Qwen3-30B-A3B's expert weights and routers, its q/k norms whole and 1/fsdp of the rest (a
+    hand count from its config). The
+    MLP width of a token's activations is the experts' buffers': every expert's without a capacity factor, factor x
+    k expert widths with one."""
+    sizes = _sizes({"mesh": {"fsdp": 2, "expert": 4}}, 8, "actor.train_layout")
+    assert (sizes.size, sizes.batch_parts, sizes.describe()) == (8, 8, "d1.f2.e4.t1")
+    cfg = NAMED_CONFIGS["qwen3-30b-a3b"]
+    experts = cfg.num_layers * cfg.num_experts * (3 * cfg.expert_intermediate_size + 1) * cfg.hidden_size
+    qk_norms = cfg.num_layers * 2 * cfg.head_dim
+    rest = cfg.num_params - experts - qk_norms
+    shape = model_shape(cfg, "causal_lm")
+    assert shape.shard_elements(layout_of(sizes, TRAIN_RULES)) == experts // 8 + qk_norms + rest // 2
+    assert mlp_width(cfg, None) == 128 * 768 and mlp_width(cfg, 1.25) == 1.25 * 8 * 768
+    assert mlp_width(NAMED_CONFIGS["llama-3.1-8b"], 1.25) == 14336
+    with pytest.raises(ValueError, match=r"mesh axes \['pipeline'\] are not modelled"):
+        _sizes({"mesh": {"pipeline": 2}}, 2, "actor.train_layout")

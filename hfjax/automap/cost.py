@@ -126,6 +126,9 @@ class CostOptions:
     # a mixture of experts' capacity factor in the training and log-prob passes (`actor.expert_capacity_factor`;
     # None: no token dropped, every expert's buffer spans the row); generation never drops a token
     expert_capacity_factor: float | None = None
+    # the actor's optimizer state (and a master that generation casts) waits in host memory while it generates
+    # (`rollout.offload_optimizer`)
+    offload_optimizer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,6 +440,15 @@ class CostModel:
         cost = RoleCost(ROLLOUT, gen, seconds, params, 0.0, memory, detail, gen)
         return cost, params + max(params, out["kv_bytes"] + out["prefill_bytes"])
 
+    def offloaded_bytes(self, cost: RoleCost) -> float:
+        """What the generating role parks in host memory while it generates (`offload_optimizer`): its optimizer
+        state, and its master weights where generation reads a cast copy of them."""
+        opt = self.options
+        if not opt.offload_optimizer:
+            return 0.0
+        casts = opt.master_bytes != opt.param_bytes and not (opt.actor_lora and opt.actor_lora.enabled)
+        return cost.memory.get("optimizer", 0.0) + (cost.memory["params"] if casts else 0.0)
+
     def finish_group(
         self, costs: Sequence[RoleCost], shapes: Mapping[str, ModelShape], devices: int, gen: Sizes | None
     ) -> tuple[list[RoleCost], float] | str:
@@ -452,12 +464,13 @@ class CostModel:
         for i, cost in enumerate(costs):
             if cost.role in self.flow.generation and gen is not None:
                 extra = self.gen_extra_bytes(shapes[cost.role], cost.sizes, gen)
-                with_gen = self.with_generation(cost, shapes[cost.role], gen, self.usable_bytes - static - extra)
+                resident = static - self.offloaded_bytes(cost)
+                with_gen = self.with_generation(cost, shapes[cost.role], gen, self.usable_bytes - resident - extra)
                 if isinstance(with_gen, str):
                     return with_gen
                 out[i] = with_gen
                 generation = with_gen.memory["kv_cache"] + with_gen.memory["prefill"]
-                peak = max(peak, static + extra + generation)
+                peak = max(peak, resident + extra + generation)
         return out, peak
 
     def predict(self, shapes: Mapping[str, ModelShape], mapping: DeviceMapping) -> Prediction:

@@ -58,7 +58,8 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 
 def run_cost_options(cfg: RLConfig) -> CostOptions:
     """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
-    `remat` setting, its LoRA adapters and its experts' capacity factor."""
+    `remat` setting, its LoRA adapters, its experts' capacity factor and whether its optimizer state leaves the
+    device while it generates."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
@@ -67,6 +68,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         remat=cfg.actor.remat != "none",
         actor_lora=cfg.actor.lora if lora else None,
         expert_capacity_factor=cfg.actor.expert_capacity_factor,
+        offload_optimizer=cfg.rollout.offload_optimizer,
     )
 
 

@@ -32,7 +32,7 @@ from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
-from hfjax.models.moe import set_expert_capacity
+from hfjax.models.moe import ROUTE_DTYPE, set_expert_capacity
 from hfjax.models.transformer import set_remat
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import (
@@ -53,7 +53,7 @@ from hfjax.workers.generation import sampling_params
 from hfjax.workers.model_role import rows_program
 from hfjax.workers.packing import PACKED_LABELS, PACKED_POSITIONS, RESPONSE_INDEX
 from hfjax.workers.reward_model import sequence_scores
-from hfjax.workers.sequences import SEQUENCE_KEYS
+from hfjax.workers.sequences import ROUTED_EXPERTS, SEQUENCE_KEYS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,13 +210,20 @@ def packed_batch(layout: Layout, row_tokens: int, response: int, extra: Sequence
     return batch
 
 
-def micro_batch(cfg: RLConfig, section: Any, layout: Layout, extra: Sequence[str]) -> dict[str, Any]:
+def micro_batch(
+    cfg: RLConfig, section: Any, layout: Layout, extra: Sequence[str], routes: ModelConfig | None = None
+) -> dict[str, Any]:
     """The largest micro-batch of a trained role's `section` (actor or critic config): packed when it sets
-    `packed_row_tokens`, else `micro_batch_size` rows of the longest prompt and response."""
+    `packed_row_tokens`, else `micro_batch_size` rows of the longest prompt and response; with the rollout's
+    `ROUTED_EXPERTS` of the mixture-of-experts model `routes` where given (routing replay)."""
     response = cfg.rollout.response_length
     if section.packed_row_tokens:
         return packed_batch(layout, section.packed_row_tokens, response, extra)
-    return sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, response, extra)
+    batch = sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, response, extra)
+    if routes is not None:
+        shape = (*batch["input_ids"].shape, sum(routes.moe_layers), routes.experts_per_token)
+        batch[ROUTED_EXPERTS] = jax.ShapeDtypeStruct(shape, ROUTE_DTYPE, sharding=batch_sharding(layout, shape))
+    return batch
 
 
 def _train_programs(
@@ -308,21 +315,24 @@ def actor_programs(
     ref = _reference(cfg, policy)
     ref_bytes = (bytes_per_device(ref) if ref is not None else 0) + others
     extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
-    batch = micro_batch(cfg, actor, layout, extra)
+    routes = shape if actor.router_replay else None
+    batch = micro_batch(cfg, actor, layout, extra, routes)
     loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
     yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
-    rows = micro_batch(cfg, actor, layout, ())
+    rows = micro_batch(cfg, actor, layout, (), routes)
     logprob = functools.partial(logprob_rows, rollout.temperature)
     yield _rows_program("actor", "log probs", policy, policy.params, logprob, rows, opt_bytes + ref_bytes)
     if cfg.uses_ref:  # the reference copy, or a LoRA policy's base (the adapters off)
         ref_logprob = functools.partial(ref_logprob_rows, rollout.temperature)
         params, resident = (policy.params, opt_bytes) if lora else (ref, bytes_per_device(policy.params) + opt_bytes)
-        yield _rows_program("actor", "ref log probs", policy, params, ref_logprob, rows, resident)
+        own_routes = {k: v for k, v in rows.items() if k != ROUTED_EXPERTS}  # the reference routes itself
+        yield _rows_program("actor", "ref log probs", policy, params, ref_logprob, own_routes, resident)
     # generation: the cast copy in the generation layout; the master stays where it is kept in another dtype (a LoRA
     # base is in the compute dtype already and its adapters are cast where they are used: nothing stays behind)
     gen_params = policy.cast(None if lora else actor.dtype, gen_layout)
     cast = not lora and jnp.dtype(actor.param_dtype) != jnp.dtype(actor.dtype)
-    master = bytes_per_device(policy.params) if cast else 0
+    # `rollout.offload_optimizer` parks the optimizer state, and a master that generation casts, in host memory
+    master = bytes_per_device(policy.params) if cast and not rollout.offload_optimizer else 0
     optimizer_resident = 0 if rollout.offload_optimizer else opt_bytes
     yield from engine_programs(cfg, shape, gen_layout, gen_params, master + optimizer_resident + ref_bytes)
 
@@ -341,6 +351,7 @@ def engine_programs(
         max_prefill_length=cfg.data.max_prompt_length,
         max_new_tokens=rollout.response_length,
         prompt_cache_tokens=rollout.prompt_cache_tokens,
+        record_experts=cfg.actor.router_replay,
     )
     state = engine.abstract_decode_state()
     sampling = sampling_params(rollout, {})

@@ -164,4 +164,5 @@ HUB_SHAPES = {
     "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
     "google/gemma-3-1b-it": "gemma-3-1b",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
 }
