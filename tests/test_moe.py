@@ -25,6 +25,7 @@ from hfjax.models.moe import (
     buffer_slots,
     collect_router_stats,
     record_routes,
+    route_dtype,
     router_summary,
     set_expert_capacity,
     stacked_routes,
@@ -254,7 +255,7 @@ def _routed_forward(model, ids, mask, replay=None):
         net = nnx.merge(graphdef, state)
         with record_routes() as tape:
             hidden = net.model(ids, mask, None, replay)
-        return net.logits(hidden), stacked_routes(tape)
+        return net.logits(hidden), stacked_routes(tape, 8)
 
     return jax.jit(forward)(state, replay)
 
@@ -269,7 +270,8 @@ def test_replayed_routes_are_the_recorded_ones_and_the_router_still_learns(tmp_p
     model = load_hf(path)
     ids, mask, _ = left_padded_batch(97, LENGTHS, seed=3)
     logits, routes = _routed_forward(model, ids, mask)
-    assert routes.shape == (4, 12, 2, 2) and routes.dtype == jnp.int16
+    assert routes.shape == (4, 12, 2, 2) and routes.dtype == jnp.int8  # 8 experts: ids fit int8
+    assert route_dtype(128) == jnp.int8 and route_dtype(129) == jnp.int16
     set_remat(model, remat)
     replayed, remat_routes = _routed_forward(model, ids, mask, routes)
     np.testing.assert_array_equal(np.asarray(replayed), np.asarray(logits))
@@ -377,7 +379,7 @@ def test_the_engine_records_each_tokens_routes_where_a_full_forward_routes_it(tm
     outputs = generator.generate(prompts, SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=1))
     for out in outputs:
         sequence = np.array([*prompts[out.request], *out.tokens[:-1]], np.int32)[None]
-        assert out.experts.shape == (sequence.shape[1], 1, 2) and out.experts.dtype == np.int16
+        assert out.experts.shape == (sequence.shape[1], 1, 2) and out.experts.dtype == np.int8
         _, routes = _routed_forward(model, sequence, np.ones_like(sequence))
         np.testing.assert_array_equal(out.experts, np.asarray(routes)[0])
 
@@ -416,7 +418,7 @@ def test_replaying_the_rollouts_routes_gives_the_training_pass_its_experts(tmp_p
     def training_pass(state, batch):
         with record_routes() as tape:
             logp, _ = response_logprobs(nnx.merge(graphdef, state), batch, 1.0, with_entropy=False)
-        return logp, stacked_routes(tape)
+        return logp, stacked_routes(tape, 8)
 
     free = {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
     free_logp, free_routes = jax.jit(training_pass)(state, free)

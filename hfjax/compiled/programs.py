@@ -32,7 +32,7 @@ from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
-from hfjax.models.moe import ROUTE_DTYPE, set_expert_capacity
+from hfjax.models.moe import route_dtype, set_expert_capacity
 from hfjax.models.transformer import set_remat
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import (
@@ -222,7 +222,8 @@ def micro_batch(
     batch = sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, response, extra)
     if routes is not None:
         shape = (*batch["input_ids"].shape, sum(routes.moe_layers), routes.experts_per_token)
-        batch[ROUTED_EXPERTS] = jax.ShapeDtypeStruct(shape, ROUTE_DTYPE, sharding=batch_sharding(layout, shape))
+        dtype = route_dtype(routes.num_experts)
+        batch[ROUTED_EXPERTS] = jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(layout, shape))
     return batch
 
 

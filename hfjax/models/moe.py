@@ -65,7 +65,6 @@ class RoutedTokens:
         return unplaced if self.valid is None else unplaced * self.valid
 
 
-ROUTE_DTYPE = jnp.int16  # recorded expert ids: -1 (none) to 32767
 RouterStats = dict[str, jax.Array]  # one layer's sums: tokens, load [experts], probs [experts], entropy, dropped
 
 
@@ -136,9 +135,14 @@ def checkpointed(fn: Callable[..., jax.Array], policy: Callable[..., bool]) -> C
     return call
 
 
-def stacked_routes(tape: dict[int, jax.Array]) -> jax.Array:
-    """The recorded routes as one array [rows, length, moe layers, k] of `ROUTE_DTYPE`, layers in order."""
-    return jnp.stack([tape[i] for i in sorted(tape)], axis=2).astype(ROUTE_DTYPE)
+def route_dtype(num_experts: int) -> jnp.dtype:
+    """The integer type of recorded expert ids (-1: none): int8 up to 128 experts, else int16."""
+    return jnp.dtype(jnp.int8 if num_experts <= 128 else jnp.int16)
+
+
+def stacked_routes(tape: dict[int, jax.Array], num_experts: int) -> jax.Array:
+    """The recorded routes as one array [rows, length, moe layers, k] of `route_dtype`, layers in order."""
+    return jnp.stack([tape[i] for i in sorted(tape)], axis=2).astype(route_dtype(num_experts))
 
 
 def router_stats(logits: jax.Array, routed: RoutedTokens, valid: jax.Array | None) -> RouterStats:

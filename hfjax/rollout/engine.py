@@ -114,6 +114,7 @@ class JaxEngine:
         self._slots = max_concurrent_decodes
         # a mixture of experts' routes, recorded by `prefill_insert` and `generate` (routing replay)
         self.record_experts = record_experts and any(cfg.moe_layers)
+        self.num_experts = cfg.num_experts
         self._max_prefill = max_prefill_length
         self.capacity = max_prefill_length + max_new_tokens  # the longest sequence: a prompt and its response
         self.cache = CacheLayout(
@@ -503,7 +504,7 @@ class JaxEngine:
         state = state._replace(
             keys=keys, values=values, lengths=state.lengths + 1, tokens=tokens, steps=state.steps + 1
         )
-        experts = stacked_routes(routes)[:, 0] if self.record_experts else None
+        experts = stacked_routes(routes, self.num_experts)[:, 0] if self.record_experts else None
         return state, ResultTokens(tokens, logprobs, experts)
 
     def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
@@ -534,4 +535,6 @@ class JaxEngine:
         with record_routes() as routes:
             prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
         state, first = self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)
-        return state, first._replace(experts=stacked_routes(routes)[rows]) if self.record_experts else first
+        return state, first._replace(
+            experts=stacked_routes(routes, self.num_experts)[rows]
+        ) if self.record_experts else first

@@ -35,8 +35,8 @@ def _routed_experts(masks: np.ndarray, outputs: Sequence[SampleOutput], response
     """`ROUTED_EXPERTS` of the rows: each output's recorded experts (its prompt's, then its response's but the last
     token's) aligned with the left-padded prompts and the responses, -1 elsewhere."""
     width = masks.shape[1]
-    layers_k = next(out.experts.shape[1:] for out in outputs if out.experts is not None)
-    routed = np.full((len(outputs), width + response_length, *layers_k), -1, np.int16)
+    first = next(out.experts for out in outputs if out.experts is not None)
+    routed = np.full((len(outputs), width + response_length, *first.shape[1:]), -1, first.dtype)
     for i, out in enumerate(outputs):
         if out.experts is not None:
             prompt = int(masks[i].sum())
