@@ -535,6 +535,6 @@ class JaxEngine:
         with record_routes() as routes:
             prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
         state, first = self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)
-        return state, first._replace(
-            experts=stacked_routes(routes, self.num_experts)[rows]
-        ) if self.record_experts else first
+        if not self.record_experts:
+            return state, first
+        return state, first._replace(experts=stacked_routes(routes, self.num_experts)[rows])
