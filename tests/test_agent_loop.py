@@ -12,6 +12,7 @@ import time
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,6 +23,7 @@ from hfjax.envs import Environment, StepResult, ToolEnvironment
 from hfjax.envs.agent_loop import AgentGenerator, turn_request
 from hfjax.envs.trajectory import agent_columns, agent_metrics
 from hfjax.models import load_hf
+from hfjax.models.moe import record_routes, stacked_routes
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.rollout.sampling import SamplingError
 
@@ -274,3 +276,31 @@ def test_tool_environment_gets_the_parser_of_the_model_family(setup):
     assert _agent(setup, env=LlamaToolEnv).env_kwargs == {"parser": "llama3_json"}  # the test model is a Llama
     assert _agent(setup, env=LlamaToolEnv, env_kwargs={"parser": "hermes"}).env_kwargs == {"parser": "hermes"}
     assert _agent(setup, env=FlakyToolEnv).env_kwargs == {}  # names its own
+
+
+@pytest.mark.parametrize("append", ["extend", "reprefill"])
+def test_a_mixture_of_experts_agent_records_the_routes_of_every_token(tmp_path, append):
+    """With an engine that records routes (routing replay), each trajectory's experts (its prompt's, its model
+    tokens' and its observations', appended by `extend` or re-prefilled with the history) are those a full forward
+    over the prompt and the trajectory chooses, position by position (float32)."""
+    tokenizer = build_addition_tokenizer()
+    _, path = save_hf_model(tmp_path, "qwen3_moe", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    model = load_hf(path, dtype="float32")
+    engine = JaxEngine(model, max_concurrent_decodes=4, max_prefill_length=96, max_new_tokens=64, record_experts=True)
+    generator = OfflineGenerator(engine, nnx.state(model, nnx.Param), progress=False)
+    options = {"max_turns": 4, "max_tokens": 60, "max_tokens_per_turn": 6, "append": append}
+    prompts, rows = _prompts(4)
+    trajectories = AgentGenerator(generator, CountingEnv, tokenizer, **options).generate(prompts, rows, SAMPLED)
+    assert max(t.turns for t in trajectories) >= 3 and not all(t.response_mask.all() for t in trajectories)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def full_forward_routes(state, ids):
+        with record_routes() as tape:
+            nnx.merge(graphdef, state).model(ids, jnp.ones_like(ids))
+        return stacked_routes(tape, model.config.num_experts)
+
+    for t in trajectories:
+        sequence = np.concatenate([t.prompt, t.tokens[:-1]]).astype(np.int32)[None]
+        assert t.experts.shape == (sequence.shape[1], 1, 2)
+        np.testing.assert_array_equal(t.experts, np.asarray(full_forward_routes(state, sequence))[0])

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config, with_moe_policy
 
 from hfjax.algos.losses import policy_loss
 from hfjax.config.rl import load_rl_config
@@ -137,6 +137,17 @@ def test_algorithms_train_on_trajectories(inputs, tmp_path, algorithm):
         assert 0 < metrics["agent/env_token_share"] < 1
         assert metrics["agent/finish/done"] + metrics["agent/finish/max_turns"] + metrics["agent/finish/length"] == 1
         assert metrics["critic/score/mean"] >= 1.0  # the final reward counts at least one distinct character
+
+
+def test_a_mixture_of_experts_agent_replays_its_rollouts_routes(inputs, tmp_path):
+    """A GRPO step of multi-turn trajectories of a mixture-of-experts policy with `actor.router_replay`: the training
+    pass routes every token (prompt, model turns, observations) as the rollout did, and its log probs of the model's
+    tokens are the rollout's (float32)."""
+    moe = with_moe_policy(inputs, tmp_path)
+    config = _agent_config(moe, tmp_path / "run", actor={"router_replay": True}, trainer={"total_steps": 1})
+    (metrics,) = run_rl(load_rl_config(config))
+    assert 0 < metrics["agent/env_token_share"] < 1
+    assert metrics["rollout_corr/log_prob_abs_diff_max"] < 1e-4
 
 
 def test_bad_agent_config_is_named(inputs, tmp_path):

@@ -10,7 +10,7 @@ import transformers as tf
 from flax import nnx
 from support.checkpoints import left_padded_batch, relative_error, save_hf_model, torch_logits
 from support.devices import needs_devices
-from support.rl_setup import TINY, build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config, with_moe_policy
 from support.tiny_models import compiled_forward
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -18,7 +18,7 @@ from hfjax.config.rl import load_rl_config
 from hfjax.config.roles import ActorConfig
 from hfjax.models import load_hf, save_hf
 from hfjax.models.config import UnsupportedModelError, config_from_hf
-from hfjax.models.hf import abstract_model, load_tokenizer
+from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora, lora_parameter_count
 from hfjax.models.moe import (
     SparseMoE,
@@ -434,21 +434,11 @@ def test_replaying_the_rollouts_routes_gives_the_training_pass_its_experts(tmp_p
     assert replay_drift.max() < 1e-5  # the engine's and the full forward's float32 numerics
 
 
-def _moe_run_inputs(root):
-    """The RL test inputs (support/rl_setup.py) with a tiny Qwen3-MoE policy on the addition tokenizer."""
-    inputs = build_run_inputs(root)
-    tokenizer = load_tokenizer(inputs["policy"])
-    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
-    _, policy = save_hf_model(root, "qwen3_moe", **TINY, **ids, mlp_only_layers=[])
-    tokenizer.save_pretrained(policy)
-    return {**inputs, "policy": str(policy)}
-
-
 def test_a_grpo_run_replays_its_rollouts_routes(tmp_path):
     """A GRPO step of a mixture-of-experts policy with `actor.router_replay` (trimmed micro-batches, the KL loss
     against a reference that routes itself) and the load-balancing loss, its router metrics, and the settings it
     refuses."""
-    inputs = _moe_run_inputs(tmp_path)
+    inputs = with_moe_policy(build_run_inputs(tmp_path), tmp_path)
     actor = {"router_replay": True, "router_aux_loss_coef": 0.01}
     cfg = rl_config(inputs, tmp_path / "run", "grpo", actor=actor, trainer={"total_steps": 1})
     history = run_rl(load_rl_config(cfg))  # 8 rows, mini-batches of 4: the old log probs are a pass of their own

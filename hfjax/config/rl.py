@@ -303,7 +303,6 @@ class RLConfig:
         if not self.actor.router_replay:
             return
         unsupported = {
-            "rollout.agent": self.rollout.agent.enabled,
             "async.partial_rollout": self.async_.partial_rollout,
             "actor.packed_row_tokens": self.actor.packed_row_tokens > 0,
         }

@@ -7,7 +7,9 @@ own trajectory). The observation's tokens are appended to the slot with `JaxEngi
 token (sampled, so not in the cache yet): the history is read from the cache, never re-prefilled, and the same call
 samples the next turn's first token. Environment tokens are in the trajectory with `response_mask` 0 and logprob 0;
 each step's reward sits on the last model token of the turn it answered. Model token k of a trajectory is drawn with
-its sample's key at step k, so a trajectory's tokens do not depend on what else ran beside it.
+its sample's key at step k, so a trajectory's tokens do not depend on what else ran beside it. An engine that
+records routes (routing replay) gives each trajectory the experts every token that ran chose (`SampleOutput.experts`:
+its prompt's, its model tokens' and its observations', all but the last token's).
 While no slot can decode, the steps that end within `COALESCE_S` of the first are appended in one call.
 A step with no result `env_step_timeout_s` after it was submitted (waiting for a free worker included) ends its
 trajectory as `env_error`; Python cannot stop its thread, so the thread runs on until the step returns (then the
@@ -56,6 +58,7 @@ class _Live:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
     rewards: list[float] = dataclasses.field(default_factory=list)
+    experts: list[np.ndarray] = dataclasses.field(default_factory=list)  # routes of the tokens run so far, in order
     turn_start: int = 0
     model_tokens: int = 0
     turns: int = 0
@@ -183,8 +186,10 @@ class AgentGenerator:
                     context = max(live[s].cached for s in decoding) + 1
                     state, out = engine.generate(params, state, kind, context)
                     stats["decode_steps"] += 1
-                    tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+                    tokens, logprobs, experts = jax.device_get((out.tokens, out.logprobs, out.experts))
                     for slot in decoding:
+                        if experts is not None:  # the routes of the token this step ran on
+                            live[slot].experts.append(experts[slot][None])
                         record(slot, int(tokens[slot]), float(logprobs[slot]))
         finally:
             for run in live.values():
@@ -244,9 +249,10 @@ class AgentGenerator:
         by_key = np.zeros(len(firsts), np.int64)
         for (key, _), request in zip(batch, requests, strict=True):
             by_key[key] = request
-        state, (tokens, logprobs, _) = self.generator.fill(state, firsts, batch, targets, sampling, by_key)
-        for slot, run, token, logprob in zip(targets, runs, tokens, logprobs, strict=True):
+        state, (tokens, logprobs, routes) = self.generator.fill(state, firsts, batch, targets, sampling, by_key)
+        for j, (slot, run, token, logprob) in enumerate(zip(targets, runs, tokens, logprobs, strict=True)):
             live[slot] = run
+            run.experts = [] if routes is None else [routes[j]]  # the prompt's
             record(slot, int(token), float(logprob))
         return state
 
@@ -321,8 +327,10 @@ class AgentGenerator:
             steps=steps,
             kind=kind,
         )
-        tokens, logprobs = jax.device_get((out.tokens, out.logprobs))
+        tokens, logprobs, experts = jax.device_get((out.tokens, out.logprobs, out.experts))
         for j, (slot, _) in enumerate(appends):
+            if experts is not None:  # the turn's last token's and the observation's routes
+                live[slot].experts.append(experts[j, : lengths[j]])
             record(slot, int(tokens[j]), float(logprobs[j]))
         return state
 
@@ -336,10 +344,12 @@ class AgentGenerator:
             batch.append((j, run.sample))
             requests.append(turn_request(int(request_ids[run.request]), run.turns + 1, self.max_turns))
         targets = [slot for slot, _ in appends]
-        state, (tokens, logprobs, _) = self.generator.fill(
+        state, (tokens, logprobs, routes) = self.generator.fill(
             state, histories, batch, targets, sampling, np.asarray(requests)
         )
-        for slot, token, logprob in zip(targets, tokens, logprobs, strict=True):
+        for j, (slot, token, logprob) in enumerate(zip(targets, tokens, logprobs, strict=True)):
+            if routes is not None:  # the whole history ran again: its routes are this prefill's
+                live[slot].experts = [routes[j]]
             record(slot, int(token), float(logprob))
         return state
 
@@ -384,6 +394,7 @@ def _trajectory(run: _Live, reason: str, error: str | None) -> Trajectory:
         turns=run.turns,
         tool_calls=run.tool_calls,
         tool_errors=run.tool_errors,
+        experts=np.concatenate(run.experts) if run.experts else None,
     )
 
 

@@ -87,7 +87,7 @@ class JaxEngine:
     """Generation for an hfjax `CausalLM` (concrete or abstract: only its structure is used) over `layout`. Past
     `max_extend_programs` compiled `extend` shapes, an extend pads up to a compiled shape that holds it, and compiles
     only where none does (`hfjax.rollout.extend_shapes`). With `record_experts`, a mixture of experts' routes come
-    back with the tokens of `prefill_insert` and `generate` (`ResultTokens.experts`; not `extend`'s)."""
+    back with the tokens of `prefill_insert`, `generate` and `extend` (`ResultTokens.experts`)."""
 
     def __init__(
         self,
@@ -112,7 +112,7 @@ class JaxEngine:
         self.config = cfg
         self.layout = layout or Layout.from_config({"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]})
         self._slots = max_concurrent_decodes
-        # a mixture of experts' routes, recorded by `prefill_insert` and `generate` (routing replay)
+        # a mixture of experts' routes, recorded by `prefill_insert`, `generate` and `extend` (routing replay)
         self.record_experts = record_experts and any(cfg.moe_layers)
         self.num_experts = cfg.num_experts
         self._max_prefill = max_prefill_length
@@ -509,10 +509,11 @@ class JaxEngine:
 
     def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
         rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
-        logits, keys, values = extend_slots_forward(
-            self._model(params), tokens, starts, counts, slots, state.keys, state.values, live,
-            self._prompt(state, self.prompt_blocks),
-        )  # fmt: skip
+        with record_routes() as routes:
+            logits, keys, values = extend_slots_forward(
+                self._model(params), tokens, starts, counts, slots, state.keys, state.values, live,
+                self._prompt(state, self.prompt_blocks),
+            )  # fmt: skip
         steps = jnp.where(steps < 0, state.steps[rows], steps)
         first = sample_tokens(
             logits, state.rng[rows], steps, state.temperature[rows], state.top_k[rows], state.top_p[rows], kind
@@ -528,7 +529,8 @@ class JaxEngine:
             tokens=set_slots(state.tokens, first[0]),
             steps=set_slots(state.steps, steps + 1),
         )
-        return state, ResultTokens(*first)
+        experts = stacked_routes(routes, self.num_experts) if self.record_experts else None
+        return state, ResultTokens(*first, experts)
 
     def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
                            samples, placement, *, kind):  # fmt: skip

@@ -56,7 +56,7 @@ class DecodeState(NamedTuple):
 class ResultTokens(NamedTuple):
     """Tokens and their logprobs, one per slot (or per inserted sample); with an engine that records routes, the
     experts each mixture-of-experts layer chose for the token the step ran on ([slots, moe layers, k]; an insert's:
-    its prompt's [samples, prompt positions, moe layers, k])."""
+    its prompt's [samples, prompt positions, moe layers, k]; an extend's: its rows' [rows, width, moe layers, k])."""
 
     tokens: jax.Array
     logprobs: jax.Array

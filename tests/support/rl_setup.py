@@ -62,6 +62,16 @@ def build_run_inputs(root: Path) -> dict[str, str]:
     return {"policy": str(policy), "scorer": str(scorer), "train": str(files["train"]), "test": str(files["test"])}
 
 
+def with_moe_policy(inputs: dict[str, str], root: Path) -> dict[str, str]:
+    """`inputs` (`build_run_inputs`) with a tiny Qwen3-MoE policy (every MLP a mixture of experts) on the addition
+    tokenizer instead."""
+    tokenizer = build_addition_tokenizer()
+    ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer))
+    _, policy = save_hf_model(root, "qwen3_moe", **TINY, **ids, mlp_only_layers=[])
+    tokenizer.save_pretrained(policy)
+    return {**inputs, "policy": str(policy)}
+
+
 def write_varied_reward(root: Path) -> str:
     """A reward function file scoring a response by its distinct characters (it differs between random samples, so
     advantages are not all zero); returns its `path.py:name` for `reward.function`."""
