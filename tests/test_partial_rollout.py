@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,6 +18,7 @@ from support.checkpoints import save_hf_model
 from support.tiny_models import compiled_forward
 
 from hfjax.models import load_hf
+from hfjax.models.moe import record_routes, stacked_routes
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.rollout.generator import SampleOutput
 from hfjax.rollout.sampling import sample_key
@@ -124,6 +126,52 @@ def test_generation_across_a_weight_change_concatenates_both_policies(policies, 
     assert switched == len(prompts)  # every sample was under way when the weights changed
     batch = assemble(np.zeros((3, 1), np.int32), np.ones((3, 1), np.int32), out, 1, NEW, 0)
     np.testing.assert_array_equal(batch["rollout_versions"], np.stack([o.versions for o in out]))
+
+
+def test_routes_across_a_weight_change_are_those_of_the_weights_that_first_ran_each_position(tmp_path):
+    """Routing replay across a weight change (two random Qwen3-MoE policies): each sample's recorded experts are the
+    first policy's full forward over the prompt and its tokens, up to the last token it fed, and the second policy's
+    from there on, position by position."""
+    moe = []
+    for seed in (0, 1):
+        _, path = save_hf_model(tmp_path, "qwen3_moe", seed=seed, vocab_size=VOCAB, eos_token_id=7)
+        model = load_hf(path, dtype="float32")
+        moe.append((model, nnx.split(model, nnx.Param, ...)[1]))
+    (model_a, params_a), (model_b, params_b) = moe
+    engine = JaxEngine(
+        model_a, max_concurrent_decodes=4, max_prefill_length=32, max_new_tokens=NEW, record_experts=True
+    )
+    generator = OfflineGenerator(engine, params_a, progress=False)
+
+    def load_newest():
+        generator.update_params(params_b)
+        return 1
+
+    sampling = SamplingParams(max_new_tokens=NEW, temperature=1.0, stop_token_ids=(), seed=5)
+    prompts = _prompts()
+    out = generate_across_versions(
+        generator, prompts, sampling, 0, version=0, newer=lambda: generator.params is params_a,
+        load_newest=load_newest, check_every=3,
+    )  # fmt: skip
+
+    def routes(model, sequence):
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def forward(state, ids):
+            with record_routes() as tape:
+                nnx.merge(graphdef, state).model(ids, jnp.ones_like(ids))
+            return stacked_routes(tape, model.config.num_experts)
+
+        return np.asarray(forward(state, sequence[None]))[0]
+
+    for o, prompt in zip(out, prompts, strict=True):
+        m = int(np.sum(o.versions == 0))
+        assert 0 < m < NEW
+        sequence = np.concatenate([prompt, o.tokens[:-1]]).astype(np.int32)
+        first = len(prompt) + m - 1  # positions the first policy ran: the prompt and its tokens but the last
+        want = np.concatenate([routes(model_a, sequence)[:first], routes(model_b, sequence)[first:]])
+        np.testing.assert_array_equal(o.experts, want)
 
 
 class _KeyRecorder:

@@ -302,13 +302,8 @@ class RLConfig:
     def _check_router_replay(self) -> None:
         if not self.actor.router_replay:
             return
-        unsupported = {
-            "async.partial_rollout": self.async_.partial_rollout,
-            "actor.packed_row_tokens": self.actor.packed_row_tokens > 0,
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise ValueError(f"actor.router_replay: not supported with {name} yet")
+        if self.actor.packed_row_tokens > 0:
+            raise ValueError("actor.router_replay: not supported with actor.packed_row_tokens yet")
 
     def _check_packed_rows(self) -> None:
         """A packed row holds at least one whole sequence: `packed_row_tokens` >= the longest prompt + response."""

@@ -4,7 +4,10 @@
 the samples not yet ended then continue under the new weights as new requests (prompt + tokens so far, so the KV
 cache of the continuation is computed by the new weights), and so on until every sample ended. A sample's tokens are
 the concatenation of each version's tokens; its log probs are those of the policy that sampled each token; its
-per-token versions say which. Continuations sample with keys of their own (`continuation_request`): a sample's
+per-token versions say which. With an engine that records routes (routing replay), each position keeps the experts
+of the weights that first ran it: the prompt's and the first version's tokens' from the first version, each
+continuation's new positions from its own (the continuation re-runs the prefix, whose new routes are not kept).
+Continuations sample with keys of their own (`continuation_request`): a sample's
 key is its step's seed folded with a request id and a sample index, and a step's own requests are numbered from 0,
 while a continuation's request id is negative and numbers its (sample, round) pair, so no random stream is reused,
 within a step or across steps. One call follows at most `CONTINUATION_ROUNDS` weight changes: its last round runs
@@ -50,6 +53,9 @@ def _extend(out: SampleOutput, more: SampleOutput, version: int, budget: int) ->
         reason = FINISH_INTERRUPTED
     else:
         reason = FINISH_LENGTH
+    experts = None
+    if out.experts is not None and more.experts is not None:  # each position keeps the routes of its first run
+        experts = np.concatenate([out.experts, more.experts[len(out.experts) :][: len(tokens)]])
     return SampleOutput(
         out.request,
         out.sample,
@@ -58,6 +64,7 @@ def _extend(out: SampleOutput, more: SampleOutput, version: int, budget: int) ->
         reason,
         more.error,
         np.concatenate([out.versions, np.full(len(tokens), version, np.int32)]),
+        experts,
     )
 
 
