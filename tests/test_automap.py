@@ -769,8 +769,8 @@ def test_the_cost_model_reads_the_expert_axis_and_a_mixture_of_experts_width():
     """An `expert` mesh axis in a config's layout: it splits the batch like data and fsdp, and each device holds
     1/(fsdp x expert) of Qwen3-30B-A3B's expert weights and routers, its q/k norms whole and 1/fsdp of the rest (a
     hand count from its config). The
-    MLP width of a token's activations is the experts' buffers': every expert's without a capacity factor, factor x
-    k expert widths with one."""
+    MLP width of a token's activations, and the weights its FLOPs run through, are the experts' buffers': every
+    expert's without a capacity factor, factor x k experts' with one."""
     sizes = _sizes({"mesh": {"fsdp": 2, "expert": 4}}, 8, "actor.train_layout")
     assert (sizes.size, sizes.batch_parts, sizes.describe()) == (8, 8, "d1.f2.e4.t1")
     cfg = NAMED_CONFIGS["qwen3-30b-a3b"]
@@ -780,6 +780,10 @@ def test_the_cost_model_reads_the_expert_axis_and_a_mixture_of_experts_width():
     shape = model_shape(cfg, "causal_lm")
     assert shape.shard_elements(layout_of(sizes, TRAIN_RULES)) == experts // 8 + qk_norms + rest // 2
     assert mlp_width(cfg, None) == 128 * 768 and mlp_width(cfg, 1.25) == 1.25 * 8 * 768
+    # FLOPs: every expert over a whole row without a capacity factor, 1.25 x 8 of 128 experts' with one
+    stacks = experts - cfg.num_layers * cfg.num_experts * cfg.hidden_size  # the routers always run
+    assert shape.matmul_params_at(None) == shape.matmul_params
+    assert shape.matmul_params_at(1.25) == pytest.approx(shape.matmul_params - stacks * (1 - 10 / 128))
     assert mlp_width(NAMED_CONFIGS["llama-3.1-8b"], 1.25) == 14336
     with pytest.raises(ValueError, match=r"mesh axes \['pipeline'\] are not modelled"):
         _sizes({"mesh": {"pipeline": 2}}, 2, "actor.train_layout")

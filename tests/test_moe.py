@@ -451,7 +451,7 @@ def test_a_grpo_run_replays_its_rollouts_routes(tmp_path):
         assert 0 < step["actor/router_entropy"] <= np.log(8) + 1e-5
         assert step["actor/router_dropped"] == 0 and step["actor/router_aux_loss"] > 0
     bad = rl_config(inputs, tmp_path / "bad", "grpo", actor={"router_replay": True, "packed_row_tokens": 64})
-    with pytest.raises(ValueError, match="actor.router_replay: not supported with actor.packed_row_tokens yet"):
+    with pytest.raises(ValueError, match=r"actor\.router_replay: not supported with actor\.packed_row_tokens yet"):
         load_rl_config(bad)
     dense = rl_config(build_run_inputs(tmp_path / "dense"), tmp_path / "d", "grpo", actor={"router_replay": True})
     with pytest.raises(ValueError, match=r"actor.router_replay: .* has no mixture-of-experts layers to replay"):

@@ -253,7 +253,8 @@ class CostModel:
         micro, m = self._passes(seqs_step, sizes)
         steps = w.ppo_epochs * w.mini_batches
         S = w.seq_len
-        flops = m * S * ((6 + 2 * r) * shape.matmul_params + (3 + r) * shape.attention_flops(S / 2))
+        matmul = shape.matmul_params_at(opt.expert_capacity_factor)
+        flops = m * S * ((6 + 2 * r) * matmul + (3 + r) * shape.attention_flops(S / 2))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         f, t = sizes.fsdp, sizes.tensor
         L, share = cfg.num_layers, self.share(sizes.size)
@@ -277,7 +278,8 @@ class CostModel:
         w, cfg, opt = self.workload, shape.config, self.options
         micro, m = self._passes(self.sequences("inference", role), sizes)
         S, L, f, t, share = w.seq_len, cfg.num_layers, sizes.fsdp, sizes.tensor, self.share(sizes.size)
-        flops = m * S * (2 * shape.matmul_params + shape.attention_flops(S / 2))
+        factor = opt.expert_capacity_factor if role in ("actor", "ref") else None  # the policy's passes
+        flops = m * S * (2 * shape.matmul_params_at(factor) + shape.attention_flops(S / 2))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         compute = micro * flops / t / (share * self.shard_flops(shape, t))
         fsdp = micro * self.collective("gather", shard * f * opt.param_bytes, f, f * t, L, share)

@@ -188,6 +188,20 @@ class ModelShape:
         tied_head = self.head == "causal_lm" and cfg.tie_word_embeddings
         return self.params - (0 if tied_head else cfg.padded_vocab_size * cfg.hidden_size)
 
+    def matmul_params_at(self, capacity_factor: float | None) -> float:
+        """`matmul_params` as a mixture of experts' dispatch computes them per token: every expert's weights over
+        a buffer as long as the row without a capacity factor (no token dropped), `factor x k` experts' with one."""
+        cfg = self.config
+        if not any(cfg.moe_layers) or capacity_factor is None:
+            return self.matmul_params
+        stacks = sum(
+            math.prod(dims) * count
+            for dims, logical, count in self.param_kinds
+            if len(dims) == 3 and logical[0] == "expert"
+        )
+        share = min(1.0, capacity_factor * cfg.experts_per_token / cfg.num_experts)
+        return self.matmul_params - stacks * (1.0 - share)
+
     def attention_flops(self, context: float) -> float:
         """Forward attention FLOPs per token attending to `context` keys (QK^T and AV)."""
         cfg = self.config
