@@ -26,6 +26,7 @@ from support.checkpoints import left_padded_batch, save_hf_model
 from support.rl_setup import build_run_inputs, rl_config
 from support.tiny_models import TINY, compiled_forward, random_model
 
+from hfjax.automap.dataflow import model_shape
 from hfjax.compiled.programs import AbstractModel, actor_programs, actor_resident, bytes_per_device, measure
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.config.roles import ActorConfig
@@ -425,6 +426,20 @@ def test_the_cost_model_counts_lora_memory():
     assert lora["actor"].memory["optimizer"] == pytest.approx(full["actor"].memory["optimizer"] * share)
     assert lora["actor"].memory["grads"] == pytest.approx(full["actor"].memory["grads"] * share)
     assert lora["ref"].memory["params"] == 0 and full["ref"].memory["params"] == pytest.approx(base)
+
+
+def test_the_cost_model_counts_a_lora_critics_memory():
+    """A PPO config's critic with rank-16 adapters against the same critic fully trained: the base in the compute
+    dtype plus float32 adapters, optimizer state and gradients scaled by the adapters' share."""
+    path = "configs/gsm8k/llama-3.1-8b-ppo-8gpu.yaml"
+    full = predict_memory(load_rl_config(path), 1e15).roles["critic"].memory
+    adapted = predict_memory(load_rl_config(path, ["critic.lora.rank=16"]), 1e15).roles["critic"].memory
+    shape = dataclasses.replace(named_config("llama-3.1-8b"), num_labels=1)
+    share = lora_parameter_count(shape, LoraConfig(rank=16)) / model_shape(shape, "token_cls").params
+    base = full["params"] / 2  # float32 master -> bfloat16 base
+    assert adapted["params"] == pytest.approx(base + base * 2 * share)
+    assert adapted["optimizer"] == pytest.approx(full["optimizer"] * share)
+    assert adapted["grads"] == pytest.approx(full["grads"] * share)
 
 
 def test_a_lora_critic_trains_its_adapters_and_value_head(tmp_path):

@@ -123,6 +123,7 @@ class CostOptions:
     # the actor's LoRA adapters (`actor.lora`; None: full fine-tuning): the base in `param_bytes`, float32 adapters
     # with their gradients and optimizer state, and no reference copy (the base serves)
     actor_lora: LoraConfig | None = None
+    critic_lora: LoraConfig | None = None  # the critic's (`critic.lora`), counted as the actor's
     # a mixture of experts' capacity factor in the training and log-prob passes (`actor.expert_capacity_factor`;
     # None: no token dropped, every expert's buffer spans the row); generation never drops a token
     expert_capacity_factor: float | None = None
@@ -371,7 +372,8 @@ class CostModel:
         opt = self.options
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         trained = role in self.flow.training
-        lora = opt.actor_lora if role in ("actor", "ref") and opt.actor_lora and opt.actor_lora.enabled else None
+        lora = {"actor": opt.actor_lora, "ref": opt.actor_lora, "critic": opt.critic_lora}.get(role)
+        lora = lora if lora is not None and lora.enabled else None
         trained_shard = shard * lora_parameter_count(shape.config, lora) / shape.params if lora else shard
         seconds = dict.fromkeys(STAGES, 0.0)
         detail: dict[str, float] = {}
