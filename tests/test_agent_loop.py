@@ -12,18 +12,17 @@ import time
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from support.checkpoints import save_hf_model
+from support.tiny_models import full_forward_routes
 
 from hfjax.data.synthetic import build_addition_tokenizer
 from hfjax.envs import Environment, StepResult, ToolEnvironment
 from hfjax.envs.agent_loop import AgentGenerator, turn_request
 from hfjax.envs.trajectory import agent_columns, agent_metrics
 from hfjax.models import load_hf
-from hfjax.models.moe import record_routes, stacked_routes
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.rollout.sampling import SamplingError
 
@@ -292,15 +291,7 @@ def test_a_mixture_of_experts_agent_records_the_routes_of_every_token(tmp_path, 
     prompts, rows = _prompts(4)
     trajectories = AgentGenerator(generator, CountingEnv, tokenizer, **options).generate(prompts, rows, SAMPLED)
     assert max(t.turns for t in trajectories) >= 3 and not all(t.response_mask.all() for t in trajectories)
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def full_forward_routes(state, ids):
-        with record_routes() as tape:
-            nnx.merge(graphdef, state).model(ids, jnp.ones_like(ids))
-        return stacked_routes(tape, model.config.num_experts)
-
     for t in trajectories:
-        sequence = np.concatenate([t.prompt, t.tokens[:-1]]).astype(np.int32)[None]
-        assert t.experts.shape == (sequence.shape[1], 1, 2)
-        np.testing.assert_array_equal(t.experts, np.asarray(full_forward_routes(state, sequence))[0])
+        sequence = np.concatenate([t.prompt, t.tokens[:-1]])
+        assert t.experts.shape == (len(sequence), 1, 2)
+        np.testing.assert_array_equal(t.experts, full_forward_routes(model, sequence))

@@ -10,15 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from support.checkpoints import save_hf_model
-from support.tiny_models import compiled_forward
+from support.tiny_models import compiled_forward, full_forward_routes
 
 from hfjax.models import load_hf
-from hfjax.models.moe import record_routes, stacked_routes
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.rollout.generator import SampleOutput
 from hfjax.rollout.sampling import sample_key
@@ -154,23 +152,14 @@ def test_routes_across_a_weight_change_are_those_of_the_weights_that_first_ran_e
         load_newest=load_newest, check_every=3,
     )  # fmt: skip
 
-    def routes(model, sequence):
-        graphdef, state = nnx.split(model)
-
-        @jax.jit
-        def forward(state, ids):
-            with record_routes() as tape:
-                nnx.merge(graphdef, state).model(ids, jnp.ones_like(ids))
-            return stacked_routes(tape, model.config.num_experts)
-
-        return np.asarray(forward(state, sequence[None]))[0]
-
     for o, prompt in zip(out, prompts, strict=True):
         m = int(np.sum(o.versions == 0))
         assert 0 < m < NEW
-        sequence = np.concatenate([prompt, o.tokens[:-1]]).astype(np.int32)
+        sequence = np.concatenate([prompt, o.tokens[:-1]])
         first = len(prompt) + m - 1  # positions the first policy ran: the prompt and its tokens but the last
-        want = np.concatenate([routes(model_a, sequence)[:first], routes(model_b, sequence)[first:]])
+        want = np.concatenate(
+            [full_forward_routes(model_a, sequence)[:first], full_forward_routes(model_b, sequence)[first:]]
+        )
         np.testing.assert_array_equal(o.experts, want)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from hfjax.models import CausalLM, ModelConfig
 from hfjax.models.hf import abstract_model
+from hfjax.models.moe import record_routes, stacked_routes
 
 TINY = ModelConfig(
     family="llama",
@@ -39,3 +41,17 @@ def compiled_forward(model: nnx.Module, *inputs: jax.Array) -> jax.Array:
     """`model(*inputs)` as one compiled program per model structure and input shapes. A plain (eager) call runs and
     compiles each operation on its own: hundreds of small compiles per new shape, most of a test's time."""
     return model(*inputs)
+
+
+def full_forward_routes(model: nnx.Module, sequence: np.ndarray) -> np.ndarray:
+    """The experts every mixture-of-experts layer of `model` chooses for each token of one unpadded `sequence`
+    [length] in a full forward: [length, moe layers, k] (`hfjax.models.moe.record_routes`)."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state: nnx.State, ids: jax.Array) -> jax.Array:
+        with record_routes() as tape:
+            nnx.merge(graphdef, state).model(ids, jnp.ones_like(ids))
+        return stacked_routes(tape, model.config.num_experts)
+
+    return np.asarray(forward(state, np.asarray(sequence, np.int32)[None]))[0]
