@@ -38,7 +38,11 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
     "bench/bench_weight_sync.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs"}),
     "bench/peers/trl_grpo.py": (["--tiny"], "out.json", {"peer"}),
     "bench/peers/workload.py": (["--tiny"], "out.jsonl", {"data_source", "prompt", "reward_model", "extra_info"}),
-    "bench/quickstart_seeds.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs", "gain_spread"}),
+    "bench/quickstart_seeds.py": (
+        ["--tiny", "--algorithms", "grpo", "--lora-rank", "2"],
+        "out.json",
+        REPORT_KEYS | {"runs", "gain_spread"},
+    ),
 }
 # Scripts with no tiny run here, and why.
 NOT_RUN = {

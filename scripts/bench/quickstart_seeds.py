@@ -1,9 +1,12 @@
 """The quickstart's learning claim over seeds: for each seed s, the addition quickstart with `task.seed=s` and
 `model.seed=s` (another training set, held-out split and random base model), fine-tuned once, then RL from that SFT
 checkpoint with each algorithm (GRPO and PPO by default). Prints held-out greedy accuracy after SFT and after RL per
-seed and algorithm, and the smallest, median and largest gain per algorithm; writes them as JSON. Usage:
-    python scripts/bench/quickstart_seeds.py [--seeds 0,1,2,3,4] [--algorithms grpo,ppo] [--config
-        configs/quickstart.yaml]
+seed and algorithm, and the smallest, median and largest gain per algorithm; writes them as JSON. `--lora-rank R`
+also runs each algorithm with rank-R LoRA adapters on the actor (alpha 2R, learning rate 1e-3) from the same SFT
+checkpoint, side by side, with the bytes a disaggregated weight sync sends per step (the policy in its compute dtype,
+or the float32 adapters alone; from the parameter counts). Usage:
+    python scripts/bench/quickstart_seeds.py [--seeds 0,1,2,3,4] [--algorithms grpo,ppo] [--lora-rank 16]
+        [--config configs/quickstart.yaml]
         [--run-root runs/quickstart-seeds] [--out runs/bench/quickstart_seeds.json] [--tiny] [key=value ...]
 The trailing `key=value` overrides reach every seed's quickstart config, as on the `hfjax quickstart` command line.
 """
@@ -34,10 +37,25 @@ def seed_config(config: str, run_dir: Path, seed: int, overrides: list[str]) -> 
     )
 
 
+def sync_bytes(cfg: Any) -> int:
+    """Bytes a disaggregated weight sync of `cfg`'s actor sends per step: every weight in the compute dtype, or with
+    LoRA the float32 adapters alone (`ActorRolloutRefWorker.weights_for_rollout`)."""
+    import jax.numpy as jnp
+
+    from hfjax.models.lora import lora_parameter_count
+    from hfjax.trainer.preflight import model_config
+
+    model = model_config(cfg.actor.model_path, "actor.model_path")
+    if cfg.actor.lora.enabled:
+        return 4 * lora_parameter_count(model, cfg.actor.lora)
+    return jnp.dtype(cfg.actor.dtype).itemsize * model.num_params
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--algorithms", default="grpo,ppo")
+    parser.add_argument("--lora-rank", type=int, default=0, help="also each algorithm with LoRA of this rank")
     parser.add_argument(
         "--config", default="configs/quickstart.yaml", help="a quickstart config (packaged name or path)"
     )
@@ -59,32 +77,39 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     algorithms = args.algorithms.split(",")
     runs: list[dict[str, Any]] = []
+    rank = args.lora_rank
+    lora = [f"rl.actor.lora.rank={rank}", f"rl.actor.lora.alpha={2 * rank}", "rl.actor.optim.lr=1e-3"]
+    variants = [(algorithm, "", []) for algorithm in algorithms]
+    variants += [(algorithm, f"+lora{rank}", lora) for algorithm in algorithms] if rank else []
     for seed in seeds:
         cfg = seed_config(args.config, root / f"seed{seed}", seed, overrides)
         files = fine_tune(cfg)
-        for algorithm in algorithms:
+        for algorithm, suffix, extra in variants:
             algo_cfg = seed_config(
-                args.config, root / f"seed{seed}", seed, [*overrides, f"rl.algorithm.name={algorithm}"]
+                args.config, root / f"seed{seed}", seed, [*overrides, f"rl.algorithm.name={algorithm}", *extra]
             )
-            result, _ = reinforce(algo_cfg, files, part=f"rl-{algorithm}")
-            runs.append({"seed": seed, **result})
-            print(f"seed {seed} {algorithm}: {100 * result['sft_accuracy']:.1f}% -> {100 * result['rl_accuracy']:.1f}%")
+            result, rl_cfg = reinforce(algo_cfg, files, part=f"rl-{algorithm}{suffix}")
+            result["algorithm"] += suffix
+            runs.append({"seed": seed, **result, "sync_bytes": sync_bytes(rl_cfg)})
+            print(f"seed {seed} {result['algorithm']}: {100 * result['sft_accuracy']:.1f}% -> "
+                  f"{100 * result['rl_accuracy']:.1f}%")  # fmt: skip
 
     rows = [
         [r["seed"], r["algorithm"], f"{100 * r['sft_accuracy']:.1f}%", f"{100 * r['rl_accuracy']:.1f}%",
-         f"{r['gain_points']:+.1f}", f"{r['rl_seconds']:.0f}"]
+         f"{r['gain_points']:+.1f}", f"{r['rl_seconds']:.0f}", f"{r['sync_bytes'] / 1e6:.3f}"]
         for r in runs
     ]  # fmt: skip
     spread = {}
-    for algorithm in algorithms:
+    for algorithm in dict.fromkeys(r["algorithm"] for r in runs):
         gains = [r["gain_points"] for r in runs if r["algorithm"] == algorithm]
         spread[algorithm] = {"min": min(gains), "median": statistics.median(gains), "max": max(gains)}
         rows.append(
-            ["all", algorithm, "", "", f"{min(gains):+.1f} / {statistics.median(gains):+.1f} / {max(gains):+.1f}", ""]
-        )
+            ["all", algorithm, "", "", f"{min(gains):+.1f} / {statistics.median(gains):+.1f} / {max(gains):+.1f}", "",
+             ""]
+        )  # fmt: skip
     report(
         f"quickstart over seeds {args.seeds} ({args.config}); last rows: smallest / median / largest gain",
-        ["seed", "algorithm", "after SFT", "after RL", "gain (points)", "RL seconds"],
+        ["seed", "algorithm", "after SFT", "after RL", "gain (points)", "RL seconds", "weight sync MB/step"],
         rows,
         args.out,
         {"runs": runs, "gain_spread": spread, "overrides": overrides, "run_root": str(root)},
