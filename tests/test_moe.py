@@ -434,12 +434,13 @@ def test_replaying_the_rollouts_routes_gives_the_training_pass_its_experts(tmp_p
     assert replay_drift.max() < 1e-5  # the engine's and the full forward's float32 numerics
 
 
-def test_a_grpo_run_replays_its_rollouts_routes(tmp_path):
-    """A GRPO step of a mixture-of-experts policy with `actor.router_replay` (trimmed micro-batches, the KL loss
-    against a reference that routes itself) and the load-balancing loss, its router metrics, and the settings it
-    refuses."""
+@pytest.mark.parametrize("packed_row_tokens", [0, 64])
+def test_a_grpo_run_replays_its_rollouts_routes(tmp_path, packed_row_tokens):
+    """A GRPO step of a mixture-of-experts policy with `actor.router_replay` (trimmed or packed micro-batches, the
+    KL loss against a reference that routes itself) and the load-balancing loss, its router metrics, and the
+    settings it refuses."""
     inputs = with_moe_policy(build_run_inputs(tmp_path), tmp_path)
-    actor = {"router_replay": True, "router_aux_loss_coef": 0.01}
+    actor = {"router_replay": True, "router_aux_loss_coef": 0.01, "packed_row_tokens": packed_row_tokens}
     cfg = rl_config(inputs, tmp_path / "run", "grpo", actor=actor, trainer={"total_steps": 1})
     history = run_rl(load_rl_config(cfg))  # 8 rows, mini-batches of 4: the old log probs are a pass of their own
     assert len(history) == 1
@@ -450,9 +451,8 @@ def test_a_grpo_run_replays_its_rollouts_routes(tmp_path):
         assert step["actor/router_max_load"] >= 1 - 1e-5 >= step["actor/router_min_load"] - 2e-5 >= 0
         assert 0 < step["actor/router_entropy"] <= np.log(8) + 1e-5
         assert step["actor/router_dropped"] == 0 and step["actor/router_aux_loss"] > 0
-    bad = rl_config(inputs, tmp_path / "bad", "grpo", actor={"router_replay": True, "packed_row_tokens": 64})
-    with pytest.raises(ValueError, match=r"actor\.router_replay: not supported with actor\.packed_row_tokens yet"):
-        load_rl_config(bad)
+    if packed_row_tokens:
+        return
     dense = rl_config(build_run_inputs(tmp_path / "dense"), tmp_path / "d", "grpo", actor={"router_replay": True})
     with pytest.raises(ValueError, match=r"actor.router_replay: .* has no mixture-of-experts layers to replay"):
         run_rl(load_rl_config(dense))

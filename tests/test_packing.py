@@ -1,7 +1,7 @@
 """Padding-free micro-batches (`actor.packed_row_tokens`): positions restart per packed sequence, first-fit
-decreasing packing, and the packed arrays hold every real token once, with indices that read each response token
-back where the padded batch has it. (That updates and log-prob passes equal the padded ones is in
-test_trim_padding.py.)"""
+decreasing packing, and the packed arrays hold every real token once (with its recorded experts), with indices that
+read each response token back where the padded batch has it. (That updates and log-prob passes equal the padded ones
+is in test_trim_padding.py.)"""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from hfjax.workers.packing import (
     response_positions,
     to_response_rows,
 )
+from hfjax.workers.sequences import ROUTED_EXPERTS
 
 
 def test_positions_restart_on_each_packed_sequence():
@@ -39,6 +40,8 @@ def test_first_fit_decreasing():
 def test_packed_arrays_hold_every_token_once_and_read_back(parts):
     batch = _batch(50, 0)
     batch["per_row"] = np.arange(len(PROMPT_LENGTHS), dtype=np.float32) + 1
+    routes = np.random.default_rng(1).integers(0, 8, (*batch["input_ids"].shape, 2, 3)).astype(np.int8)
+    batch[ROUTED_EXPERTS] = np.where(batch["attention_mask"][..., None, None] > 0, routes, -1)  # routing replay
     order, micro_batches = packed_micro_batches(batch, RESPONSE_LENGTH, 64, parts)
     lengths = np.asarray(PROMPT_LENGTHS) + np.asarray(RESPONSE_LENGTHS)
     assert sorted(order[order >= 0].tolist()) == list(range(len(PROMPT_LENGTHS)))  # every row once
@@ -71,8 +74,9 @@ def test_packed_arrays_hold_every_token_once_and_read_back(parts):
             packed = mb["attention_mask"][part] == segment + 1
             real = batch["attention_mask"][row].astype(bool)
             assert packed.sum() == p + n
-            for key in ("input_ids", "position_ids"):
+            for key in ("input_ids", "position_ids", ROUTED_EXPERTS):
                 np.testing.assert_array_equal(mb[key][part][packed], batch[key][row][real])
+        assert (mb[ROUTED_EXPERTS][mb["attention_mask"] == 0] == -1).all()  # padding routes itself
     assert seen == len(order)
     assert all(PACKED_LABELS in mb for mb in micro_batches)
 

@@ -215,11 +215,12 @@ def micro_batch(
 ) -> dict[str, Any]:
     """The largest micro-batch of a trained role's `section` (actor or critic config): packed when it sets
     `packed_row_tokens`, else `micro_batch_size` rows of the longest prompt and response; with the rollout's
-    `ROUTED_EXPERTS` of the mixture-of-experts model `routes` where given (routing replay)."""
+    `ROUTED_EXPERTS` of the mixture-of-experts model `routes` beside `input_ids` where given (routing replay)."""
     response = cfg.rollout.response_length
     if section.packed_row_tokens:
-        return packed_batch(layout, section.packed_row_tokens, response, extra)
-    batch = sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, response, extra)
+        batch = packed_batch(layout, section.packed_row_tokens, response, extra)
+    else:
+        batch = sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, response, extra)
     if routes is not None:
         shape = (*batch["input_ids"].shape, sum(routes.moe_layers), routes.experts_per_token)
         dtype = route_dtype(routes.num_experts)

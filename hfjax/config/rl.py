@@ -227,7 +227,6 @@ class RLConfig:
             self.rollout.agent.tokenizer_path = self.tokenizer_path
         if self.rollout.agent.enabled and self.async_.partial_rollout:
             raise ValueError("async.partial_rollout: not supported with rollout.agent (multi-turn) rollouts yet")
-        self._check_router_replay()
         algo = self.algorithm
         if "cost_model" in algo.roles and not self.reward.cost_model.enabled:
             raise ValueError(f"{algo.source} needs reward.cost_model.model_path")
@@ -298,12 +297,6 @@ class RLConfig:
         if placement == "split":
             return [["actor"], roles[1:]]
         return [[name] for name in roles]
-
-    def _check_router_replay(self) -> None:
-        if not self.actor.router_replay:
-            return
-        if self.actor.packed_row_tokens > 0:
-            raise ValueError("actor.router_replay: not supported with actor.packed_row_tokens yet")
 
     def _check_packed_rows(self) -> None:
         """A packed row holds at least one whole sequence: `packed_row_tokens` >= the longest prompt + response."""

@@ -5,7 +5,8 @@ A packed micro-batch has one row of at most `packed_row_tokens` tokens per batch
 over the data x fsdp shards; in a group of several processes each process packs its own parts). A sequence (a batch
 row's real prompt and response tokens) lies whole in one packed row: `attention_mask` holds its segment id (1, 2, ...
 along the row, 0 on padding) and `position_ids` its own positions, and attention never crosses segments
-(`hfjax.models.attention.attention_mask`), so each real token sees what it saw in its padded row.
+(`hfjax.models.attention.attention_mask`), so each real token sees what it saw in its padded row. A batch's
+`routed_experts` (routing replay) are packed with their tokens.
 
 The response-aligned arrays [B, R] (response_mask, advantages, old log probs, ...) keep one row per sequence,
 [S, R'] (S = sequence rows per part x parts, R' = the longest response of the micro-batch, rounded up to a padded
@@ -25,7 +26,7 @@ import numpy as np
 
 from hfjax.parallel.global_arrays import process_reduce
 from hfjax.rollout import power_of_two_at_least
-from hfjax.workers.sequences import SEQUENCE_KEYS, content_lengths, padded_lengths, response_slice
+from hfjax.workers.sequences import ROUTED_EXPERTS, SEQUENCE_KEYS, content_lengths, padded_lengths, response_slice
 
 PACKED_POSITIONS = "packed_positions"  # [parts, T] the packed index whose output predicts each response token
 PACKED_LABELS = "packed_labels"  # [parts, T] that response token
@@ -133,6 +134,9 @@ def _pack(
     parts = len(rows_of_parts)
     split = batch["attention_mask"].shape[1] - response_length
     packed = {key: np.zeros((parts, width), np.asarray(batch[key]).dtype) for key in SEQUENCE_KEYS}
+    if ROUTED_EXPERTS in batch:  # routing replay: each token's recorded experts go where the token goes (-1: none)
+        routes = np.asarray(batch[ROUTED_EXPERTS])
+        packed[ROUTED_EXPERTS] = np.full((parts, width, *routes.shape[2:]), -1, routes.dtype)
     positions, labels = np.zeros((parts, tokens), np.int32), np.zeros((parts, tokens), np.int32)
     response_index = np.zeros((parts * seqs, columns), np.int32)
     seq_rows = np.full(parts * seqs, -1)
@@ -141,7 +145,7 @@ def _pack(
         for k, row in enumerate(members):
             prompt, response = int(prompts[row]), int(responses[row])
             start, stop = split - prompt, split + response
-            for key in SEQUENCE_KEYS:
+            for key in packed:
                 packed[key][part, offset : offset + prompt + response] = batch[key][row, start:stop]
             packed["attention_mask"][part, offset : offset + prompt + response] = k + 1
             predicting = offset + prompt - 1 + np.arange(response)
@@ -158,7 +162,7 @@ def _pack(
     }
     source = np.where(seq_rows >= 0, seq_rows, 0)  # a padding sequence row copies row 0, with no response tokens
     for key, value in batch.items():
-        if key in SEQUENCE_KEYS or key == "prompts":
+        if key in packed or key == "prompts":
             continue
         value = np.asarray(value)
         if value.ndim >= 2 and value.shape[1] != response_length:
