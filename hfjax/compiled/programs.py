@@ -50,7 +50,7 @@ from hfjax.rollout.sampling import SamplerKind
 from hfjax.workers.actor import actor_loss, logprob_rows, ref_logprob_rows
 from hfjax.workers.critic import critic_loss, response_values
 from hfjax.workers.generation import sampling_params
-from hfjax.workers.model_role import rows_program
+from hfjax.workers.model_role import LORA_DROPOUT_SEED, rows_program
 from hfjax.workers.packing import PACKED_LABELS, PACKED_POSITIONS, RESPONSE_INDEX
 from hfjax.workers.reward_model import sequence_scores
 from hfjax.workers.sequences import ROUTED_EXPERTS, SEQUENCE_KEYS
@@ -228,6 +228,15 @@ def micro_batch(
     return batch
 
 
+def with_dropout_seeds(batch: dict[str, Any], section: Any, layout: Layout) -> dict[str, Any]:
+    """An update's micro-batch with each row's adapter dropout seed (`LORA_DROPOUT_SEED`) where `section.lora` drops
+    out adapter inputs."""
+    if not (section.lora.enabled and section.lora.dropout):
+        return batch
+    rows = (batch["responses"].shape[0],)
+    return {**batch, LORA_DROPOUT_SEED: jax.ShapeDtypeStruct(rows, jnp.int32, sharding=batch_sharding(layout, rows))}
+
+
 def _train_programs(
     group: str,
     model: AbstractModel,
@@ -318,7 +327,7 @@ def actor_programs(
     ref_bytes = (bytes_per_device(ref) if ref is not None else 0) + others
     extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
     routes = shape if actor.router_replay else None
-    batch = micro_batch(cfg, actor, layout, extra, routes)
+    batch = with_dropout_seeds(micro_batch(cfg, actor, layout, extra, routes), actor, layout)
     loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
     yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
     rows = micro_batch(cfg, actor, layout, (), routes)
@@ -388,7 +397,7 @@ def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: i
         expert_capacity_factor=critic.expert_capacity_factor,
     )
     optimizer = make_optimizer(critic.optim, None)
-    batch = micro_batch(cfg, critic, layout, ("values", "returns", "response_mask"))
+    batch = with_dropout_seeds(micro_batch(cfg, critic, layout, ("values", "returns", "response_mask")), critic, layout)
     loss_fn = functools.partial(critic_loss, critic, response)
     yield from _train_programs("critic", model, optimizer, critic.optim.grad_clip, loss_fn, batch, others)
     rows = micro_batch(cfg, critic, layout, ())
