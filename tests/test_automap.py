@@ -33,9 +33,10 @@ from hfjax.automap import (
     set_partitions,
 )
 from hfjax.automap.cluster import GIB
-from hfjax.automap.cost import GEN_RULES, TRAIN_RULES, RoleCost, layout_of, mlp_width, stage_seconds
+from hfjax.automap.cost import RoleCost, stage_seconds
 from hfjax.automap.dataflow import STAGES, model_shape
 from hfjax.automap.search import allocations, device_counts, train_sizes
+from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, layout_of, mlp_width
 from hfjax.automap.trainer_runs import (
     PLACEMENTS,
     _sizes,

@@ -2,10 +2,11 @@
 model of the cluster, the algorithm's dataflow and the workload."""
 
 from hfjax.automap.cluster import BUILTIN, ClusterSpec, DeviceProfile, calibrate_cpu, local_cpu
-from hfjax.automap.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost, Sizes
+from hfjax.automap.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost
 from hfjax.automap.dataflow import DATAFLOWS, PAPER_MODELS, Dataflow, ModelShape, Workload, dataflow, role_shapes
 from hfjax.automap.report import print_breakdown, print_candidates
 from hfjax.automap.search import Candidate, MappingSearch, SearchResult, automap, set_partitions
+from hfjax.automap.sizes import Sizes
 
 __all__ = [
     "BUILTIN",

@@ -1,7 +1,8 @@
 """Cost model of one RL iteration (HybridFlow §6's simulators): seconds per role and stage, and memory per device.
 
-A role's layout is `Sizes(data, fsdp, tensor)` on its group's devices (mesh axes in that order, tensor innermost,
-devices numbered host-major, so a group of `span` consecutive devices talks over NVLink/ICI when it fits a host).
+A role's layout is `Sizes(data, fsdp, tensor, expert)` (`hfjax.automap.sizes`) on its group's devices (mesh axes
+in that order, tensor innermost, devices numbered host-major, so a group of `span` consecutive devices talks over
+NVLink/ICI when it fits a host).
 With P the matmul parameters, L layers, width d, S = prompt + response tokens, F achievable FLOP/s per device
 (at the width d/t each device's matmuls produce under t-way tensor parallelism: `DeviceProfile.flops_at`):
 - training, per token (6 + 2r) P + (3 + r) attention FLOPs (r = 1 with full recomputation), split over the
@@ -35,76 +36,17 @@ chunk of the LM head's float32 logits.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from hfjax.automap.cluster import GIB, ClusterSpec
 from hfjax.automap.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
-from hfjax.models.config import ModelConfig
+from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, Sizes, layer_activation_bytes, layout_of, mlp_width
 from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.models.lora import LoraConfig, lora_parameter_count
-from hfjax.parallel.layout import Layout
 from hfjax.parallel.layout_compare import table2_moved_bytes
 
-TRAIN_RULES = "fsdp_tp"
-GEN_RULES = "dp_tp_gen"
 ROLLOUT = "rollout"  # the group of a disaggregated placement that only generates, with a copy of the actor's weights
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Sizes:
-    """Mesh sizes of one layout: data x fsdp x expert x tensor devices (the searches keep `expert` at 1)."""
-
-    data: int
-    fsdp: int
-    tensor: int
-    expert: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.data * self.fsdp * self.expert * self.tensor
-
-    @property
-    def batch_parts(self) -> int:
-        """The parts the batch splits into: every rule preset spreads rows over data, fsdp and expert."""
-        return self.data * self.fsdp * self.expert
-
-    def config(self, rules: str) -> dict[str, Any]:
-        """The layout config `Layout.from_config` accepts (tensor innermost; `expert` where it is above 1)."""
-        mesh = {"data": self.data, "fsdp": self.fsdp, **({"expert": self.expert} if self.expert > 1 else {})}
-        return {"mesh": {**mesh, "tensor": self.tensor}, "rules": rules}
-
-    def describe(self) -> str:
-        return f"d{self.data}.f{self.fsdp}{f'.e{self.expert}' if self.expert > 1 else ''}.t{self.tensor}"
-
-
-@functools.lru_cache(maxsize=8192)
-def layout_of(sizes: Sizes, rules: str) -> Layout:
-    return Layout.from_config(sizes.config(rules))
-
-
-def gen_sizes(devices: int, tensor: int) -> Sizes:
-    """The generation layout: `tensor`-way model parallel replicas over `devices` (no FSDP)."""
-    return Sizes(devices // tensor, 1, tensor)
-
-
-def mlp_width(cfg: ModelConfig, capacity_factor: float | None) -> float:
-    """The MLP width one token's activations span: the dense MLP's, or, in a mixture of experts, the expert width
-    times the buffer slots per token (every expert's without a capacity factor, `factor x k` with one; the most of
-    any layer)."""
-    if not any(cfg.moe_layers):
-        return cfg.intermediate_size
-    slots = cfg.num_experts if capacity_factor is None else capacity_factor * cfg.experts_per_token
-    return max(cfg.intermediate_size * (not all(cfg.moe_layers)), slots * cfg.expert_intermediate_size)
-
-
-def layer_activation_bytes(width: int, mlp_width: float, tensor: int) -> float:
-    """Bytes per token that one decoder layer keeps for its backward (bf16 compute): the two norms' inputs and their
-    float32 copies (12 d), the residual (2 d), and split over `tensor`: normed input, q/k/v, rotated q/k and the
-    attention output (10 d), and the MLP's gate, up, activation and product (8 m)."""
-    return 14 * width + (10 * width + 8 * mlp_width) / tensor
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,19 +19,16 @@ from typing import Any
 
 from hfjax.automap.cluster import ClusterSpec
 from hfjax.automap.cost import (
-    GEN_RULES,
     ROLLOUT,
     CostModel,
     CostOptions,
     DeviceMapping,
     Prediction,
     RoleCost,
-    Sizes,
-    gen_sizes,
-    layout_of,
     stage_seconds,
 )
 from hfjax.automap.dataflow import ModelShape, Workload, dataflow, role_shapes
+from hfjax.automap.sizes import GEN_RULES, Sizes, gen_sizes, layout_of
 from hfjax.parallel.layout import LayoutError
 
 Placement = tuple[tuple[str, ...], ...]

@@ -23,19 +23,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hfjax.automap.cluster import ClusterSpec
-from hfjax.automap.cost import (
-    GEN_RULES,
-    ROLLOUT,
-    TRAIN_RULES,
-    CostModel,
-    DeviceMapping,
-    InfeasibleError,
-    Sizes,
-    gen_sizes,
-    layout_of,
-)
+from hfjax.automap.cost import ROLLOUT, CostModel, DeviceMapping, InfeasibleError
 from hfjax.automap.dataflow import ModelShape
 from hfjax.automap.search import Candidate, train_sizes
+from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, Sizes, gen_sizes, layout_of
 from hfjax.controller.resource_pool import group_shapes
 from hfjax.parallel.host_local import check_per_host_generation
 from hfjax.parallel.layout import LayoutError
