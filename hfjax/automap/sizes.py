@@ -58,7 +58,8 @@ def mlp_width(cfg: ModelConfig, capacity_factor: float | None) -> float:
     if not any(cfg.moe_layers):
         return cfg.intermediate_size
     slots = cfg.num_experts if capacity_factor is None else capacity_factor * cfg.experts_per_token
-    return max(cfg.intermediate_size * (not all(cfg.moe_layers)), slots * cfg.expert_intermediate_size)
+    experts = slots * cfg.expert_intermediate_size
+    return experts if all(cfg.moe_layers) else max(experts, cfg.intermediate_size)
 
 
 def layer_activation_bytes(width: int, mlp_width: float, tensor: int) -> float:

@@ -228,10 +228,10 @@ def micro_batch(
     return batch
 
 
-def with_dropout_seeds(batch: dict[str, Any], section: Any, layout: Layout) -> dict[str, Any]:
-    """An update's micro-batch with each row's adapter dropout seed (`LORA_DROPOUT_SEED`) where `section.lora` drops
-    out adapter inputs."""
-    if not (section.lora.enabled and section.lora.dropout):
+def _with_seed_column(batch: dict[str, Any], section: Any, layout: Layout) -> dict[str, Any]:
+    """An update's abstract micro-batch with the adapter dropout seed column the worker adds
+    (`TrainedRole.with_dropout_seeds`) where `section.lora` drops out adapter inputs."""
+    if not section.lora.drops_out:
         return batch
     rows = (batch["responses"].shape[0],)
     return {**batch, LORA_DROPOUT_SEED: jax.ShapeDtypeStruct(rows, jnp.int32, sharding=batch_sharding(layout, rows))}
@@ -327,7 +327,7 @@ def actor_programs(
     ref_bytes = (bytes_per_device(ref) if ref is not None else 0) + others
     extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
     routes = shape if actor.router_replay else None
-    batch = with_dropout_seeds(micro_batch(cfg, actor, layout, extra, routes), actor, layout)
+    batch = _with_seed_column(micro_batch(cfg, actor, layout, extra, routes), actor, layout)
     loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
     yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
     rows = micro_batch(cfg, actor, layout, (), routes)
@@ -397,7 +397,7 @@ def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: i
         expert_capacity_factor=critic.expert_capacity_factor,
     )
     optimizer = make_optimizer(critic.optim, None)
-    batch = with_dropout_seeds(micro_batch(cfg, critic, layout, ("values", "returns", "response_mask")), critic, layout)
+    batch = _with_seed_column(micro_batch(cfg, critic, layout, ("values", "returns", "response_mask")), critic, layout)
     loss_fn = functools.partial(critic_loss, critic, response)
     yield from _train_programs("critic", model, optimizer, critic.optim.grad_clip, loss_fn, batch, others)
     rows = micro_batch(cfg, critic, layout, ())

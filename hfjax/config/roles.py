@@ -40,7 +40,7 @@ def check_batch_sizes(section: Any) -> None:
     mini, micro = section.ppo_mini_batch_size, section.micro_batch_size
     if mini % micro:
         raise ValueError(f"ppo_mini_batch_size: expected a multiple of micro_batch_size={micro}, got {mini}")
-    if section.packed_row_tokens and section.lora.dropout:  # a packed row holds several sequences' masks
+    if section.packed_row_tokens and section.lora.drops_out:  # a packed row holds several sequences' masks
         raise ValueError("lora.dropout: not supported with packed_row_tokens yet")
 
 

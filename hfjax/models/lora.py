@@ -77,6 +77,11 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @property
+    def drops_out(self) -> bool:
+        """Whether the updates drop out adapter inputs (adapters with a dropout rate)."""
+        return self.enabled and self.dropout > 0
+
 
 def lora_parameter_count(cfg: ModelConfig, lora: LoraConfig) -> int:
     """The adapters' parameters of `lora` on a model of `cfg`: rank x (in + out) per adapted projection (the MLP

@@ -114,7 +114,6 @@ class JaxEngine:
         self._slots = max_concurrent_decodes
         # a mixture of experts' routes, recorded by `prefill_insert`, `generate` and `extend` (routing replay)
         self.record_experts = record_experts and any(cfg.moe_layers)
-        self.num_experts = cfg.num_experts
         self._max_prefill = max_prefill_length
         self.capacity = max_prefill_length + max_new_tokens  # the longest sequence: a prompt and its response
         self.cache = CacheLayout(
@@ -504,7 +503,7 @@ class JaxEngine:
         state = state._replace(
             keys=keys, values=values, lengths=state.lengths + 1, tokens=tokens, steps=state.steps + 1
         )
-        experts = stacked_routes(routes, self.num_experts)[:, 0] if self.record_experts else None
+        experts = stacked_routes(routes, self.config.num_experts)[:, 0] if self.record_experts else None
         return state, ResultTokens(tokens, logprobs, experts)
 
     def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
@@ -529,7 +528,7 @@ class JaxEngine:
             tokens=set_slots(state.tokens, first[0]),
             steps=set_slots(state.steps, steps + 1),
         )
-        experts = stacked_routes(routes, self.num_experts) if self.record_experts else None
+        experts = stacked_routes(routes, self.config.num_experts) if self.record_experts else None
         return state, ResultTokens(*first, experts)
 
     def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
@@ -539,4 +538,4 @@ class JaxEngine:
         state, first = self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)
         if not self.record_experts:
             return state, first
-        return state, first._replace(experts=stacked_routes(routes, self.num_experts)[rows])
+        return state, first._replace(experts=stacked_routes(routes, self.config.num_experts)[rows])

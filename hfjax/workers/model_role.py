@@ -271,7 +271,7 @@ class TrainedRole(Worker):
     def with_dropout_seeds(self, arrays: dict[str, np.ndarray], lora: LoraConfig) -> dict[str, np.ndarray]:
         """`arrays` with a fresh `LORA_DROPOUT_SEED` per row when `lora` drops out adapter inputs (drawn from this
         process's index and the optimizer steps taken, so a resumed run draws new masks)."""
-        if not (lora.enabled and lora.dropout):
+        if not lora.drops_out:
             return arrays
         rng = np.random.default_rng((jax.process_index(), self.state.step))
         seeds = rng.integers(0, 2**31 - 1, len(arrays["responses"]), dtype=np.int32)
