@@ -20,10 +20,12 @@ from flax import nnx
 from support.checkpoints import left_padded_batch, relative_error, save_hf_model
 
 from hfjax.models import load_hf
+from hfjax.models.lora import LoraConfig, LoraParam, add_lora
 from hfjax.optim import TrainState, compile_counts
+from hfjax.optim.train_state import frozen_flags, place_params
 from hfjax.parallel import HybridEngine, Layout, hybrid_engine
-from hfjax.parallel.host_local import replica_positions
-from hfjax.parallel.hybrid_engine import _to_memory
+from hfjax.parallel.host_local import replica_positions, stationary_layout
+from hfjax.parallel.host_memory import to_memory_kind
 from hfjax.parallel.layout import LayoutError
 from hfjax.parallel.shard_math import containing_order
 
@@ -281,10 +283,10 @@ def test_host_offload_round_trip_and_cpu_message(caplog):
     layout = Layout.from_config({"mesh": {"fsdp": 8}, "rules": "fsdp"})
     values = np.arange(64, dtype=np.float32).reshape(8, 8)
     x = jax.device_put(values, layout.sharding(("embed", None)))
-    host = _to_memory({"mu": x, "count": 3}, "pinned_host")
+    host = to_memory_kind({"mu": x, "count": 3}, "pinned_host")
     assert host["mu"].sharding.memory_kind == "pinned_host" and host["count"] == 3
     assert x.is_deleted()  # the source buffers are released once the copies exist
-    back = _to_memory(host, "device")
+    back = to_memory_kind(host, "device")
     assert back["mu"].sharding.memory_kind == "device" and np.array_equal(np.asarray(back["mu"]), values)
     assert host["mu"].is_deleted()
     x = jax.device_put(values, layout.sharding(("embed", None)))
@@ -346,6 +348,8 @@ def test_bad_engine_arguments():
         HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 8}}, tree, mode="fast")
     with pytest.raises(ValueError, match="gen_layout has 4 devices"):
         HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 4}, "devices": [0, 1, 2, 3]}, tree)
+    with pytest.raises(ValueError, match=r"stationary: expected one flag per parameter \(1\), got 2"):
+        HybridEngine({"mesh": {"fsdp": 8}}, {"mesh": {"data": 8}}, tree, stationary=[True, False])
 
 
 TP8 = {"mesh": {"tensor": 8}, "rules": "tp"}
@@ -414,6 +418,66 @@ def test_generation_that_no_host_order_fits_is_an_error(monkeypatch):
     monkeypatch.setattr(hybrid_engine, "device_hosts", lambda layout: {i: i // 4 for i in range(8)})
     with pytest.raises(LayoutError, match=r"has data=1, which 2 hosts cannot share"):
         HybridEngine(TP8, {"mesh": {"tensor": 8}, "rules": "tp"}, SMALL_TREE)
+
+
+def test_a_stationary_base_on_a_training_order_that_splits_replicas_is_an_error(monkeypatch):
+    """Generation tensor=4 x data=2 (data innermost) on the training order of 2 hosts x 4 devices puts each replica
+    on both hosts; a stationary base cannot be reordered, so the engine refuses and names the setting."""
+    monkeypatch.setattr(hybrid_engine, "device_hosts", lambda layout: {i: i // 4 for i in range(8)})
+    with pytest.raises(LayoutError, match=r"rollout\.lora_base_layout: .* spreads a generation replica"):
+        HybridEngine(TP8, {"mesh": {"tensor": 4, "data": 2}, "rules": "tp"}, SMALL_TREE, stationary=[True, False])
+
+
+def test_stationary_parameters_stay_in_the_generation_layout_and_never_move(checkpoint):
+    """A LoRA base kept in the generation layout (fsdp4 x tensor2 training, data2 x tensor4 generation, on the
+    training device order): `to_gen` and `to_train` hand back its very buffers, the adapters go and come back bit for
+    bit, the engine counts their bytes alone as received (a plain engine gathers the base too), the generation copy
+    gives the logits of the unsharded model, and a base left in the training layout is refused."""
+    train, gen = (Layout.from_config(x) for x in UNCONTAINED)
+    model = add_lora(load_hf(checkpoint), LoraConfig(rank=4), seed=0)
+    for path, b in nnx.to_flat_state(nnx.state(model, LoraParam)):
+        if path[-1] == "b":  # a fresh B is zero
+            b[...] = jnp.asarray(np.random.default_rng(len(path)).normal(0, 0.05, b.shape), jnp.float32)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    ids, mask, _ = left_padded_batch(128, [16, 9, 4, 12, 16, 1, 7, 11], seed=3)
+    forward = jax.jit(lambda p, i, m: nnx.merge(graphdef, p, rest)(i, m))
+    expected = np.asarray(forward(params, ids, mask))
+    flags = frozen_flags(params, LoraParam)
+    base_layout = stationary_layout(train, gen)
+    placed = place_params(params, train, LoraParam, base_layout)
+    engine = HybridEngine(train, gen, placed, stationary=flags)
+    assert engine.gen_layout == base_layout and sum(flags) and not all(flags)
+    before = _host(placed)
+    pointers = [_pointers(x) for x in jax.tree.leaves(placed)]
+    gen_params = engine.to_gen(placed)
+    adapters_gen = [g for g, still in zip(jax.tree.leaves(gen_params), flags, strict=True) if not still]
+    base_gen = [g for g, still in zip(jax.tree.leaves(gen_params), flags, strict=True) if still]
+    for leaf, sharding, pointer, still in zip(
+        jax.tree.leaves(gen_params), engine.gen_shardings, pointers, flags, strict=True
+    ):
+        assert leaf.sharding == sharding and (_pointers(leaf) == pointer) == still
+    stats = engine.stats()
+    per_device_adapters = max(sum(s.data.nbytes for a in adapters_gen for s in a.addressable_shards if s.device == d)
+                              for d in engine.gen_layout.mesh.devices.reshape(-1))  # fmt: skip
+    assert 0 < stats["received_bytes_per_device"] <= per_device_adapters
+    assert stats["stationary_bytes_per_device"] == sum(leaf.addressable_shards[0].data.nbytes for leaf in base_gen)
+    plain = HybridEngine(train, gen, jax.device_put(params, train.shardings(params))).stats()
+    assert (
+        plain["received_bytes_per_device"]
+        > stats["received_bytes_per_device"] + stats["stationary_bytes_per_device"] // 2
+    )
+    batch = engine.gen_layout.sharding(("batch", "length"), ids.shape)
+    got = np.asarray(forward(gen_params, jax.device_put(ids, batch), jax.device_put(mask, batch)))
+    v = mask.astype(bool)
+    assert relative_error(got[v], expected[v]) <= 1e-5
+    back = engine.to_train(gen_params)
+    for leaf, sharding, pointer, still, want in zip(
+        jax.tree.leaves(back), engine.train_shardings, pointers, flags, before, strict=True
+    ):
+        assert leaf.sharding == sharding and (_pointers(leaf) == pointer) == still
+        assert np.asarray(leaf).tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match=r"stationary parameter .* must stay in the generation layout"):
+        engine.to_gen(jax.device_put(params, train.shardings(params)))
 
 
 def test_two_processes_with_gloo(tmp_path):

@@ -306,28 +306,41 @@ def _sequences(rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
-def test_a_lora_actor_with_a_reference_role_loads_no_reference_copy(tmp_path):
+@pytest.mark.parametrize("base_layout", ["train", "gen"])
+def test_a_lora_actor_with_a_reference_role_loads_no_reference_copy(tmp_path, base_layout):
     """The actor_rollout_ref worker with LoRA: no reference parameters, and its reference log probs are the base
-    model's (those of a worker without adapters), before and after the adapters are trained."""
+    model's (those of a worker without adapters), before and after the adapters are trained (bit for bit after).
+    With the base in the training layout the plain worker's programs are the same ones: bit for bit. Kept in the
+    generation layout (replicated here, against fsdp over 8 devices) the matmuls sum in another order: float32
+    rounding."""
     inputs = build_run_inputs(tmp_path)
-    cfg = load_rl_config(rl_config(inputs, tmp_path / "run", "grpo", actor={"lora": {"rank": 4}}))
+    rollout = {"lora_base_layout": base_layout}
+    config = rl_config(inputs, tmp_path / "run", "grpo", actor={"lora": {"rank": 4}}, rollout=rollout)
+    cfg = load_rl_config(config)
     worker = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor_rollout_ref", total_steps=3, max_prompt_length=16)
     worker.init_model()
     assert worker.ref_params is None
     plain = ActorRolloutRefWorker(dataclasses.replace(cfg.actor, lora=LoraConfig()), cfg.rollout, "ref")
     plain.init_model()
     assert plain.ref_params is not None
+    same = np.testing.assert_array_equal if base_layout == "train" else _float32_rounding
     rng = np.random.default_rng(0)
     data = DataProto.from_dict(_sequences(rng))
     want = plain.compute_ref_log_prob(data).batch["ref_log_prob"]
-    np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], want)
+    before = worker.compute_ref_log_prob(data).batch["ref_log_prob"]
+    same(before, want)
     policy = plain.compute_log_prob(data).batch["old_log_probs"]  # (the program with entropies: other roundings)
-    np.testing.assert_array_equal(worker.compute_log_prob(data).batch["old_log_probs"], policy)  # fresh: B = 0
+    same(worker.compute_log_prob(data).batch["old_log_probs"], policy)  # fresh: B = 0
     data.batch["advantages"] = rng.normal(size=(4, 6)).astype(np.float32)
     data.batch["ref_log_prob"] = want
     worker.update_actor(data)
-    np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], want)
+    np.testing.assert_array_equal(worker.compute_ref_log_prob(data).batch["ref_log_prob"], before)
     assert np.abs(worker.compute_log_prob(data).batch["old_log_probs"] - policy).max() > 1e-4
+
+
+def _float32_rounding(actual: np.ndarray, desired: np.ndarray) -> None:
+    """Equal but for float32 rounding: a few units in the last place of log probs near -5."""
+    np.testing.assert_allclose(actual, desired, rtol=4 * np.finfo(np.float32).eps, atol=0)
 
 
 def test_the_compile_check_counts_lora_memory():
@@ -498,3 +511,55 @@ def test_a_weight_sync_of_a_lora_policy_sends_the_adapters_alone(tmp_path):
     assert held.keys() == trainer.keys()
     for path in trainer:
         np.testing.assert_array_equal(held[path], trainer[path], err_msg=path)
+
+
+def _base_pointers(worker: ActorRolloutRefWorker) -> list[list[int]]:
+    base = nnx.split_state(worker.params, LoraParam, ...)[1]
+    return [[s.data.unsafe_buffer_pointer() for s in leaf.addressable_shards] for leaf in jax.tree.leaves(base)]
+
+
+def test_a_lora_base_kept_in_the_generation_layout_never_moves(tmp_path):
+    """`rollout.lora_base_layout: gen`, training fsdp over 8 devices and generating data 4 x tensor 2: the base is
+    loaded into the generation layout and keeps its buffers through a generation and an update; a transition
+    moves the adapters alone (with `train` it gathers the base too); generation and the update compute what they
+    compute with the base in the training layout, but for float32 rounding (the matmuls sum in another order)."""
+    inputs = build_run_inputs(tmp_path)
+    rollout = {"gen_layout": {"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"}}
+    prompts = _sequences(np.random.default_rng(1))
+    prompts = {"input_ids": prompts["input_ids"][:, :6], "attention_mask": prompts["attention_mask"][:, :6]}
+    data = DataProto.from_dict(_sequences(np.random.default_rng(0)))
+    data.batch["advantages"] = np.random.default_rng(2).normal(size=(4, 6)).astype(np.float32)
+    data.batch["ref_log_prob"] = np.full((4, 6), -2.5, np.float32)  # (the config's KL loss)
+    out = {}
+    for base_layout in ("gen", "train"):
+        config = rl_config(
+            inputs, tmp_path / base_layout, "grpo", actor={"lora": {"rank": 4}},
+            rollout={**rollout, "lora_base_layout": base_layout},
+        )  # fmt: skip
+        cfg = load_rl_config(config)
+        worker = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor_rollout", total_steps=3, max_prompt_length=16)
+        worker.init_model()
+        base = nnx.split_state(worker.params, LoraParam, ...)[1]
+        gen_shardings = worker.hybrid.gen_layout.shardings(base)
+        in_gen = [x.sharding == s for x, s in zip(jax.tree.leaves(base), jax.tree.leaves(gen_shardings), strict=True)]
+        assert all(in_gen) == (base_layout == "gen") and any(in_gen) == (base_layout == "gen")
+        pointers = _base_pointers(worker)
+        on_device0 = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(base))
+        rolled = worker.generate_sequences(DataProto.from_dict(prompts, meta_info={"n": 1, "do_sample": False}))
+        stats = worker.hybrid.stats()
+        metrics = worker.update_actor(data).meta_info["metrics"]
+        assert (_base_pointers(worker) == pointers) == (base_layout == "gen")
+        out[base_layout] = rolled, stats, metrics, worker.compute_log_prob(data).batch["old_log_probs"], on_device0
+    (rolled, stats, metrics, after, base_gen_bytes), (rolled_t, stats_t, metrics_t, after_t, base_train_bytes) = (
+        out["gen"],
+        out["train"],
+    )
+    adapters = jax.tree.leaves(nnx.state(worker.params, LoraParam))
+    assert 0 < stats["received_bytes_per_device"] <= sum(a.nbytes for a in adapters)
+    assert stats["stationary_bytes_per_device"] == base_gen_bytes and stats_t["stationary_bytes_per_device"] == 0
+    assert stats_t["received_bytes_per_device"] >= base_gen_bytes - base_train_bytes > 0
+    np.testing.assert_array_equal(rolled.batch["responses"], rolled_t.batch["responses"])
+    np.testing.assert_allclose(rolled.batch["rollout_log_probs"], rolled_t.batch["rollout_log_probs"], rtol=1e-6)
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        np.testing.assert_allclose(metrics[key], metrics_t[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(after, after_t, rtol=1e-5)

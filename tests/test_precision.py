@@ -140,7 +140,7 @@ def test_offload_keeps_the_master_in_host_memory_while_generating(checkpoint, mo
     so the engine is made to use it here."""
     import hfjax.parallel.hybrid_engine as hybrid_engine
 
-    monkeypatch.setattr(hybrid_engine, "_has_separate_host_memory", lambda layout: True)
+    monkeypatch.setattr(hybrid_engine, "has_separate_host_memory", lambda layout: True)
     model = load_hf(checkpoint, dtype="bfloat16", param_dtype="float32", layout=FSDP8)
     params = nnx.state(model, nnx.Param)
     master = _host(params)

@@ -80,9 +80,9 @@ def test_optimizer_offload_during_generation_trains_identically(inputs, tmp_path
     import hfjax.parallel.hybrid_engine as hybrid_engine
 
     moves = []
-    to_memory = hybrid_engine._to_memory
-    monkeypatch.setattr(hybrid_engine, "_has_separate_host_memory", lambda layout: True)
-    monkeypatch.setattr(hybrid_engine, "_to_memory", lambda tree, kind: moves.append(kind) or to_memory(tree, kind))
+    to_memory = hybrid_engine.to_memory_kind
+    monkeypatch.setattr(hybrid_engine, "has_separate_host_memory", lambda layout: True)
+    monkeypatch.setattr(hybrid_engine, "to_memory_kind", lambda tree, kind: moves.append(kind) or to_memory(tree, kind))
     two = {"total_steps": 2}
     plain = run_rl(load_rl_config(rl_config(inputs, tmp_path / "plain", "grpo", trainer=two)))
     assert not moves

@@ -14,7 +14,8 @@ Precision: parameters are the master copy in their stored dtype (float32 by defa
 Memory: parameters and optimizer state are donated to the apply program (one copy, not two), so arrays taken from
 `params` or from the model passed in are invalid after an `update` (read `params` again), unless `donate=False`.
 Frozen parameters: with `trainable` (an nnx filter: a parameter type such as `LoraParam`, paths, ...) only the
-parameters it selects get gradients and optimizer state; the others stay as they are (a LoRA role's base).
+parameters it selects get gradients and optimizer state; the others stay as they are (a LoRA role's base), sharded by
+`frozen_layout` (default: the layout), e.g. a base kept in the generation layout.
 """
 
 from __future__ import annotations
@@ -176,6 +177,28 @@ def split_trained(params: Any, rest: Any, trainable: nnx.filterlib.Filter) -> tu
     return trained, nnx.merge_state(frozen, rest)
 
 
+def place_params(
+    params: Any, layout: Layout, trainable: nnx.filterlib.Filter = nnx.Param, frozen_layout: Layout | None = None
+) -> Any:
+    """`params` sharded by `layout`, those that `trainable` does not select by `frozen_layout` (default: `layout`)."""
+    if frozen_layout is None or trainable is nnx.Param:
+        return jax.device_put(params, layout.shardings(params))
+    trained, frozen_params = nnx.split_state(params, trainable, ...)
+    return nnx.merge_state(
+        jax.device_put(trained, layout.shardings(trained)),
+        jax.device_put(frozen_params, frozen_layout.shardings(frozen_params)),
+    )
+
+
+def frozen_flags(params: Any, trainable: nnx.filterlib.Filter) -> list[bool]:
+    """One flag per array of `params`, in tree order: True where `trainable` does not select it (it stays frozen)."""
+    if trainable is nnx.Param:
+        return [False] * len(jax.tree.leaves(params))
+    trained, frozen_params = nnx.split_state(params, trainable, ...)
+    flags = nnx.merge_state(jax.tree.map(lambda _: False, trained), jax.tree.map(lambda _: True, frozen_params))
+    return [bool(flag) for flag in jax.tree.leaves(flags)]
+
+
 def compile_counts() -> dict[str, int]:
     """Programs compiled so far in this process, over all `TrainState`s: `grad` (per model, loss function and
     micro-batch shape), `accumulate`, `apply` (per optimizer) and `eval` (per function and batch shape)."""
@@ -251,13 +274,14 @@ class TrainState:
         *,
         donate: bool = True,
         trainable: nnx.filterlib.Filter = nnx.Param,
+        frozen_layout: Layout | None = None,
     ):
         if grad_clip < 0:
             raise ValueError(f"grad_clip: expected >= 0 (0 disables clipping), got {grad_clip!r}")
         self.layout, self.optimizer, self.grad_clip = layout, optimizer, float(grad_clip)
         self.trainable = trainable
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.params = jax.device_put(params, layout.shardings(params))
+        self.params = place_params(params, layout, trainable, frozen_layout)
         trained, _ = self._trained_and_rest()
         if not jax.tree.leaves(trained):
             name = getattr(trainable, "__name__", trainable)

@@ -156,3 +156,22 @@ def local_view(tree: Any, local: Layout) -> Any:
         return jax.make_array_from_single_device_arrays(array.shape, sharding, ordered)
 
     return jax.tree.map(view, tree)
+
+
+def stationary_layout(
+    train: Layout, gen: Layout, hosts: Mapping[int, int] | None = None, where: str = "rollout.lora_base_layout"
+) -> Layout:
+    """`gen` on the device order of `train`'s mesh: the layout of parameters that stay in the generation layout and
+    that the training programs read too (a jitted program takes arrays of one device order). On several hosts
+    (`hosts`: device id -> host; default: the devices' processes) that order must keep each generation replica on
+    one host; raises, naming `where`, when it does not."""
+    order = tuple(int(d.id) for d in train.mesh.devices.reshape(-1))
+    layout = dataclasses.replace(gen, device_ids=order)
+    local = host_local_layout(layout, hosts, where=where)
+    if local.device_ids != order:
+        raise LayoutError(
+            f"{where}: {gen.describe()} on the training device order of {train.describe()} spreads a generation "
+            "replica over several hosts; keep the frozen base in the training layout (`train`), or order the "
+            "generation axes so that each replica's devices are consecutive"
+        )
+    return layout

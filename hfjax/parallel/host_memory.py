@@ -7,6 +7,7 @@ the kernel. Resharding on CPU frees and allocates the same few hundred MiB to Gi
 transition runs about twice as fast with almost no page faults (docs/benchmarks.md, "Host memory policy"). The
 price: the process's resident size does not shrink below its high-water mark, which an RL loop reaches every
 iteration anyway.
+Also: moving arrays between device memory and pinned host memory (`to_memory_kind`), where the backend has it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from typing import Any
+
+import jax
+
+from hfjax.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -33,3 +39,23 @@ def keep_freed_host_memory() -> bool:
     kept = bool(mallopt(_M_TRIM_THRESHOLD, -1)) and bool(mallopt(_M_MMAP_MAX, 0))
     log.info("keep_freed_host_memory: freed host memory stays in the process (%s)", "set" if kept else "refused")
     return kept
+
+
+def has_separate_host_memory(layout: Layout) -> bool:
+    """Whether the layout's devices have pinned host memory apart from their own (not CPU devices)."""
+    device = layout.mesh.devices.reshape(-1)[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    return device.platform != "cpu" and "pinned_host" in kinds
+
+
+def to_memory_kind(tree: Any, kind: str) -> Any:
+    """The tree's arrays copied to memory `kind`; the sources are deleted once the copies exist."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.sharding.memory_kind != kind]
+    moved = jax.device_put([leaves[i] for i in arrays], [leaves[i].sharding.with_memory_kind(kind) for i in arrays])
+    jax.block_until_ready(moved)
+    out = list(leaves)
+    for i, copy in zip(arrays, moved, strict=True):
+        leaves[i].delete()
+        out[i] = copy
+    return jax.tree.unflatten(treedef, out)

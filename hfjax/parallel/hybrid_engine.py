@@ -16,6 +16,9 @@ Mixed precision (`gen_dtype` below the parameters' dtype, e.g. float32 master we
 casts each training shard where it lies, then moves the cast copy (half the bytes of float32), and the master copy
 stays in its training layout during generation (it cannot be cut back out of a rounded copy); `to_train` frees the
 generation copy and returns the master, with no traffic.
+Stationary parameters (`stationary`, e.g. a LoRA policy's frozen base) live in the generation layout for good, on the
+training mesh's device order (`stationary_layout`), so that the training programs and generation both read the one
+copy: they never move, and a transition moves the other parameters (the adapters) alone.
 """
 
 from __future__ import annotations
@@ -25,15 +28,15 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from hfjax.parallel.host_local import device_hosts, host_local_layout, host_local_order
-from hfjax.parallel.host_memory import keep_freed_host_memory
+from hfjax.parallel.host_local import device_hosts, host_local_layout, host_local_order, stationary_layout
+from hfjax.parallel.host_memory import has_separate_host_memory, keep_freed_host_memory, to_memory_kind
 from hfjax.parallel.layout import Layout, is_param_leaf
 from hfjax.parallel.shard_math import (
     TransitionAccount,
@@ -61,6 +64,9 @@ class HybridEngine:
     `to_gen` consumes its input in `zero_redundancy` mode (the buffers are deleted); keep using what it returns.
     `gen_dtype` (default: each parameter's own dtype) is the dtype of the generation copy; a cast keeps the input
     (in pinned host memory during generation, chunk by chunk, when `offload_optimizer` is on and the backend has it).
+    `stationary` (one flag per parameter, in tree order) marks frozen parameters that stay in the generation layout
+    for good: the caller places them with `gen_layout`'s shardings (the generation layout on the training device
+    order, `stationary_layout`), the training programs read them there, and no transition moves or casts them.
     `kv_cache_bytes_per_device` is set by the owner of the generation engine, for `stats()`.
     On CPU devices, `keep_host_memory` sets the process's malloc to keep freed memory (`keep_freed_host_memory`), so
     that transitions reuse it; pass False to leave the allocator as it is.
@@ -76,6 +82,7 @@ class HybridEngine:
         chunk_bytes: int = 64 * 2**20,
         keep_host_memory: bool = True,
         gen_dtype: Any = None,
+        stationary: Sequence[bool] | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"HybridEngine(mode={mode!r}): expected one of {MODES}")
@@ -91,7 +98,13 @@ class HybridEngine:
         leaves = jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
         self.shapes = [tuple(leaf.shape) for leaf in leaves]
         self.dtypes = [np.dtype(leaf.dtype) for leaf in leaves]
-        self.gen_dtypes = [d if gen_dtype is None else np.dtype(gen_dtype) for d in self.dtypes]
+        self.stationary = [False] * len(leaves) if stationary is None else [bool(s) for s in stationary]
+        if len(self.stationary) != len(leaves):
+            raise ValueError(f"stationary: expected one flag per parameter ({len(leaves)}), got {len(self.stationary)}")
+        self.gen_dtypes = [
+            d if gen_dtype is None or still else np.dtype(gen_dtype)
+            for d, still in zip(self.dtypes, self.stationary, strict=True)
+        ]
         self.casts = self.gen_dtypes != self.dtypes
         self.keeps_train = mode == "naive" or self.casts
         self.itemsizes = [d.itemsize for d in self.dtypes]
@@ -104,12 +117,17 @@ class HybridEngine:
         ]
         hosts = device_hosts(self.train_layout)
         self.hosts = hosts if len(set(hosts.values())) > 1 else None  # device id -> host, on several hosts
-        self.gen_layout, self.account = (
-            self._order_gen(gen, abstract_params, train_specs)
-            if mode == "zero_redundancy"
-            else (self._host_local(gen, [d.id for d in gen.mesh.devices.reshape(-1)]), None)
-        )
+        if any(self.stationary):  # the stationary ones fix the device order: they are read by both programs
+            self.gen_layout, self.account = stationary_layout(self.train_layout, gen, hosts), None
+        elif mode == "zero_redundancy":
+            self.gen_layout, self.account = self._order_gen(gen, abstract_params, train_specs)
+        else:
+            self.gen_layout, self.account = self._host_local(gen, [d.id for d in gen.mesh.devices.reshape(-1)]), None
         self.gen_shardings: list[NamedSharding] = jax.tree.leaves(self.gen_layout.shardings(abstract_params))
+        self.train_shardings = [
+            g if still else t
+            for t, g, still in zip(self.train_shardings, self.gen_shardings, self.stationary, strict=True)
+        ]
         if self.account is None:
             self.account = self._account(self.gen_shardings)
         self._local_slices = (
@@ -120,7 +138,7 @@ class HybridEngine:
             if not self.keeps_train and self.account.contained
             else None
         )
-        self.offload_optimizer = offload_optimizer and _has_separate_host_memory(self.train_layout)
+        self.offload_optimizer = offload_optimizer and has_separate_host_memory(self.train_layout)
         if offload_optimizer and not self.offload_optimizer:
             log.warning(
                 "offload_optimizer: the %s backend has no host memory separate from device memory; "
@@ -206,6 +224,12 @@ class HybridEngine:
         parameter already laid out (and typed) for generation is not copied: its gen array shares its buffers."""
         start = time.perf_counter()
         train = self._flatten(train_params, "to_gen")
+        for i, leaf in enumerate(train):
+            if self.stationary[i] and leaf.sharding != self.gen_shardings[i]:
+                raise ValueError(
+                    f"HybridEngine.to_gen: stationary parameter {i} {self.shapes[i]} is laid out as {leaf.sharding}; "
+                    f"it must stay in the generation layout ({self.gen_shardings[i]})"
+                )
         out, kept = list(train), list(train)
         self._owned_gen = set()  # the gen arrays that own their buffers (copies), which to_train may free
         moving = [
@@ -229,7 +253,7 @@ class HybridEngine:
                     self._owned_gen.add(i)
             if self.offloads_master:  # chunk by chunk, so the device never holds the whole master beside the copy
                 hosting = [i for i in chunk if i in self._owned_gen]  # a master that generation reads stays
-                for i, hosted in zip(hosting, _to_memory([train[i] for i in hosting], "pinned_host"), strict=True):
+                for i, hosted in zip(hosting, to_memory_kind([train[i] for i in hosting], "pinned_host"), strict=True):
                     kept[i] = hosted
             for i, array in zip(chunk, moved, strict=True):
                 out[i] = array
@@ -252,7 +276,7 @@ class HybridEngine:
             result = self._kept_train
             self._kept_train = None
             if self.offloads_master:
-                result = _to_memory(result, "device")
+                result = to_memory_kind(result, "device")
             if self.casts:  # the generation copies are ours alone: free them now
                 for i in self._owned_gen:
                     leaves[i].delete()
@@ -322,18 +346,28 @@ class HybridEngine:
             "peak_gen_bytes_per_device": acc.max("gen_bytes") + on_device + self.kv_cache_bytes_per_device,
             "redundant_bytes_per_device": redundant,
             "uncontained_bytes_per_device": acc.max("uncontained_bytes"),
+            "stationary_bytes_per_device": self._stationary_bytes(),
             "to_gen_s": list(self.times.to_gen_s),
             "to_train_s": list(self.times.to_train_s),
         }
 
+    def _stationary_bytes(self) -> int:
+        """Bytes per device (the most any device holds) of the parameters that never move."""
+        per_device: dict[int, int] = {}
+        for i in (i for i, still in enumerate(self.stationary) if still):
+            nbytes = math.prod(self.gen_shardings[i].shard_shape(self.shapes[i])) * self.itemsizes[i]
+            for device in self.gen_shardings[i].device_set:
+                per_device[device.id] = per_device.get(device.id, 0) + nbytes
+        return max(per_device.values(), default=0)
+
     def offload(self, tree: Any) -> Any:
         """Moves a tree (e.g. optimizer state) to pinned host memory during generation, when enabled and the
         backend has it, and frees its device buffers (keep using what it returns); otherwise returns it unchanged."""
-        return _to_memory(tree, "pinned_host") if self.offload_optimizer else tree
+        return to_memory_kind(tree, "pinned_host") if self.offload_optimizer else tree
 
     def reload(self, tree: Any) -> Any:
         """Brings an offloaded tree back to device memory and frees the host copies."""
-        return _to_memory(tree, "device") if self.offload_optimizer else tree
+        return to_memory_kind(tree, "device") if self.offload_optimizer else tree
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -352,25 +386,6 @@ def block_count(sharding: NamedSharding) -> int:
     """Number of distinct blocks a sharding cuts an array into."""
     axes = [a for e in sharding.spec if e for a in ((e,) if isinstance(e, str) else e)]
     return math.prod(sharding.mesh.shape[a] for a in axes)
-
-
-def _has_separate_host_memory(layout: Layout) -> bool:
-    device = layout.mesh.devices.reshape(-1)[0]
-    kinds = {m.kind for m in device.addressable_memories()}
-    return device.platform != "cpu" and "pinned_host" in kinds
-
-
-def _to_memory(tree: Any, kind: str) -> Any:
-    """The tree's arrays copied to memory `kind`; the sources are deleted once the copies exist."""
-    leaves, treedef = jax.tree.flatten(tree)
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.sharding.memory_kind != kind]
-    moved = jax.device_put([leaves[i] for i in arrays], [leaves[i].sharding.with_memory_kind(kind) for i in arrays])
-    jax.block_until_ready(moved)
-    out = list(leaves)
-    for i, copy in zip(arrays, moved, strict=True):
-        leaves[i].delete()
-        out[i] = copy
-    return jax.tree.unflatten(treedef, out)
 
 
 def _gen_block_keys(gen: Layout, gen_specs: list[tuple]) -> list[tuple[int, ...]]:

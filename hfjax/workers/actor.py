@@ -5,7 +5,9 @@ sharing one process and its devices.
 Generation: `HybridEngine.to_gen` moves the training parameters to the generation layout in the compute `dtype`
 (zero-redundancy: the training buffers are released; with float32 master weights and a lower compute dtype the
 master stays and the cast copy moves), the generator runs with a KV cache that lives only while it runs, and
-`to_train` brings the training parameters back (cut out locally, or the master kept).
+`to_train` brings the training parameters back (cut out locally, or the master kept). A LoRA policy's frozen base
+stays in the generation layout for the whole run (`rollout.lora_base_layout: gen`; the updates and log-prob passes
+read it there), so the transitions move its adapters alone.
 Log probs follow the engine's convention: log-softmax of logits / rollout temperature at the response tokens.
 """
 
@@ -32,9 +34,9 @@ from hfjax.models.lora import LoraParam, adapter_dropout, adapters_off, merge_lo
 from hfjax.models.moe import collect_router_stats, router_summary
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
-from hfjax.optim.train_state import TrainState
+from hfjax.optim.train_state import TrainState, frozen_flags
 from hfjax.parallel import HybridEngine, layout_or_default
-from hfjax.parallel.host_local import local_view, process_layout
+from hfjax.parallel.host_local import local_view, process_layout, stationary_layout
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.workers.generation import agent_generator, generate_batch, sampling_params
@@ -175,14 +177,22 @@ class ActorRolloutRefWorker(TrainedRole):
         cfg, rollout = self.cfg, self.rollout_cfg
         layout = layout_or_default(cfg.train_layout, where="actor.train_layout")
         lora = cfg.lora.enabled
-        self.policy, trainable = load_trained(cfg, layout, "causal_lm")
+        gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
+        # a LoRA base that stays in the generation layout: loaded there, trained against there, never moved
+        base_layout = (
+            stationary_layout(layout, gen) if lora and self.has_rollout and rollout.lora_base_layout == "gen" else None
+        )
+        self.policy, trainable = load_trained(cfg, layout, "causal_lm", frozen_layout=base_layout)
         if cfg.router_replay and not any(self.policy.config.moe_layers):
             raise ValueError(f"actor.router_replay: {cfg.model_path} has no mixture-of-experts layers to replay")
         self.pad_id = self.policy.config.pad_token_id or 0
         self.state = None
         if self.has_actor:
             optimizer = make_optimizer(cfg.optim, self.total_steps * cfg.ppo_epochs or None)
-            self.state = TrainState(self.policy.model, layout, optimizer, cfg.optim.grad_clip, trainable=trainable)
+            clip = cfg.optim.grad_clip
+            self.state = TrainState(
+                self.policy.model, layout, optimizer, clip, trainable=trainable, frozen_layout=base_layout
+            )
         self.ref_params = None
         if self.has_ref and not lora:  # with LoRA the reference is the policy's own base (`ref_logprob_rows`)
             self.ref_params = LoadedModel(cfg.model_path, layout, dtype=cfg.dtype, head="causal_lm").params
@@ -190,7 +200,6 @@ class ActorRolloutRefWorker(TrainedRole):
         self._ref_logprob = self.policy.rows_fn(bind(ref_logprob_rows, rollout.temperature))
         info: dict[str, Any] = {"train_layout": layout.describe(), "params": self.policy.config.num_params}
         if self.has_rollout:
-            gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
             self.hybrid = HybridEngine(
                 layout,
                 gen,
@@ -201,6 +210,7 @@ class ActorRolloutRefWorker(TrainedRole):
                 # a LoRA base is already in the compute dtype; its float32 adapters are cast where they are used, so
                 # nothing is cast and the engine keeps no training copy (zero redundancy)
                 gen_dtype=None if lora else cfg.dtype,
+                stationary=None if base_layout is None else frozen_flags(self.policy.params, trainable),
             )
             # one continuous-batching loop per process, over its own replicas of the generation layout
             self.local_gen_layout = process_layout(self.hybrid.gen_layout)

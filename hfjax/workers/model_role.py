@@ -26,7 +26,14 @@ from hfjax.models.lora import LoraConfig, LoraParam, add_lora
 from hfjax.models.moe import set_expert_capacity
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
-from hfjax.optim.train_state import TrainState, batch_sharding, combine_metric, place_batch, split_rows
+from hfjax.optim.train_state import (
+    TrainState,
+    batch_sharding,
+    combine_metric,
+    place_batch,
+    place_params,
+    split_rows,
+)
 from hfjax.parallel import Layout
 from hfjax.parallel.global_arrays import process_reduce, to_local
 from hfjax.protocol import PADDING_ROWS, ROW_IN_LOSS, DataProto
@@ -65,7 +72,8 @@ def reports_usage(method: Callable[..., Any]) -> Callable[..., Any]:
 class LoadedModel:
     """A checkpoint loaded under a layout (with `lora`'s adapters attached, when given, the top-level parameters
     named in `float32_params` cast to float32, and a mixture of experts' `expert_capacity_factor`): graph
-    definition, parameters, and jitted per-row functions over them."""
+    definition, parameters, and jitted per-row functions over them. With `frozen_layout`, the parameters that
+    `trainable` does not select (a LoRA base) are loaded into that layout instead (`place_params`)."""
 
     def __init__(
         self,
@@ -79,9 +87,12 @@ class LoadedModel:
         lora: LoraConfig | None = None,
         float32_params: tuple[str, ...] = (),
         expert_capacity_factor: float | None = None,
+        trainable: nnx.filterlib.Filter = nnx.Param,
+        frozen_layout: Layout | None = None,
     ):
         self.layout = layout
-        model = set_remat(load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head), remat)
+        loaded = frozen_layout or layout
+        model = set_remat(load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=loaded, head=head), remat)
         set_expert_capacity(model, expert_capacity_factor)
         for name in float32_params:  # e.g. a trained head beside a frozen base stored in the compute dtype
             param = getattr(model, name)
@@ -91,7 +102,7 @@ class LoadedModel:
         self.config = model.config
         self.model = model
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.params = jax.device_put(params, layout.shardings(params))  # adapters sharded as their base weights
+        self.params = place_params(params, layout, trainable, frozen_layout)  # adapters sharded as their base weights
         nnx.update(model, self.params)
 
     def merge(self, params: Any) -> nnx.Module:
@@ -135,12 +146,17 @@ class LoadedModel:
 
 
 def load_trained(
-    section: Any, layout: Layout, head: str, trained_head: tuple[str, ...] = ()
+    section: Any,
+    layout: Layout,
+    head: str,
+    trained_head: tuple[str, ...] = (),
+    frozen_layout: Layout | None = None,
 ) -> tuple[LoadedModel, Any]:
     """A trained role's checkpoint (`section`: the actor's or critic's config) and the filter of what it trains: every
     parameter, or with `section.lora` its adapters and the head parameters named in `trained_head` (kept in float32),
-    the base frozen and stored in the compute dtype."""
+    the base frozen and stored in the compute dtype (sharded by `frozen_layout` when given, else by `layout`)."""
     lora = section.lora if section.lora.enabled else None
+    trainable = nnx.Any(LoraParam, *(nnx.PathContains(name) for name in trained_head)) if lora else nnx.Param
     model = LoadedModel(
         section.model_path,
         layout,
@@ -151,8 +167,9 @@ def load_trained(
         lora=lora,
         float32_params=trained_head if lora else (),
         expert_capacity_factor=section.expert_capacity_factor,
+        trainable=trainable,
+        frozen_layout=frozen_layout,
     )
-    trainable = nnx.Any(LoraParam, *(nnx.PathContains(name) for name in trained_head)) if lora else nnx.Param
     return model, trainable
 
 
