@@ -352,17 +352,17 @@ def test_the_compile_check_counts_lora_memory():
     widths = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
     shape = dataclasses.replace(TINY, **widths, num_layers=2, sliding_windows=(None, None))
 
-    def config(lora: dict) -> RLConfig:
+    def config(lora: dict, base_layout: str = "train") -> RLConfig:
         actor = {"model_path": "unused", "dtype": "bfloat16", "micro_batch_size": 8, "ppo_mini_batch_size": 8}
         return load_rl_config(
             {
                 "actor": {**actor, "use_kl_loss": True, "lora": lora},
                 "data": {"max_prompt_length": 16},
-                "rollout": {"response_length": 16, "slots": 8, "n": 2},
+                "rollout": {"response_length": 16, "slots": 8, "n": 2, "lora_base_layout": base_layout},
             }
         )
 
-    full, lora = config({}), config({"rank": 4})
+    full, lora, lora_in_gen = config({}), config({"rank": 4}), config({"rank": 4}, "gen")
     trained = ("loss+grad", "optimizer step", "log probs", "ref log probs")  # (generation: the same programs)
     programs = {
         name: {t.program: measure(t) for t in actor_programs(cfg, shape, layout, gen) if t.program in trained}
@@ -373,9 +373,14 @@ def test_the_compile_check_counts_lora_memory():
     adapters = bytes_per_device(policy.trained_and_rest()[0])
     base = bytes_per_device(policy.params) - adapters
     # between programs: the bfloat16 base, the float32 adapters and their two Adam moments (+ a step count)
-    assert actor_resident(lora, shape, layout) == pytest.approx(base + 3 * adapters, abs=64)
+    assert actor_resident(lora, shape, layout, gen) == pytest.approx(base + 3 * adapters, abs=64)
+    # the base kept in the generation layout: its generation shard, 4 times the training one (tensor 2 of 8 devices)
+    assert actor_resident(lora_in_gen, shape, layout, gen) == pytest.approx(4 * base + 3 * adapters, abs=64)
+    in_gen = {t.program: t for t in actor_programs(lora_in_gen, shape, layout, gen) if t.program in trained}
+    base_args = jax.tree.leaves(in_gen["loss+grad"].traced.args_info[1])  # the frozen base: the program's `rest`
+    assert {a.sharding.spec for a in base_args} <= {a.sharding.spec for a in jax.tree.leaves(policy.cast(None, gen))}
     # full fine-tuning: a float32 master (twice the bfloat16 base), its two float32 moments and a bfloat16 reference
-    assert actor_resident(full, shape, layout) == pytest.approx(2 * base + 2 * 2 * base + base, abs=64)
+    assert actor_resident(full, shape, layout, gen) == pytest.approx(2 * base + 2 * 2 * base + base, abs=64)
     step = programs["lora"]["optimizer step"]
     assert step.arguments == pytest.approx(4 * adapters, abs=64)  # adapters, gradients and two moments
     assert programs["lora"]["ref log probs"].resident == pytest.approx(2 * adapters, abs=64)  # the moments only
@@ -429,16 +434,24 @@ def test_the_adapter_count_of_a_config_is_the_built_models():
 def test_the_cost_model_counts_lora_memory():
     """The shipped Llama-3.1-8B LoRA config on a v5e-8 against the same config fully fine-tuned (float32 master):
     the actor keeps its base in bfloat16 plus float32 adapters, optimizer state and gradients scale with the adapters'
-    share of the parameters, and the reference keeps nothing of its own."""
-    lora_cfg = load_rl_config("configs/gsm8k/llama-3.1-8b-grpo-lora-tpu-v5e-8.yaml")
-    full_cfg = load_rl_config("configs/gsm8k/llama-3.1-8b-grpo-lora-tpu-v5e-8.yaml", ["actor.lora.rank=0"])
-    lora, full = (predict_memory(cfg, 1e15).roles for cfg in (lora_cfg, full_cfg))
+    share of the parameters, and the reference keeps nothing of its own. Kept in the generation layout (the
+    default), the base's generation shard is resident and generation adds nothing; in the training layout
+    (`rollout.lora_base_layout=train`) generation adds the difference."""
+    path = "configs/gsm8k/llama-3.1-8b-grpo-lora-tpu-v5e-8.yaml"
+    lora_cfg = load_rl_config(path, ["rollout.lora_base_layout=train"])
+    full_cfg = load_rl_config(path, ["actor.lora.rank=0"])
+    lora, full, in_gen = (predict_memory(cfg, 1e15).roles for cfg in (lora_cfg, full_cfg, load_rl_config(path)))
     share = 41_943_040 / named_config("llama-3.1-8b").num_params
     base = full["actor"].memory["params"] / 2  # float32 master -> bfloat16 base
     assert lora["actor"].memory["params"] == pytest.approx(base + base * 2 * share)
     assert lora["actor"].memory["optimizer"] == pytest.approx(full["actor"].memory["optimizer"] * share)
     assert lora["actor"].memory["grads"] == pytest.approx(full["actor"].memory["grads"] * share)
     assert lora["ref"].memory["params"] == 0 and full["ref"].memory["params"] == pytest.approx(base)
+    moved = lora["actor"].memory["gen_extra_params"]
+    # fsdp 8 -> tensor 4: the generation shard is about twice the training one (small weights shard differently)
+    assert moved == pytest.approx(base, rel=1e-3)
+    assert in_gen["actor"].memory["params"] == pytest.approx(lora["actor"].memory["params"] + moved)
+    assert in_gen["actor"].memory["gen_extra_params"] == 0
 
 
 def test_the_cost_model_counts_a_lora_critics_memory():

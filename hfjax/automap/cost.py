@@ -24,7 +24,8 @@ to compute instead of overlapping it, and the groups' stage seconds add up inste
 Memory per device, as hfjax's trainers hold it: a trained role keeps its master copy (`master_bytes`, float32 by
 default), Adam's two moments in float32 and gradients in the master's dtype; a frozen role (reference, reward) keeps
 its parameters in the compute dtype (`param_bytes`); a LoRA actor (`CostOptions.actor_lora`) keeps its base in the
-compute dtype and float32 adapters with their moments and gradients, and its reference is that base (no copy); the
+compute dtype and float32 adapters with their moments and gradients, and its reference is that base (no copy), kept
+in its generation layout all iteration (`CostOptions.lora_base_in_gen`, then only the adapters move); the
 actor's generation copy in the compute dtype is extra while it generates (the whole copy when it is a cast of the
 master, else what the generation shard adds to the training shard), and so is its KV cache; activations per token and
 layer, counted from what hfjax's decoder layer keeps for its backward in bf16 (`layer_activation_bytes`: 14 d + (10 d
@@ -65,6 +66,9 @@ class CostOptions:
     # the actor's LoRA adapters (`actor.lora`; None: full fine-tuning): the base in `param_bytes`, float32 adapters
     # with their gradients and optimizer state, and no reference copy (the base serves)
     actor_lora: LoraConfig | None = None
+    # a LoRA actor's base stays in the generation layout (`rollout.lora_base_layout: gen`): its generation shard is
+    # resident while it trains too, and the train -> gen transition moves the adapters alone
+    lora_base_in_gen: bool = True
     critic_lora: LoraConfig | None = None  # the critic's (`critic.lora`), counted as the actor's
     # a mixture of experts' capacity factor in the training and log-prob passes (`actor.expert_capacity_factor`;
     # None: no token dropped, every expert's buffer spans the row); generation never drops a token
@@ -283,9 +287,10 @@ class CostModel:
         if train is None:
             reshard = shape.params * opt.param_bytes / profile.bandwidth(sync_link)
         else:
-            moved = table2_moved_bytes(
-                shape.params * opt.param_bytes, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)
-            )
+            moving = shape.params * opt.param_bytes
+            if self.stationary_base():  # float32 adapters alone
+                moving = lora_parameter_count(cfg, opt.actor_lora) * 4
+            moved = table2_moved_bytes(moving, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES))
             reshard = moved / (share * profile.bandwidth(self.cluster.link(train.fsdp * train.tensor)))
         return {
             "prefill": waves * prefill,
@@ -296,6 +301,25 @@ class CostModel:
             "prefill_bytes": prefill_peak if w.kv_slots is not None else 0.0,
             "seconds": waves * (prefill + w.response_len * step) + reshard,
         }
+
+    def generation_extra(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
+        """The parameter bytes per device that generation adds to what is resident: none for a LoRA base kept in
+        the generation layout (`with_base_in_gen` counts it resident), else `gen_extra_bytes`."""
+        return 0.0 if self.stationary_base() else self.gen_extra_bytes(shape, train, gen)
+
+    def stationary_base(self) -> bool:
+        """Whether the actor is LoRA with its base kept in the generation layout (`CostOptions.lora_base_in_gen`)."""
+        lora = self.options.actor_lora
+        return lora is not None and lora.enabled and self.options.lora_base_in_gen
+
+    def with_base_in_gen(self, cost: RoleCost, shape: ModelShape, gen: Sizes) -> RoleCost:
+        """The generating actor's cost with its LoRA base in the generation layout all iteration (what the
+        generation shard adds over the training one becomes resident), when it keeps it there; else `cost`."""
+        if cost.role not in self.flow.generation or not self.stationary_base():
+            return cost
+        extra = self.gen_extra_bytes(shape, cost.sizes, gen)
+        memory = {**cost.memory, "params": cost.memory["params"] + extra}
+        return dataclasses.replace(cost, static_bytes=cost.static_bytes + extra, memory=memory)
 
     def prefill_bytes(self, shape: ModelShape, gen: Sizes, kv_cache: float) -> float:
         """Bytes per device that the engine's largest prefill call adds to the KV cache: a second copy of the cache
@@ -349,7 +373,7 @@ class CostModel:
             return out
         seconds = {**cost.seconds, "generation": out["seconds"] + self.cluster.profile.call_overhead_s}
         detail = {**cost.detail, **{f"gen_{k}": v for k, v in out.items() if k != "seconds"}}
-        memory = {**cost.memory, "gen_extra_params": self.gen_extra_bytes(shape, cost.sizes, gen)}
+        memory = {**cost.memory, "gen_extra_params": self.generation_extra(shape, cost.sizes, gen)}
         memory["kv_cache"] = out["kv_bytes"]
         memory["prefill"] = out["prefill_bytes"]
         return dataclasses.replace(cost, seconds=seconds, detail=detail, memory=memory, gen=gen)
@@ -401,6 +425,8 @@ class CostModel:
         """Checks the memory of colocated roles and adds the actor's generation with the KV budget they leave (none
         when `gen` is None: a rollout group generates). Returns the costs and the peak bytes per device, or the
         reason they do not fit."""
+        if gen is not None:
+            costs = [self.with_base_in_gen(c, shapes[c.role], gen) for c in costs]
         reason = self.memory_reason(costs, devices)
         if reason:
             return reason
@@ -409,7 +435,7 @@ class CostModel:
         out = list(costs)
         for i, cost in enumerate(costs):
             if cost.role in self.flow.generation and gen is not None:
-                extra = self.gen_extra_bytes(shapes[cost.role], cost.sizes, gen)
+                extra = self.generation_extra(shapes[cost.role], cost.sizes, gen)
                 resident = static - self.offloaded_bytes(cost)
                 with_gen = self.with_generation(cost, shapes[cost.role], gen, self.usable_bytes - resident - extra)
                 if isinstance(with_gen, str):

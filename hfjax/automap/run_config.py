@@ -58,8 +58,8 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 
 def run_cost_options(cfg: RLConfig) -> CostOptions:
     """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
-    `remat` setting, its LoRA adapters (and the critic's), its experts' capacity factor and whether its optimizer
-    state leaves the device while it generates."""
+    `remat` setting, its LoRA adapters (and the critic's) and where its base lives, its experts' capacity factor and
+    whether its optimizer state leaves the device while it generates."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
@@ -67,6 +67,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         master_bytes=itemsize[cfg.actor.dtype if lora else cfg.actor.param_dtype],
         remat=cfg.actor.remat != "none",
         actor_lora=cfg.actor.lora if lora else None,
+        lora_base_in_gen=cfg.rollout.lora_base_layout == "gen",
         critic_lora=cfg.critic.lora if cfg.uses_critic and cfg.critic.lora.enabled else None,
         expert_capacity_factor=cfg.actor.expert_capacity_factor,
         offload_optimizer=cfg.rollout.offload_optimizer,

@@ -140,16 +140,20 @@ class AbstractModel:
         remat: str = "none",
         lora: LoraConfig | None = None,
         expert_capacity_factor: float | None = None,
+        base_layout: Layout | None = None,
     ) -> AbstractModel:
+        """`base_layout`: where a LoRA model's frozen base lives, when not in `layout` (`rollout.lora_base_layout`)."""
         with_lora = lora is not None and lora.enabled
         model = set_remat(abstract_model(config, head, dtype, dtype if with_lora else param_dtype), remat)
         set_expert_capacity(model, expert_capacity_factor)
         if with_lora:
             add_lora(model, lora)
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        per_param = layout.shardings(params)
-        shardings = jax.tree.map(lambda s, p: jax.tree.map(lambda _: s, p), per_param, params)
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+        if with_lora and base_layout is not None:
+            adapters, base = nnx.split_state(params, LoraParam, ...)
+            abstract = nnx.merge_state(_sharded(adapters, layout), _sharded(base, base_layout))
+        else:
+            abstract = _sharded(params, layout)
         return cls(graphdef, abstract, rest, layout, LoraParam if with_lora else nnx.Param)
 
     def trained_and_rest(self) -> tuple[Any, Any]:
@@ -172,6 +176,20 @@ class AbstractModel:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype or x.dtype), sharding=s), self.params, shardings
         )
+
+
+def _sharded(params: Any, layout: Layout) -> Any:
+    """`params` as `ShapeDtypeStruct`s sharded by `layout`."""
+    per_param = layout.shardings(params)
+    shardings = jax.tree.map(lambda s, p: jax.tree.map(lambda _: s, p), per_param, params)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
+
+
+def base_layout(cfg: RLConfig, gen_layout: Layout) -> Layout | None:
+    """Where the actor's frozen LoRA base lives when not in its training layout: the generation layout, where a
+    colocated rollout keeps it (`rollout.lora_base_layout: gen`); None otherwise."""
+    colocated = cfg.trainer.placement != "disaggregated"
+    return gen_layout if cfg.actor.lora.enabled and colocated and cfg.rollout.lora_base_layout == "gen" else None
 
 
 def sequence_batch(layout: Layout, rows: int, prompt: int, response: int, extra: Sequence[str]) -> dict[str, Any]:
@@ -278,11 +296,14 @@ def _rows_program(
     return ProgramTrace(group, name, traced, resident)
 
 
-def actor_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout) -> int:
-    """What the policy keeps on each device between its programs: master weights (with LoRA: the base and the
-    adapters), optimizer state, reference (with LoRA: none, the base serves)."""
+def actor_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout, gen_layout: Layout) -> int:
+    """What the policy keeps on each device between its programs: master weights (with LoRA: the base, in its
+    `base_layout`, and the adapters), optimizer state, reference (with LoRA: none, the base serves)."""
     actor = cfg.actor
-    policy = AbstractModel.build(shape, "causal_lm", layout, actor.dtype, actor.param_dtype, lora=actor.lora)
+    policy = AbstractModel.build(
+        shape, "causal_lm", layout, actor.dtype, actor.param_dtype, lora=actor.lora,
+        base_layout=base_layout(cfg, gen_layout),
+    )  # fmt: skip
     opt_state = abstract_optimizer_state(make_optimizer(actor.optim, None), policy.trained_and_rest()[0], layout)
     ref = _reference(cfg, policy)
     return bytes_per_device((policy.params, opt_state)) + (bytes_per_device(ref) if ref is not None else 0)
@@ -320,6 +341,7 @@ def actor_programs(
         actor.remat,
         actor.lora,
         expert_capacity_factor=actor.expert_capacity_factor,
+        base_layout=base_layout(cfg, gen_layout),
     )
     optimizer = make_optimizer(actor.optim, None)
     opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.trained_and_rest()[0], layout))

@@ -104,7 +104,7 @@ def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
     roles.append(
         _Role(
             index,
-            actor_resident(cfg, shape, train),
+            actor_resident(cfg, shape, train, gen),
             functools.partial(actor_programs, cfg, shape, train, gen),
         )
     )
