@@ -27,17 +27,22 @@ def layout_config(args: argparse.Namespace) -> dict[str, Any]:
     return {"mesh": parse_mesh(args.mesh), "rules": rules}
 
 
-def abstract_params_for(model: str, dtype: str) -> Any:
-    """Abstract parameters (no memory) of a Hugging Face directory or a named size such as `llama-200m`."""
+def abstract_params_for(model: str, dtype: str, lora_rank: int = 0) -> Any:
+    """Abstract parameters (no memory) of a Hugging Face directory or a named size such as `llama-200m`; with
+    `lora_rank`, float32 LoRA adapters of that rank on every projection beside them."""
     from pathlib import Path
 
     from flax import nnx
 
     from hfjax.models.hf import abstract_model, read_config
+    from hfjax.models.lora import LoraConfig, add_lora
     from hfjax.models.presets import named_config
 
     if Path(model).is_dir():
         cfg, head = read_config(model)
     else:
         cfg, head = named_config(model), "causal_lm"
-    return nnx.state(abstract_model(cfg, head, dtype), nnx.Param)
+    if not lora_rank:
+        return nnx.state(abstract_model(cfg, head, dtype), nnx.Param)
+    adapted = nnx.eval_shape(lambda: add_lora(abstract_model(cfg, head, dtype), LoraConfig(rank=lora_rank)))
+    return nnx.state(adapted, nnx.Param)

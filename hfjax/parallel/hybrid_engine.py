@@ -321,7 +321,9 @@ class HybridEngine:
     def stats(self) -> dict[str, Any]:
         """Per-device bytes (max over devices) of the layouts and transitions, and transition wall times."""
         acc = self.account
-        kept = acc.max("train_bytes") if self.keeps_train else 0
+        stationary = self._stationary_bytes()
+        # the training copies kept through generation: of the parameters that move (stationary ones are the gen copy)
+        kept = max(acc.train_bytes[d] - stationary.get(d, 0) for d in acc.train_bytes) if self.keeps_train else 0
         redundant = kept if self.mode == "naive" and not self.casts else 0
         on_device = 0 if self.offloads_master else kept  # during generation
         return {
@@ -346,19 +348,19 @@ class HybridEngine:
             "peak_gen_bytes_per_device": acc.max("gen_bytes") + on_device + self.kv_cache_bytes_per_device,
             "redundant_bytes_per_device": redundant,
             "uncontained_bytes_per_device": acc.max("uncontained_bytes"),
-            "stationary_bytes_per_device": self._stationary_bytes(),
+            "stationary_bytes_per_device": max(stationary.values(), default=0),
             "to_gen_s": list(self.times.to_gen_s),
             "to_train_s": list(self.times.to_train_s),
         }
 
-    def _stationary_bytes(self) -> int:
-        """Bytes per device (the most any device holds) of the parameters that never move."""
+    def _stationary_bytes(self) -> dict[int, int]:
+        """Device id -> bytes of the parameters that never move."""
         per_device: dict[int, int] = {}
         for i in (i for i, still in enumerate(self.stationary) if still):
             nbytes = math.prod(self.gen_shardings[i].shard_shape(self.shapes[i])) * self.itemsizes[i]
             for device in self.gen_shardings[i].device_set:
                 per_device[device.id] = per_device.get(device.id, 0) + nbytes
-        return max(per_device.values(), default=0)
+        return per_device
 
     def offload(self, tree: Any) -> Any:
         """Moves a tree (e.g. optimizer state) to pinned host memory during generation, when enabled and the

@@ -51,8 +51,11 @@ def compare_layouts(
     modes: Sequence[str] = ("zero_redundancy", "naive"),
     repeats: int = 0,
     gen_dtypes: Sequence[str | None] = (None,),
+    stationary: Sequence[bool] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per (pair, mode, generation dtype; None: the parameters' own). `pairs`: [{"name", "train", "gen"}].
+    """One row per (pair, mode, generation dtype; None: the parameters' own), and with `stationary` (flags per
+    parameter, e.g. a LoRA base's) each of those again with the flagged parameters kept in the generation layout
+    (`HybridEngine(stationary=...)`; the row's `stationary` is True). `pairs`: [{"name", "train", "gen"}].
     With `repeats` > 0, runs to_gen/to_train that many times after one warm-up on filler parameters and reports
     median times. A pair's variants take turns, one to_gen/to_train cycle each, so that none of them is always the
     first one timed (in one process the first transitions run slower while the process's memory grows)."""
@@ -62,17 +65,19 @@ def compare_layouts(
     )
     rows = []
     for pair in pairs:
-        variants = [(mode, dtype) for mode in modes for dtype in gen_dtypes]
+        kept = (None,) if stationary is None else (None, stationary)
+        variants = [(mode, dtype, still) for mode in modes for dtype in gen_dtypes for still in kept]
         engines = [
-            HybridEngine(pair["train"], pair["gen"], abstract_params, mode=mode, gen_dtype=dtype)
-            for mode, dtype in variants
+            HybridEngine(pair["train"], pair["gen"], abstract_params, mode=mode, gen_dtype=dtype, stationary=still)
+            for mode, dtype, still in variants
         ]
-        for (mode, _), engine in zip(variants, engines, strict=True):
+        for (mode, _, still), engine in zip(variants, engines, strict=True):
             stats = engine.stats()
             rows.append(
                 {
                     "pair": pair.get("name", f"{engine.train_layout.describe()} -> {engine.gen_layout.describe()}"),
                     "mode": mode,
+                    "stationary": still is not None,
                     "param_bytes": total,
                     **{k: v for k, v in stats.items() if k not in ("to_gen_s", "to_train_s")},
                     "table2_moved_bytes": table2_moved_bytes(total, engine.train_layout, engine.gen_layout),

@@ -5,9 +5,12 @@ write floor: every gen byte copied at that bandwidth (on CPU a device's own shar
 host memory, and each gen shard is a new buffer). Usage:
     python scripts/bench/bench_reshard.py [--pairs configs/layout_pairs.yaml] [--repeats 5] [--out
         runs/bench/reshard.json]
-        [--tiny]
+        [--lora-rank 16] [--tiny]
 With `--param-dtype float32 --gen-dtype bfloat16` the training copy is float32 master weights and each pair also runs
 with a bfloat16 generation copy (cast where the master lies, then moved; the master stays), beside float32 ones.
+With `--lora-rank R` the model carries float32 LoRA adapters of rank R on every projection, and each pair also runs
+with the frozen base kept in the generation layout (`rollout.lora_base_layout: gen`: only the adapters move) beside
+the base moved with them (`train`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import copy_times, parse_args, report
 
 from hfjax.cli.model_args import abstract_params_for
+from hfjax.models.lora import LoraParam
+from hfjax.optim.train_state import frozen_flags
 from hfjax.parallel.layout_compare import compare_layouts
 
 MIB = 2**20
@@ -50,12 +55,14 @@ def main() -> None:
     parser.add_argument("--gen-dtype", default=None, help="also run each pair with the generation copy cast to this")
     parser.add_argument("--probe-mib", type=int, default=256, help="size of the memcpy bandwidth probe")
     parser.add_argument("--max-pairs", type=int, help="compare only the first N pairs of --pairs")
-    args = parse_args(parser, tiny={"model": "bench-25m", "repeats": 1, "probe_mib": 8, "max_pairs": 2})
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank; the base moved or kept")
+    args = parse_args(parser, tiny={"model": "bench-25m", "repeats": 1, "probe_mib": 8, "max_pairs": 2, "lora_rank": 4})
     pairs = yaml.safe_load(args.pairs.read_text())["pairs"][: args.max_pairs]
-    params = abstract_params_for(args.model, args.param_dtype)
+    params = abstract_params_for(args.model, args.param_dtype, args.lora_rank)
     bandwidth = memcpy_bandwidth(args.probe_mib * MIB)
     gen_dtypes = (None, args.gen_dtype) if args.gen_dtype else (None,)
-    rows = compare_layouts(params, pairs, repeats=args.repeats, gen_dtypes=gen_dtypes)
+    frozen = frozen_flags(params, LoraParam) if args.lora_rank else None
+    rows = compare_layouts(params, pairs, repeats=args.repeats, gen_dtypes=gen_dtypes, stationary=frozen)
     bandwidth = (bandwidth + memcpy_bandwidth(args.probe_mib * MIB)) / 2  # before and after, to smooth machine noise
     table = []
     for r in rows:
@@ -64,6 +71,7 @@ def main() -> None:
             [
                 r["pair"],
                 r["mode"],
+                ("kept in gen" if r["stationary"] else "moved") if args.lora_rank else "-",
                 f"{r['param_dtype']}->{r['gen_dtype']}",
                 "yes" if r["contained"] else "no",
                 r["train_bytes_per_device"] / MIB,
@@ -88,6 +96,7 @@ def main() -> None:
         [
             "pair",
             "mode",
+            "LoRA base",
             "dtypes",
             "contained",
             "train",
