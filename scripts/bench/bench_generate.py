@@ -6,8 +6,11 @@ no top-k/top-p) and greedy; no stop tokens, so every sample has exactly 128 toke
 memory, the bytes it must read (every weight but the embedding table, plus the KV cache up to the current length) /
 the memory bandwidth measured here (a large numpy copy); compute, its FLOPs (2 per weight and token, plus attention
 over the mean cache length) / the rate of a jitted fp32 matmul of the decode step's MLP shape, compiled as the engine
-compiles. The step's floor is the larger. Usage:
-    python scripts/bench/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json] [--tiny]
+compiles. The step's floor is the larger. With `--lora-rank R` hfjax also generates from the checkpoint with
+rank-R LoRA adapters on every projection, unmerged as a LoRA policy's rollout runs them (random B, so they compute);
+merged adapters are the plain model's weights, so the plain row is the merged one. Usage:
+    python scripts/bench/bench_generate.py [--ckpt DIR] [--repeats 3] [--out runs/bench/generate.json]
+        [--lora-rank 16] [--tiny]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import copy_times, default_checkpoint, interleaved_medians, parse_args, report
@@ -58,7 +62,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/generate.json"))
     parser.add_argument("--probe-mib", type=int, default=256, help="size of the memory bandwidth probe")
     parser.add_argument("--matmul-s", type=float, default=1.0, help="seconds the matmul rate probe runs")
-    args = parse_args(parser, tiny={"prompts": 4, "new_tokens": 8, "repeats": 1, "probe_mib": 8, "matmul_s": 0.1})
+    parser.add_argument("--lora-rank", type=int, default=0, help="also generate with unmerged adapters of this rank")
+    tiny = {"prompts": 4, "new_tokens": 8, "repeats": 1, "probe_mib": 8, "matmul_s": 0.1, "lora_rank": 2}
+    args = parse_args(parser, tiny=tiny)
     ckpt = default_checkpoint(args.ckpt, args.tiny)
 
     import jax
@@ -87,6 +93,15 @@ def main() -> None:
     started = time.perf_counter()
     generator.generate(prompts, sampled)
     first_call_s = time.perf_counter() - started
+    runs = {}
+    if args.lora_rank:
+        adapted = lora_model(ckpt, args.lora_rank)
+        lora_engine = JaxEngine(
+            adapted, max_concurrent_decodes=args.prompts, max_prefill_length=64, max_new_tokens=args.new_tokens
+        )
+        lora_generator = OfflineGenerator(lora_engine, nnx.split(adapted, nnx.Param, ...)[1], progress=False)
+        lora_generator.generate(prompts, sampled)  # compiles
+        runs["hfjax LoRA sampled"] = lambda: lora_generator.generate(prompts, sampled)
 
     reference = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     width = int(lengths.max())
@@ -116,6 +131,7 @@ def main() -> None:
                 "torch sampled": lambda: hf_generate(True),
                 "hfjax greedy": lambda: generator.generate(prompts, greedy),
                 "torch greedy": lambda: hf_generate(False),
+                **runs,
             },
             args.repeats,
             warmup=1,
@@ -144,6 +160,10 @@ def main() -> None:
         label = f"sampled, top_p {args.top_p}" if mode == "sampled" and args.top_p < 1 else mode
         rows.append([f"transformers generate ({label})", theirs, tokens / theirs, 1.0])
         rows.append([f"hfjax OfflineGenerator ({label})", ours, tokens / ours, theirs / ours])
+        if f"hfjax LoRA {mode}" in medians:
+            lora_s = medians[f"hfjax LoRA {mode}"]
+            rows.append([f"hfjax, rank-{args.lora_rank} adapters unmerged ({label})", lora_s, tokens / lora_s,
+                         theirs / lora_s])  # fmt: skip
     report(
         f"generate {args.prompts} prompts x {args.new_tokens} new tokens, {cfg.num_params / 1e6:.1f}M params, fp32, "
         f"{jax.default_backend()}, torch threads {torch.get_num_threads()}",
@@ -171,6 +191,23 @@ def main() -> None:
         f"{rate / 1e9:.0f} GFLOP/s): {step_s / floor_step_s:.1f}x; "
         f"first call with compiles {first_call_s:.1f} s; compiles {dict(engine.compiles)}"
     )
+
+
+def lora_model(ckpt: Path, rank: int) -> Any:
+    """The checkpoint with rank-`rank` adapters on every projection, B drawn at random (a fresh B is zero)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from hfjax.models import load_hf
+    from hfjax.models.lora import LoraConfig, LoraParam, add_lora
+
+    model = add_lora(load_hf(ckpt), LoraConfig(rank=rank, alpha=2.0 * rank), seed=0)
+    rng = np.random.default_rng(1)
+    for path, b in nnx.to_flat_state(nnx.state(model, LoraParam)):
+        if path[-1] == "b":
+            b[...] = jnp.asarray(rng.normal(0, 0.01, b.shape), jnp.float32)
+    return model
 
 
 if __name__ == "__main__":
