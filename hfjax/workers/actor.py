@@ -177,10 +177,14 @@ class ActorRolloutRefWorker(TrainedRole):
         cfg, rollout = self.cfg, self.rollout_cfg
         layout = layout_or_default(cfg.train_layout, where="actor.train_layout")
         lora = cfg.lora.enabled
-        gen = layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
+        gen = (
+            layout_or_default(rollout.gen_layout, generation=True, where="rollout.gen_layout")
+            if self.has_rollout
+            else None
+        )
         # a LoRA base that stays in the generation layout: loaded there, trained against there, never moved
         base_layout = (
-            stationary_layout(layout, gen) if lora and self.has_rollout and rollout.lora_base_layout == "gen" else None
+            stationary_layout(layout, gen) if lora and gen is not None and rollout.lora_base_layout == "gen" else None
         )
         self.policy, trainable = load_trained(cfg, layout, "causal_lm", frozen_layout=base_layout)
         if cfg.router_replay and not any(self.policy.config.moe_layers):
