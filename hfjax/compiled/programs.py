@@ -21,39 +21,32 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hfjax.compiled.batches import micro_batch, sequence_batch, with_seed_column
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
-from hfjax.models.moe import route_dtype, set_expert_capacity
+from hfjax.models.moe import set_expert_capacity
 from hfjax.models.transformer import set_remat
 from hfjax.optim.optimizer import make_optimizer
-from hfjax.optim.train_state import (
-    abstract_optimizer_state,
-    apply_program,
-    batch_sharding,
-    frozen,
-    grad_program,
-    split_trained,
-)
+from hfjax.optim.train_state import abstract_optimizer_state, apply_program, frozen, grad_program, split_trained
 from hfjax.parallel.layout import Layout
 from hfjax.rollout import JaxEngine
-from hfjax.rollout.interface import power_of_two_at_least, prefill_buckets
+from hfjax.rollout.interface import prefill_buckets
 from hfjax.rollout.sampling import SamplerKind
 from hfjax.workers.actor import actor_loss, logprob_rows, ref_logprob_rows
 from hfjax.workers.critic import critic_loss, response_values
 from hfjax.workers.generation import sampling_params
-from hfjax.workers.model_role import LORA_DROPOUT_SEED, rows_program
-from hfjax.workers.packing import PACKED_LABELS, PACKED_POSITIONS, RESPONSE_INDEX
+from hfjax.workers.model_role import rows_program
 from hfjax.workers.reward_model import sequence_scores
-from hfjax.workers.sequences import ROUTED_EXPERTS, SEQUENCE_KEYS
+from hfjax.workers.sequences import ROUTED_EXPERTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,69 +185,6 @@ def base_layout(cfg: RLConfig, gen_layout: Layout) -> Layout | None:
     return gen_layout if cfg.actor.lora.enabled and colocated and cfg.rollout.lora_base_layout == "gen" else None
 
 
-def sequence_batch(layout: Layout, rows: int, prompt: int, response: int, extra: Sequence[str]) -> dict[str, Any]:
-    """A micro-batch of the RL layout (`hfjax.workers.sequences`) as `ShapeDtypeStruct`s, rows over the batch axes;
-    `extra` names the float [rows, response] columns the program reads (advantages, old log probs, ...)."""
-    shapes = {
-        "input_ids": ((rows, prompt + response), jnp.int32),
-        "attention_mask": ((rows, prompt + response), jnp.int32),
-        "position_ids": ((rows, prompt + response), jnp.int32),
-        "responses": ((rows, response), jnp.int32),
-        **{name: ((rows, response), jnp.float32) for name in extra},
-    }
-    if "response_mask" in extra:
-        shapes["response_mask"] = ((rows, response), jnp.int32)
-        shapes["global_tokens"] = ((rows,), jnp.float32)
-        shapes["global_seqs"] = ((rows,), jnp.float32)
-    return {k: jax.ShapeDtypeStruct(s, d, sharding=batch_sharding(layout, s)) for k, (s, d) in shapes.items()}
-
-
-def packed_batch(layout: Layout, row_tokens: int, response: int, extra: Sequence[str]) -> dict[str, Any]:
-    """The largest packed micro-batch of `row_tokens` tokens per row (`hfjax.workers.packing`) as
-    `ShapeDtypeStruct`s: one row per batch part, every token a response token, and as many sequence rows as
-    sequences of two tokens would fill (the per-sequence arrays hold no vocabulary dimension: small either way)."""
-    parts = layout.batch_parts
-    seqs = parts * power_of_two_at_least(row_tokens // 2)
-    batch = sequence_batch(layout, seqs, 0, response, extra)
-    del batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    shapes = {
-        **dict.fromkeys(SEQUENCE_KEYS, (parts, row_tokens)),
-        PACKED_POSITIONS: (parts, row_tokens),
-        PACKED_LABELS: (parts, row_tokens),
-        RESPONSE_INDEX: (seqs, response),
-    }
-    for key, shape in shapes.items():
-        batch[key] = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding(layout, shape))
-    return batch
-
-
-def micro_batch(
-    cfg: RLConfig, section: Any, layout: Layout, extra: Sequence[str], routes: ModelConfig | None = None
-) -> dict[str, Any]:
-    """The largest micro-batch of a trained role's `section` (actor or critic config): packed when it sets
-    `packed_row_tokens`, else `micro_batch_size` rows of the longest prompt and response; with the rollout's
-    `ROUTED_EXPERTS` of the mixture-of-experts model `routes` beside `input_ids` where given (routing replay)."""
-    response = cfg.rollout.response_length
-    if section.packed_row_tokens:
-        batch = packed_batch(layout, section.packed_row_tokens, response, extra)
-    else:
-        batch = sequence_batch(layout, section.micro_batch_size, cfg.data.max_prompt_length, response, extra)
-    if routes is not None:
-        shape = (*batch["input_ids"].shape, sum(routes.moe_layers), routes.experts_per_token)
-        dtype = route_dtype(routes.num_experts)
-        batch[ROUTED_EXPERTS] = jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(layout, shape))
-    return batch
-
-
-def _with_seed_column(batch: dict[str, Any], section: Any, layout: Layout) -> dict[str, Any]:
-    """An update's abstract micro-batch with the adapter dropout seed column the worker adds
-    (`TrainedRole.with_dropout_seeds`) where `section.lora` drops out adapter inputs."""
-    if not section.lora.drops_out:
-        return batch
-    rows = (batch["responses"].shape[0],)
-    return {**batch, LORA_DROPOUT_SEED: jax.ShapeDtypeStruct(rows, jnp.int32, sharding=batch_sharding(layout, rows))}
-
-
 def _train_programs(
     group: str,
     model: AbstractModel,
@@ -349,7 +279,7 @@ def actor_programs(
     ref_bytes = (bytes_per_device(ref) if ref is not None else 0) + others
     extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
     routes = shape if actor.router_replay else None
-    batch = _with_seed_column(micro_batch(cfg, actor, layout, extra, routes), actor, layout)
+    batch = with_seed_column(micro_batch(cfg, actor, layout, extra, routes), actor, layout)
     loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
     yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
     rows = micro_batch(cfg, actor, layout, (), routes)
@@ -419,7 +349,7 @@ def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: i
         expert_capacity_factor=critic.expert_capacity_factor,
     )
     optimizer = make_optimizer(critic.optim, None)
-    batch = _with_seed_column(micro_batch(cfg, critic, layout, ("values", "returns", "response_mask")), critic, layout)
+    batch = with_seed_column(micro_batch(cfg, critic, layout, ("values", "returns", "response_mask")), critic, layout)
     loss_fn = functools.partial(critic_loss, critic, response)
     yield from _train_programs("critic", model, optimizer, critic.optim.grad_clip, loss_fn, batch, others)
     rows = micro_batch(cfg, critic, layout, ())
