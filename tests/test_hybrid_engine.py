@@ -27,6 +27,7 @@ from hfjax.parallel import HybridEngine, Layout, hybrid_engine
 from hfjax.parallel.host_local import replica_positions, stationary_layout
 from hfjax.parallel.host_memory import to_memory_kind
 from hfjax.parallel.layout import LayoutError
+from hfjax.parallel.layout_compare import transition_bytes
 from hfjax.parallel.shard_math import containing_order
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)
@@ -181,6 +182,25 @@ def test_table2_formula_when_every_parameter_shards_on_both_axes():
         assert stats["received_bytes_per_device"] == total // t_g - total // (f * t), (f, t, t_g)
         assert stats["peak_param_bytes_per_device"] == total // t_g
         assert stats["contained"]
+
+
+def test_transition_bytes_equal_the_engines_account_contained_or_not():
+    """The cost model's per-device bytes of a transition (`transition_bytes`: in, and back in `to_train`) against the
+    engine's account from the shardings, for a tree whose every parameter fsdp shards on one dimension and tensor
+    parallelism on the other: Table 2 where the training shard fits in the generation shard, and the pairs where it
+    cannot (fsdp8 -> tensor 4, the v5e-8 LoRA config's pair)."""
+    tree = {
+        f"w{i}": nnx.Param(jax.ShapeDtypeStruct((64 * (i + 1), 96), np.float32), logical_axes=("embed", "mlp"))
+        for i in range(4)
+    }
+    total = sum(64 * (i + 1) * 96 * 4 for i in range(4))
+    for (f, t), t_g in (((8, 1), 4), ((4, 2), 4), ((2, 4), 2), ((1, 8), 4), ((8, 1), 1), ((2, 4), 8)):
+        train = {"mesh": {"fsdp": f, "tensor": t}, "rules": "fsdp_tp"}
+        gen = {"mesh": {"data": 8 // t_g, "tensor": t_g}, "rules": "dp_tp_gen"}
+        stats = HybridEngine(train, gen, tree).stats()
+        received, back = transition_bytes(total, Layout.from_config(train), Layout.from_config(gen))
+        assert (stats["received_bytes_per_device"], stats["uncontained_bytes_per_device"]) == (received, back)
+        assert (back == 0) == (t % t_g == 0) == stats["contained"], (f, t, t_g)
 
 
 def test_gen_params_give_the_same_logits(checkpoint):

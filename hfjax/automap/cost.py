@@ -15,7 +15,8 @@ With P the matmul parameters, L layers, width d, S = prompt + response tokens, F
   plus the KV cache of its batch (memory-bound unless compute is slower), 2 tensor all-reduces per layer, and a
   fixed cost per layer (kernel launches, host work: `DeviceProfile.decode_layer_overhead_s`);
   the KV cache left over by resident state bounds the concurrent batch (more waves when it does not fit);
-- train -> gen transition: the HybridEngine's Table 2 bytes per device (`table2_moved_bytes`), gen -> train free;
+- train -> gen transition: the HybridEngine's bytes per device (`transition_bytes`: Table 2 where the training shard
+  lies inside the generation shard, and gen -> train free; otherwise what no device order keeps in place, both ways);
 - each role's call in a stage adds a fixed `DeviceProfile.call_overhead_s` (dispatch, host transfers, Python).
 A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for all-reduce) over the link's
 bandwidth, plus a fixed latency per call. On a shared host (fake CPU devices: `DeviceProfile.shared_host`) a group
@@ -45,7 +46,7 @@ from hfjax.automap.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, 
 from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, Sizes, layer_activation_bytes, layout_of, mlp_width
 from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.models.lora import LoraConfig, lora_parameter_count
-from hfjax.parallel.layout_compare import table2_moved_bytes
+from hfjax.parallel.layout_compare import transition_bytes
 
 ROLLOUT = "rollout"  # the group of a disaggregated placement that only generates, with a copy of the actor's weights
 
@@ -290,7 +291,7 @@ class CostModel:
             moving = shape.params * opt.param_bytes
             if self.stationary_base():  # float32 adapters alone
                 moving = lora_parameter_count(cfg, opt.actor_lora) * 4
-            moved = table2_moved_bytes(moving, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES))
+            moved = sum(transition_bytes(moving, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)))
             reshard = moved / (share * profile.bandwidth(self.cluster.link(train.fsdp * train.tensor)))
         return {
             "prefill": waves * prefill,

@@ -41,6 +41,7 @@ from hfjax.parallel.layout import Layout, is_param_leaf
 from hfjax.parallel.shard_math import (
     TransitionAccount,
     account,
+    aligned_order,
     candidate_orders,
     containing_order,
     local_train_bounds,
@@ -155,8 +156,8 @@ class HybridEngine:
     def _order_gen(
         self, gen: Layout, abstract_params: Any, train_specs: list[tuple]
     ) -> tuple[Layout, TransitionAccount]:
-        """Gen layout with the containing device order (host-local on several hosts), else the candidate order that
-        moves the fewest bytes."""
+        """Gen layout with the containing device order (host-local on several hosts), else whichever of the order
+        that keeps the most in place (`aligned_order`) and the candidate orders moves the fewest bytes."""
         gen_specs = [
             tuple(gen.spec(leaf.get_metadata().get("logical_axes", (None,) * len(leaf.shape))))
             for leaf in jax.tree.leaves(abstract_params, is_leaf=is_param_leaf)
@@ -165,7 +166,11 @@ class HybridEngine:
         order = containing_order(self.train_layout, gen, train_specs, gen_specs)
         if order is not None and self.hosts is not None:
             order = host_local_order(order, gen, self.hosts, keys=_gen_block_keys(gen, gen_specs))
-        orders = [order] if order is not None else candidate_orders(self.train_layout)
+        if order is None:  # the order that keeps the most in place, beside the mesh's own orders
+            aligned = aligned_order(self.train_layout, gen, train_specs, gen_specs)
+            orders = ([aligned] if aligned is not None else []) + candidate_orders(self.train_layout)
+        else:
+            orders = [order]
         if self.hosts is not None:
             orders = list(dict.fromkeys(tuple(self._host_local(gen, o).device_ids) for o in orders))
         best = None

@@ -23,6 +23,18 @@ def table2_moved_bytes(total_bytes: int, train: Layout, gen: Layout) -> int:
     return total_bytes // gen_shards - total_bytes // train_shards
 
 
+def transition_bytes(total_bytes: int, train: Layout, gen: Layout) -> tuple[int, int]:
+    """Per-device bytes a train -> gen transition receives, and that `to_train` must fetch back, for a model of
+    `total_bytes` whose weights fsdp shards on one dimension and tensor parallelism on the other (fsdp f, tensor t in
+    training; fsdp f_g, tensor t_g in generation), in the device order that keeps the most in place: each device keeps
+    M / (max(f, f_g) max(t, t_g)) of its training shard. Where f_g divides f and t_g divides t that is the whole
+    training shard: Table 2's M/(f_g t_g) - M/(f t) in and nothing back."""
+    f, t = train.axis_size("fsdp"), train.axis_size("tensor")
+    f_g, t_g = gen.axis_size("fsdp"), gen.axis_size("tensor")
+    kept = total_bytes // (max(f, f_g) * max(t, t_g))
+    return total_bytes // (f_g * t_g) - kept, total_bytes // (f * t) - kept
+
+
 def per_parameter_moved_bytes(engine: HybridEngine) -> int:
     """Sum over parameters of bytes/gen_parts - bytes/train_parts: exact when every shard is contained."""
     total = 0

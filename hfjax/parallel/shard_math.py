@@ -108,28 +108,47 @@ def containing_order(
     `b` divides `a` and the gen block index is the train index // (a/b). Each device thus has required gen block
     indices; gen positions are matched to devices with the same requirements, in train-mesh order (so that
     micro-DP groups are consecutive and gen-TP groups sit at stride a/b: HybridFlow's grouping)."""
+    return _matched_order(train, gen, train_specs, gen_specs, finer_gen=False)
+
+
+def aligned_order(
+    train: Layout, gen: Layout, train_specs: Sequence[tuple], gen_specs: Sequence[tuple]
+) -> list[int] | None:
+    """`containing_order`, also where generation cuts a dimension finer than training (`a` divides `b`): there each
+    device's gen block lies inside its train block (gen index // (b/a) = train index), so it keeps the most of its
+    training shard that any order can, and the rest moves in `to_gen` and back in `to_train`. None where a dimension
+    is cut by counts of which neither divides the other."""
+    return _matched_order(train, gen, train_specs, gen_specs, finer_gen=True)
+
+
+def _matched_order(
+    train: Layout, gen: Layout, train_specs: Sequence[tuple], gen_specs: Sequence[tuple], finer_gen: bool
+) -> list[int] | None:
     train_sizes, gen_sizes = dict(train.axes), dict(gen.axes)
-    pairs = set()
+    pairs = set()  # (train axes, gen axes, train ratio, gen ratio): device key train // ratio = gen // gen ratio
     for t_spec, g_spec in zip(train_specs, gen_specs, strict=True):
         for t_entry, g_entry in zip(t_spec, g_spec, strict=True):
             a_axes, b_axes = _spec_axes(t_entry), _spec_axes(g_entry)
             a, b = math.prod(train_sizes[x] for x in a_axes), math.prod(gen_sizes[x] for x in b_axes)
             if b > 1:
-                if a % b:
+                if a % b == 0:
+                    pairs.add((a_axes, b_axes, a // b, 1))
+                elif finer_gen and b % a == 0:
+                    pairs.add((a_axes, b_axes, 1, b // a))
+                else:
                     return None
-                pairs.add((a_axes, b_axes, a // b))
     pairs_list = sorted(pairs)
     train_devices = train.mesh.devices
     need: dict[tuple, list[int]] = {}
     for index in np.ndindex(train_devices.shape):
         coords = dict(zip((n for n, _ in train.axes), index, strict=True))
-        key = tuple(_flat(coords, a_axes, train_sizes) // ratio for a_axes, _, ratio in pairs_list)
+        key = tuple(_flat(coords, a_axes, train_sizes) // ratio for a_axes, _, ratio, _ in pairs_list)
         need.setdefault(key, []).append(train_devices[index].id)
     positions: dict[tuple, list[int]] = {}
     gen_shape = [size for _, size in gen.axes]
     for flat_pos, index in enumerate(np.ndindex(*gen_shape)):
         coords = dict(zip((n for n, _ in gen.axes), index, strict=True))
-        key = tuple(_flat(coords, b_axes, gen_sizes) for _, b_axes, _ in pairs_list)
+        key = tuple(_flat(coords, b_axes, gen_sizes) // ratio for _, b_axes, _, ratio in pairs_list)
         positions.setdefault(key, []).append(flat_pos)
     if need.keys() != positions.keys() or any(len(need[k]) != len(positions[k]) for k in need):
         return None
