@@ -84,15 +84,17 @@ def test_gsm8k_config_fits_its_hardware_memory(path):
 
 def test_cost_model_counts_master_weights_optimizer_state_generation_copy_and_kv_cache():
     """By hand for Qwen2.5-0.5B GRPO on one GPU: float32 master (4 bytes per parameter), two float32 Adam moments
-    (8), float32 gradients (4), a bfloat16 frozen reference (2), a bfloat16 generation copy beside the master (2),
-    and a bfloat16 KV cache of 2 x layers x kv heads x head dim per token for every sequence of one wave."""
+    (8), float32 gradients twice (4 + 4: a micro-batch's beside the accumulator, 16 micro-batches of 16 rows per
+    optimizer step), a bfloat16 frozen reference (2), a bfloat16 generation copy beside the master (2), and a
+    bfloat16 KV cache of 2 x layers x kv heads x head dim per token for every sequence of one wave."""
     path = CONFIGS / "gsm8k" / "qwen2.5-0.5b-grpo-1gpu.yaml"
     cfg = load_rl_config(path)
     shape = named_config("qwen2.5-0.5b")
     prediction = predict_run(cfg, ClusterSpec.builtin("h100", 1, 1), {role: shape for role in run_models(cfg)})
     actor, ref = prediction.roles["actor"].memory, prediction.roles["ref"].memory
     params = shape.num_params
-    assert actor["params"] == 4 * params and actor["optimizer"] == 8 * params and actor["grads"] == 4 * params
+    assert cfg.actor.ppo_mini_batch_size // cfg.actor.micro_batch_size == 16
+    assert actor["params"] == 4 * params and actor["optimizer"] == 8 * params and actor["grads"] == 2 * 4 * params
     assert ref["params"] == 2 * params and actor["gen_extra_params"] == 2 * params
     waves = prediction.roles["actor"].detail["gen_waves"]
     sequences = math.ceil(cfg.data.train_batch_size * cfg.rollout.n / waves)

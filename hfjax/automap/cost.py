@@ -361,7 +361,9 @@ class CostModel:
             detail.update({f"train_{k}": v for k, v in tr.items() if k != "seconds"})
             seqs_step = math.ceil(self.sequences("training") / self.workload.mini_batches)
             memory["optimizer"] = trained_shard * opt.optimizer_bytes
-            memory["grads"] = trained_shard * (4 if lora else opt.master_bytes)
+            # from a step's second micro-batch on, its gradients are alive beside the accumulator of the earlier ones
+            copies = 2 if self._passes(seqs_step, sizes)[0] > 1 else 1
+            memory["grads"] = copies * trained_shard * (4 if lora else opt.master_bytes)
             memory["train_activations"] = self.activation_bytes(shape, sizes, seqs_step, True)
             transient = max(transient, memory["grads"] + memory["train_activations"])
         static = memory["params"] + memory.get("optimizer", 0.0)
