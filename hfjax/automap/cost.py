@@ -23,8 +23,9 @@ bandwidth, plus a fixed latency per call. On a shared host (fake CPU devices: `D
 of g of the host's n devices runs at n/g times the per-device rates (measured with all n busy), collectives add
 to compute instead of overlapping it, and the groups' stage seconds add up instead of taking their max.
 Memory per device, as hfjax's trainers hold it: a trained role keeps its master copy (`master_bytes`, float32 by
-default), Adam's two moments in float32 and gradients in the master's dtype; a frozen role (reference, reward) keeps
-its parameters in the compute dtype (`param_bytes`); a LoRA actor (`CostOptions.actor_lora`) keeps its base in the
+default), Adam's two moments in float32 and gradients in the master's dtype (twice from a step's second micro-batch
+on: the accumulator and the micro-batch's own); a frozen role (reference, reward) keeps its parameters in the compute
+dtype (`param_bytes`); a LoRA actor (`CostOptions.actor_lora`) keeps its base in the
 compute dtype and float32 adapters with their moments and gradients, and its reference is that base (no copy), kept
 in its generation layout all iteration (`CostOptions.lora_base_in_gen`, then only the adapters move); the
 actor's generation copy in the compute dtype is extra while it generates (the whole copy when it is a cast of the
