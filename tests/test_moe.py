@@ -434,6 +434,18 @@ def test_replaying_the_rollouts_routes_gives_the_training_pass_its_experts(tmp_p
     assert replay_drift.max() < 1e-5  # the engine's and the full forward's float32 numerics
 
 
+def test_a_critic_of_experts_reports_its_router_metrics(tmp_path):
+    """A PPO step whose critic is a mixture of experts (the policy's Qwen3-MoE checkpoint with a value head): the
+    critic's update reports the router figures the actor does, in the same ranges (8 experts, no capacity)."""
+    inputs = with_moe_policy(build_run_inputs(tmp_path), tmp_path)
+    cfg = rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1})
+    (step,) = run_rl(load_rl_config(cfg))
+    for role in ("actor", "critic"):
+        assert step[f"{role}/router_max_load"] >= 1 - 1e-5 >= step[f"{role}/router_min_load"] - 2e-5 >= 0, role
+        assert 0 < step[f"{role}/router_entropy"] <= np.log(8) + 1e-5, role
+        assert step[f"{role}/router_dropped"] == 0 and step[f"{role}/router_aux_loss"] > 0, role
+
+
 @pytest.mark.parametrize("packed_row_tokens", [0, 64])
 def test_a_grpo_run_replays_its_rollouts_routes(tmp_path, packed_row_tokens):
     """A GRPO step of a mixture-of-experts policy with `actor.router_replay` (trimmed or packed micro-batches, the

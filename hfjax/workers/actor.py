@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -31,7 +30,7 @@ from hfjax.algos import (
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, register
 from hfjax.models.lora import LoraParam, adapter_dropout, adapters_off, merge_lora
-from hfjax.models.moe import collect_router_stats, router_summary
+from hfjax.models.moe import collect_router_stats
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState, frozen_flags
@@ -47,6 +46,7 @@ from hfjax.workers.model_role import (
     load_trained,
     padding_masked,
     reports_usage,
+    weighted_router_metrics,
 )
 from hfjax.workers.packing import response_positions, to_response_rows
 from hfjax.workers.sequences import ROUTED_EXPERTS
@@ -129,11 +129,11 @@ def actor_loss(
         loss = loss + cfg.kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl
     if router:  # a mixture of experts: this micro-batch's figures, weighted by its share of the response tokens
-        share = jnp.sum(mask) / jnp.maximum(counts["global_tokens"], 1.0)
-        figures = router_summary(router, model.config.experts_per_token)
-        metrics.update({f"actor/router_{name}": value * share for name, value in figures.items()})
+        metrics.update(
+            weighted_router_metrics(router, model.config.experts_per_token, mask, counts["global_tokens"], "actor")
+        )
         if cfg.router_aux_loss_coef:
-            loss = loss + cfg.router_aux_loss_coef * figures["aux_loss"] * share
+            loss = loss + cfg.router_aux_loss_coef * metrics["actor/router_aux_loss"]
     return loss, metrics
 
 

@@ -17,12 +17,20 @@ from hfjax.config.roles import CriticConfig
 from hfjax.controller import Dispatch, register
 from hfjax.models.hf import HEAD_PARAMS
 from hfjax.models.lora import adapter_dropout
+from hfjax.models.moe import collect_router_stats
 from hfjax.models.program import bind
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState
 from hfjax.parallel import layout_or_default
 from hfjax.protocol import DataProto
-from hfjax.workers.model_role import LORA_DROPOUT_SEED, TrainedRole, load_trained, padding_masked, reports_usage
+from hfjax.workers.model_role import (
+    LORA_DROPOUT_SEED,
+    TrainedRole,
+    load_trained,
+    padding_masked,
+    reports_usage,
+    weighted_router_metrics,
+)
 from hfjax.workers.packing import response_positions, to_response_rows
 
 VALUE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -46,7 +54,7 @@ def critic_loss(
     """The clipped value loss of one micro-batch and its metrics, normalised as `actor_loss` is (mini-batch counts,
     untrimmed `response_length`; the metrics are shares that sum over micro-batches). A module function bound with
     `hfjax.models.program.bind`, for the reasons `actor_loss` gives."""
-    with adapter_dropout(batch.get(LORA_DROPOUT_SEED)):
+    with collect_router_stats() as router, adapter_dropout(batch.get(LORA_DROPOUT_SEED)):
         vpreds = response_values(model, batch)
     loss, clipfrac = value_loss(
         vpreds,
@@ -59,7 +67,11 @@ def critic_loss(
         global_seqs=batch["global_seqs"][0],
         norm_length=response_length,
     )
-    return loss, {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
+    metrics = {"critic/vf_loss": loss, "critic/vf_clipfrac": clipfrac}
+    if router:  # a mixture of experts: its router's figures, as the actor reports them
+        mask, tokens = batch["response_mask"], batch["global_tokens"][0]
+        metrics.update(weighted_router_metrics(router, model.config.experts_per_token, mask, tokens, "critic"))
+    return loss, metrics
 
 
 class CriticWorker(TrainedRole):

@@ -23,7 +23,7 @@ from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.models.attention import configured_implementation
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
-from hfjax.models.moe import set_expert_capacity
+from hfjax.models.moe import router_summary, set_expert_capacity
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
 from hfjax.optim.train_state import (
@@ -250,6 +250,16 @@ def _in_row_order(outputs: np.ndarray, order: np.ndarray, rows: int) -> np.ndarr
 def _pad_columns(array: np.ndarray, columns: int) -> np.ndarray:
     """[rows, c, ...] zero-padded to [rows, columns, ...]."""
     return np.pad(array, [(0, 0), (0, columns - array.shape[1])] + [(0, 0)] * (array.ndim - 2))
+
+
+def weighted_router_metrics(
+    router: Any, experts_per_token: int, mask: jax.Array, global_tokens: jax.Array, role: str
+) -> dict[str, jax.Array]:
+    """A mixture of experts' router figures of one micro-batch (`router_summary` of the stats it collected) as
+    `{role}/router_...` metrics, each times the micro-batch's share of the mini-batch's response tokens (so they sum
+    over micro-batches to the mini-batch's token-weighted figure)."""
+    share = jnp.sum(mask) / jnp.maximum(global_tokens, 1.0)
+    return {f"{role}/router_{name}": value * share for name, value in router_summary(router, experts_per_token).items()}
 
 
 def step_metrics(history: list[tuple[dict[str, float], int]], role: str, skipped_steps: int) -> dict[str, float]:
