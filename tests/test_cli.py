@@ -40,6 +40,24 @@ def test_layouts_compares_pairs(tmp_path, capsys):
     assert "zero_redundancy" in capsys.readouterr().out
 
 
+def test_layouts_with_lora_compares_the_base_moved_and_kept(tmp_path, capsys):
+    """`--lora-rank`: each (pair, mode) twice, the LoRA base moved with the adapters and kept in the generation
+    layout, where the transition moves the adapters alone and the base stays resident."""
+    _, model_dir = save_hf_model(tmp_path, "qwen2", **WIDE)
+    pairs = tmp_path / "pairs.yaml"
+    pair = {"name": "a", "train": {"mesh": {"fsdp": 8}, "rules": "fsdp"}, "gen": {"mesh": {"data": 8}}}
+    pairs.write_text(yaml.safe_dump({"pairs": [pair]}))
+    out = tmp_path / "rows.json"
+    args = ["layouts", "--model", str(model_dir), "--pairs", str(pairs), "--out", str(out), "--lora-rank", "4"]
+    assert main(args) == 0
+    rows = {(r["mode"], r["stationary"]): r for r in json.loads(out.read_text())["rows"]}
+    moved, kept = rows["zero_redundancy", False], rows["zero_redundancy", True]
+    assert 0 < kept["received_bytes_per_device"] < moved["received_bytes_per_device"] / 4  # rank-4 adapters alone
+    assert kept["stationary_bytes_per_device"] > 0 == moved["stationary_bytes_per_device"]
+    assert kept["peak_param_bytes_per_device"] == moved["peak_param_bytes_per_device"]  # one copy of the base
+    assert "kept in gen" in capsys.readouterr().out
+
+
 def test_layouts_rejects_a_bad_pairs_file(tmp_path, capsys):
     pairs = tmp_path / "pairs.yaml"
     pairs.write_text("pairs: {train: x}")

@@ -23,14 +23,15 @@ def print_layout_rows(rows: list[dict[str, Any]], title: str) -> None:
 
     timed = "to_gen_s" in rows[0] if rows else False
     table = Table(title=f"{title}: M = {_mib(rows[0]['param_bytes']) if rows else '-'} MiB, per-device MiB")
-    columns = ["pair", "mode", "contained", "train", "gen", "moved", "Table 2", "per-param", "redundant", "peak"]
+    lora = any(r.get("stationary") for r in rows)
+    columns = ["pair", "mode"] + (["LoRA base"] if lora else [])
+    columns += ["contained", "train", "gen", "moved", "Table 2", "per-param", "redundant", "peak"]
     columns += ["to_gen ms", "to_train ms"] if timed else []
     for col in columns:
         table.add_column(col)
     for r in rows:
-        cells = [
-            r["pair"],
-            r["mode"],
+        cells = [r["pair"], r["mode"]] + (["kept in gen" if r["stationary"] else "moved"] if lora else [])
+        cells += [
             "yes" if r["contained"] else "no",
             _mib(r["train_bytes_per_device"]),
             _mib(r["gen_bytes_per_device"]),
@@ -60,6 +61,9 @@ def add_parser(sub: Any) -> None:
     layouts.add_argument("--devices", type=int, help="on CPU: number of fake devices to create")
     layouts.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     layouts.add_argument("--repeats", type=int, default=0, help="also time to_gen/to_train this many times")
+    layouts.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA adapters of this rank; each pair with the base moved, and kept"
+    )
     layouts.add_argument("--out", help="write the rows as JSON here")
     layouts.set_defaults(run=run)
 
@@ -75,13 +79,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("hfjax layouts --pairs needs --model (a Hugging Face directory or a named size)")
     import yaml
 
+    from hfjax.models.lora import LoraParam
+    from hfjax.optim.train_state import frozen_flags
     from hfjax.parallel.layout_compare import compare_layouts
 
     with open(args.pairs) as f:
         pairs = (yaml.safe_load(f) or {}).get("pairs")
     if not isinstance(pairs, list) or not all(isinstance(p, dict) and {"train", "gen"} <= set(p) for p in pairs):
         raise SystemExit(f"{args.pairs}: expected 'pairs:' as a list of {{name, train, gen}} layout entries")
-    rows = compare_layouts(abstract_params_for(args.model, args.dtype), pairs, repeats=args.repeats)
+    params = abstract_params_for(args.model, args.dtype, args.lora_rank)
+    frozen = frozen_flags(params, LoraParam) if args.lora_rank else None
+    rows = compare_layouts(params, pairs, repeats=args.repeats, stationary=frozen)
     print_layout_rows(rows, f"{args.model} ({args.dtype}) on {args.devices or 'all'} devices")
     if args.out:
         write_rows(rows, args.out)
