@@ -444,7 +444,7 @@ def test_a_stationary_base_on_a_training_order_that_splits_replicas_is_an_error(
     """Generation tensor=4 x data=2 (data innermost) on the training order of 2 hosts x 4 devices puts each replica
     on both hosts; a stationary base cannot be reordered, so the engine refuses and names the setting."""
     monkeypatch.setattr(hybrid_engine, "device_hosts", lambda layout: {i: i // 4 for i in range(8)})
-    with pytest.raises(LayoutError, match=r"rollout\.lora_base_layout: .* spreads a generation replica"):
+    with pytest.raises(LayoutError, match=r"rollout\.lora_base_layout: .* spreads a data-parallel replica"):
         HybridEngine(TP8, {"mesh": {"tensor": 4, "data": 2}, "rules": "tp"}, SMALL_TREE, stationary=[True, False])
 
 

@@ -576,3 +576,21 @@ def test_a_lora_base_kept_in_the_generation_layout_never_moves(tmp_path):
     for key in ("actor/pg_loss", "actor/grad_norm"):
         np.testing.assert_allclose(metrics[key], metrics_t[key], rtol=1e-5, err_msg=key)
     np.testing.assert_allclose(after, after_t, rtol=1e-5)
+
+
+def test_a_base_kept_in_the_generation_layout_needs_each_replica_on_one_host_in_training_order(tmp_path):
+    """2 hosts x 4 devices, generation `tensor=4, data=2` (data innermost): in the training device order each
+    replica spans both hosts. The engine could reorder a moving base, not a kept one, so the config check refuses
+    `rollout.lora_base_layout: gen` there (before any device exists) and takes `train`, or `data` first."""
+    inputs = build_run_inputs(tmp_path)
+    trainer = {"hosts": 2, "devices_per_host": 4, "backend": "ray"}
+
+    def config(gen_mesh: dict, base_layout: str) -> RLConfig:
+        rollout = {"gen_layout": {"mesh": gen_mesh, "rules": "dp_tp_gen"}, "lora_base_layout": base_layout}
+        lora = {"lora": {"rank": 4}, "ppo_mini_batch_size": 4, "micro_batch_size": 2}
+        return load_rl_config(rl_config(inputs, tmp_path / "run", "grpo", actor=lora, rollout=rollout, trainer=trainer))
+
+    with pytest.raises(ValueError, match=r"rollout\.lora_base_layout: generation layout .* spreads a data-parallel"):
+        config({"tensor": 4, "data": 2}, "gen")
+    assert config({"tensor": 4, "data": 2}, "train").keeps_lora_base_in_gen is False
+    assert config({"data": 2, "tensor": 4}, "gen").keeps_lora_base_in_gen is True

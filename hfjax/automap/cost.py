@@ -69,7 +69,8 @@ class CostOptions:
     # with their gradients and optimizer state, and no reference copy (the base serves)
     actor_lora: LoraConfig | None = None
     # a LoRA actor's base stays in the generation layout (`rollout.lora_base_layout: gen`): its generation shard is
-    # resident while it trains too, and the train -> gen transition moves the adapters alone
+    # resident while it trains too, and the train -> gen transition moves the adapters alone (memory and the
+    # transition only: the training and log-prob passes are still priced with the training layout's gathers)
     lora_base_in_gen: bool = True
     critic_lora: LoraConfig | None = None  # the critic's (`critic.lora`), counted as the actor's
     # a mixture of experts' capacity factor in the training and log-prob passes (`actor.expert_capacity_factor`;

@@ -67,7 +67,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         master_bytes=itemsize[cfg.actor.dtype if lora else cfg.actor.param_dtype],
         remat=cfg.actor.remat != "none",
         actor_lora=cfg.actor.lora if lora else None,
-        lora_base_in_gen=cfg.rollout.lora_base_layout == "gen",
+        lora_base_in_gen=cfg.keeps_lora_base_in_gen,
         critic_lora=cfg.critic.lora if cfg.uses_critic and cfg.critic.lora.enabled else None,
         expert_capacity_factor=cfg.actor.expert_capacity_factor,
         offload_optimizer=cfg.rollout.offload_optimizer,

@@ -180,9 +180,8 @@ def _sharded(params: Any, layout: Layout) -> Any:
 
 def base_layout(cfg: RLConfig, gen_layout: Layout) -> Layout | None:
     """Where the actor's frozen LoRA base lives when not in its training layout: the generation layout, where a
-    colocated rollout keeps it (`rollout.lora_base_layout: gen`); None otherwise."""
-    colocated = cfg.trainer.placement != "disaggregated"
-    return gen_layout if cfg.actor.lora.enabled and colocated and cfg.rollout.lora_base_layout == "gen" else None
+    colocated rollout keeps it (`RLConfig.keeps_lora_base_in_gen`); None otherwise."""
+    return gen_layout if cfg.keeps_lora_base_in_gen else None
 
 
 def _train_programs(

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from hfjax.algos.advantages import ADVANTAGE_ESTIMATORS, required_inputs
 from hfjax.config.roles import KL_NAMES, ActorConfig, CriticConfig, RewardModelConfig, RolloutConfig
 from hfjax.config.trainer import TrainerConfig
-from hfjax.parallel.host_local import check_per_host_generation
+from hfjax.parallel.host_local import check_per_host_generation, check_stationary_generation
 from hfjax.parallel.layout import Layout
 from hfjax.typed_config import (
     AT_LEAST_1,
@@ -287,6 +287,12 @@ class RLConfig:
         index = next(i for i, names in enumerate(groups) if role in names)
         return self.trainer.group_shapes(len(groups))[index]
 
+    @property
+    def keeps_lora_base_in_gen(self) -> bool:
+        """Whether the actor's LoRA base stays in the generation layout: LoRA, colocated generation and
+        `rollout.lora_base_layout: gen`."""
+        return self.actor.lora.enabled and not self.disaggregated and self.rollout.lora_base_layout == "gen"
+
     def worker_groups(self) -> list[list[str]]:
         """The role names of each worker group of `trainer.placement`."""
         roles, placement = self.role_names(), self.trainer.placement
@@ -338,6 +344,8 @@ class RLConfig:
                 )
             if key == "rollout.gen_layout" and hosts > 1:
                 check_per_host_generation(layout, hosts, key)
+                if self.keeps_lora_base_in_gen:
+                    check_stationary_generation(layout, per_host)
         sizes = {
             "actor.micro_batch_size": self.actor.micro_batch_size,
             "actor.ppo_mini_batch_size": self.actor.ppo_mini_batch_size,

@@ -123,7 +123,8 @@ class RolloutConfig:
     keep_host_memory: bool = True  # CPU: malloc keeps freed memory, so train <-> gen transitions reuse it
     # a LoRA actor's frozen base: kept in the generation layout for the whole run, where the training passes read it
     # too, so each transition moves the adapters alone (`gen`); or sharded by the training layout and moved into the
-    # generation layout before every generation (`train`: less memory while training, a gather of the base per step)
+    # generation layout before every generation (`train`: usually less memory while training, a gather of the base
+    # per step); a disaggregated placement's trainer keeps it in the training layout either way
     lora_base_layout: Literal["gen", "train"] = "gen"
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)  # multi-turn rollouts with an environment
 

@@ -39,6 +39,23 @@ def check_per_host_generation(layout: Layout, hosts: int, where: str = "rollout.
         )
 
 
+def check_stationary_generation(layout: Layout, per_host: int, where: str = "rollout.lora_base_layout") -> None:
+    """Raises unless each data-parallel replica of `layout` lies on one host in the training device order (hosts of
+    `per_host` consecutive devices): the order a LoRA base kept in the generation layout must use
+    (`stationary_layout`), checked before any device exists."""
+    if any(len({p // per_host for p in replica}) > 1 for replica in replica_positions(layout)):
+        raise LayoutError(_spread_message(layout.describe(), f"hosts of {per_host} consecutive devices", where))
+
+
+def _spread_message(gen: str, order: str, where: str) -> str:
+    return (
+        f"{where}: generation layout {gen} on the training device order ({order}) spreads a data-parallel replica "
+        "over several hosts, and a base kept in the generation layout cannot be reordered; keep the frozen base in "
+        "the training layout (`train`), or put the generation mesh's data axis first so that each replica's devices "
+        "are consecutive"
+    )
+
+
 def replica_positions(layout: Layout) -> np.ndarray:
     """The flat (row-major) mesh positions of each data-parallel replica of `layout`: [data, devices per replica]."""
     names = [name for name, _ in layout.axes]
@@ -169,9 +186,5 @@ def stationary_layout(
     layout = dataclasses.replace(gen, device_ids=order)
     local = host_local_layout(layout, hosts, where=where)
     if local.device_ids != order:
-        raise LayoutError(
-            f"{where}: {gen.describe()} on the training device order of {train.describe()} spreads a generation "
-            "replica over several hosts; keep the frozen base in the training layout (`train`), or order the "
-            "generation axes so that each replica's devices are consecutive"
-        )
+        raise LayoutError(_spread_message(gen.describe(), f"that of {train.describe()}", where))
     return layout

@@ -18,7 +18,8 @@ stays in its training layout during generation (it cannot be cut back out of a r
 generation copy and returns the master, with no traffic.
 Stationary parameters (`stationary`, e.g. a LoRA policy's frozen base) live in the generation layout for good, on the
 training mesh's device order (`stationary_layout`), so that the training programs and generation both read the one
-copy: they never move, and a transition moves the other parameters (the adapters) alone.
+copy: they never move, and a transition moves the other parameters (the adapters) alone. That order replaces the
+generation mesh's own in both modes.
 """
 
 from __future__ import annotations
