@@ -132,6 +132,10 @@ class HybridEngine:
         ]
         if self.account is None:
             self.account = self._account(self.gen_shardings)
+        still = [i for i, flag in enumerate(self.stationary) if flag]
+        kept_in_gen = [self.gen_shardings[i] for i in still]  # where they are in both layouts
+        shapes, itemsizes = [self.shapes[i] for i in still], [self.itemsizes[i] for i in still]
+        self._stationary_bytes = account(shapes, itemsizes, kept_in_gen, kept_in_gen).gen_bytes
         self._local_slices = (
             [
                 None if t.is_equivalent_to(g, len(shape)) else local_train_bounds(shape, t, g)
@@ -230,19 +234,18 @@ class HybridEngine:
         parameter already laid out (and typed) for generation is not copied: its gen array shares its buffers."""
         start = time.perf_counter()
         train = self._flatten(train_params, "to_gen")
-        for i, leaf in enumerate(train):
-            if self.stationary[i] and leaf.sharding != self.gen_shardings[i]:
-                raise ValueError(
-                    f"HybridEngine.to_gen: stationary parameter {i} {self.shapes[i]} is laid out as {leaf.sharding}; "
-                    f"it must stay in the generation layout ({self.gen_shardings[i]})"
-                )
-        out, kept = list(train), list(train)
-        self._owned_gen = set()  # the gen arrays that own their buffers (copies), which to_train may free
         moving = [
             i
-            for i, leaf in enumerate(out)
+            for i, leaf in enumerate(train)
             if self.gen_dtypes[i] != leaf.dtype or leaf.sharding != self.gen_shardings[i]
         ]
+        if (i := next((i for i in moving if self.stationary[i]), None)) is not None:
+            raise ValueError(
+                f"HybridEngine.to_gen: stationary parameter {i} {self.shapes[i]} is laid out as {train[i].sharding}; "
+                f"it must stay in the generation layout ({self.gen_shardings[i]})"
+            )
+        out, kept = list(train), list(train)
+        self._owned_gen = set()  # the gen arrays that own their buffers (copies), which to_train may free
         for chunk in self._chunks(moving):
             targets = [self.gen_shardings[i] for i in chunk]
             sources = [out[i] for i in chunk]
@@ -327,7 +330,7 @@ class HybridEngine:
     def stats(self) -> dict[str, Any]:
         """Per-device bytes (max over devices) of the layouts and transitions, and transition wall times."""
         acc = self.account
-        stationary = self._stationary_bytes()
+        stationary = self._stationary_bytes
         # the training copies kept through generation: of the parameters that move (stationary ones are the gen copy)
         kept = max(acc.train_bytes[d] - stationary.get(d, 0) for d in acc.train_bytes) if self.keeps_train else 0
         redundant = kept if self.mode == "naive" and not self.casts else 0
@@ -358,15 +361,6 @@ class HybridEngine:
             "to_gen_s": list(self.times.to_gen_s),
             "to_train_s": list(self.times.to_train_s),
         }
-
-    def _stationary_bytes(self) -> dict[int, int]:
-        """Device id -> bytes of the parameters that never move."""
-        per_device: dict[int, int] = {}
-        for i in (i for i, still in enumerate(self.stationary) if still):
-            nbytes = math.prod(self.gen_shardings[i].shard_shape(self.shapes[i])) * self.itemsizes[i]
-            for device in self.gen_shardings[i].device_set:
-                per_device[device.id] = per_device.get(device.id, 0) + nbytes
-        return per_device
 
     def offload(self, tree: Any) -> Any:
         """Moves a tree (e.g. optimizer state) to pinned host memory during generation, when enabled and the
