@@ -63,17 +63,21 @@ class WeightMailbox:
     """The newest published policy version and its blocks' refs, and the versions the `processes` of one rollout
     group switch to and where (run as a Ray actor: the controller publishes, the rollout processes ask).
 
-    Each process asks at every *point* of its generation: `(call, round, check)` counts its generation calls, the
-    weight switches within the call, and the checks since the last switch (one at the call's start, then one every
-    `check_every` decode steps), so the same point is the same place of the generation on every process, however
-    far apart in time. The processes run loops of their own (different rows, different lengths), so no collective
-    can stand in: one that finishes its rows early would never join it. Instead the first process to reach a point
-    beyond every point decided so far decides it (`decide`): a switch to the newest published version if it is
-    newer than the version in force there. A point at or behind that frontier gets the decision already taken, so
-    every process reaching a point gets the same answer. A switch is two-phase: each process at the point stages
-    the version and reports (`report`); the outcome (`outcome`) is known once every process has reported there or
-    passed the point without reaching it (it ended its call before: `finish`), and it is every process's: switch,
-    or drop if any failed. Switches every process has passed are forgotten (and their blocks released)."""
+    Each process asks at every *point* of its generation: `(call, round, check)` counts its generation calls, the rounds
+    within the call (round 0 is the call's start, one ask; round 1 begins the generation, and every switch part way
+    begins another) and the checks of the round (one every `check_every` decode steps), so the same point is the same
+    place of the generation on every process, however far apart in time. The processes run loops of their own (different
+    rows, different lengths), so no collective can stand in: one that finishes its rows early would never join it.
+    Instead the first process to reach a point beyond every point decided so far decides it (`decide`): a switch to the
+    newest published version if it is newer than the version in force there, and at the start of every call (round 0,
+    check 0) a switch to the newest published version whatever is in force. A point at or behind that frontier gets the
+    decision already taken, so every process reaching a point gets the same answer. A switch is two-phase: each process
+    at the point that serves an older version stages the version and reports (`report`; one already serving it reports
+    at once); the outcome (`outcome`) is known once every process has reported there or passed the point without
+    reaching it (it ended its call before: `finish`), and it is every process's: switch, or drop if any failed. A
+    process that passed a switch so, serving the older version to the end of its call, switches at the start of its next
+    call: no call starts on an older version than the one in force. Switches every process has passed are forgotten (and
+    their blocks released)."""
 
     def __init__(self, processes: int = 1) -> None:
         self.processes = processes
@@ -93,7 +97,8 @@ class WeightMailbox:
         self.positions[rank] = point
         if self.frontier is None or point > self.frontier:
             self.frontier = point
-            if self.version > self._in_force(point):
+            call_start = point[1:] == (0, 0) and self.version >= 0  # every process then serves the newest
+            if call_start or self.version > self._in_force(point):
                 self.switches.append(VersionSwitch(point, self.version, self.parts))
         self._forget_passed()
         switch = self._latest(point)

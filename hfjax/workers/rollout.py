@@ -105,12 +105,11 @@ class RolloutWorker(Worker):
         if self.swap.incomplete:
             raise WeightSyncError(self.swap.incomplete)
         sampling = sampling_params(self.rollout_cfg, prompts.meta_info)
-        self.loads, run = [], None
-        if self.mailbox is not None:
-            self.point, run = (self.point[0] + 1, 0, 0), self._generate_across_versions
+        self.loads = []
+        run = self._generate_across_versions if self.mailbox is not None else None
         try:
-            if run is not None and self._switch_due():
-                self._switch()
+            if run is not None:
+                self._start_call()
             version = self.version
             self.generator.update_params(self.policy.params)
             try:
@@ -143,6 +142,16 @@ class RolloutWorker(Worker):
         if not self.partial:
             raise RuntimeError("RolloutWorker.follow: this worker was built without partial=True")
         self.mailbox = mailbox
+
+    def _start_call(self) -> None:
+        """The start of the next generation call following the mailbox: takes the version it decides there (the newest
+        published: a process that ended its rows before a switch of its last call switches now, whether the others
+        do or not); generation then goes on in round 1 on every process, switched here or not, so that the points
+        of the call stay the same on all."""
+        self.point = (self.point[0] + 1, 0, 0)
+        if self._switch_due():
+            self._switch()
+        self.point = (self.point[0], 1, 0)
 
     def _switch_due(self) -> bool:
         """Asks the mailbox whether to switch at this point of the generation: the start of each call, then every
