@@ -37,6 +37,7 @@ from hfjax.compile_options import FORWARD_COMPILER_OPTIONS, GRADIENT_COMPILER_OP
 from hfjax.models.program import program_layout
 from hfjax.optim.optimizer import current_learning_rate
 from hfjax.parallel import Layout, LayoutError
+from hfjax.protocol import ROW_IN_LOSS
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -394,8 +395,9 @@ class TrainState:
 
 
 def split_rows(arrays: Mapping[str, np.ndarray], size: int) -> list[dict[str, np.ndarray]]:
-    """Consecutive chunks of `size` rows (the last one padded by repeating row 0 with zero masks, so that every
-    chunk has one shape and compiles once). Padding rows carry `response_mask` 0 and contribute nothing."""
+    """Consecutive chunks of `size` rows, the last one padded by repeating its first row so that every chunk has one
+    shape and compiles once. A padding row counts in no loss and no normaliser: its `response_mask` is 0 and its
+    `ROW_IN_LOSS` False (where the arrays have them)."""
     rows = len(next(iter(arrays.values())))
     chunks = []
     for start in range(0, rows, size):
@@ -403,8 +405,8 @@ def split_rows(arrays: Mapping[str, np.ndarray], size: int) -> list[dict[str, np
         short = size - len(next(iter(chunk.values())))
         if short:
             chunk = {k: np.concatenate([v, np.repeat(v[:1], short, axis=0)]) for k, v in chunk.items()}
-            if "response_mask" in chunk:
-                chunk["response_mask"] = chunk["response_mask"].copy()
-                chunk["response_mask"][-short:] = 0
+            for key in ("response_mask", ROW_IN_LOSS):
+                if key in chunk:
+                    chunk[key][-short:] = 0
         chunks.append(chunk)
     return chunks

@@ -213,18 +213,26 @@ def process_share(rows: int, name: str) -> int:
 
 
 def padding_masked(arrays: dict[str, np.ndarray], data: DataProto) -> dict[str, np.ndarray]:
-    """`arrays` with `response_mask` zero and `ROW_IN_LOSS` False on the rows that DP dispatch added as padding
-    (`PADDING_ROWS`), so that they count in no loss and no normaliser; `ROW_IN_LOSS` (all True unless the batch
-    brings its own) is the update's row count (`mask_counts`)."""
+    """`arrays` with `ROW_IN_LOSS`, the rows the update counts: the batch's own flags (False on rows a program keeps
+    out; all True when it has none), and False on the rows DP dispatch added as padding (`PADDING_ROWS`); and with
+    `response_mask` zero on every row that does not count, so that none reaches a loss or a normaliser."""
     padding = int(data.meta_info.get(PADDING_ROWS, 0))
     rows = len(arrays["response_mask"])
     in_loss = np.asarray(data.batch[ROW_IN_LOSS], bool) if ROW_IN_LOSS in data.batch else np.ones(rows, bool)
-    arrays[ROW_IN_LOSS] = in_loss.copy()
-    if padding:
-        arrays["response_mask"] = arrays["response_mask"].copy()
-        arrays["response_mask"][-padding:] = 0
-        arrays[ROW_IN_LOSS][-padding:] = False
+    in_loss = in_loss & (np.arange(rows) < rows - padding)
+    arrays[ROW_IN_LOSS] = in_loss
+    mask = arrays["response_mask"]
+    arrays["response_mask"] = np.where(in_loss[:, None], mask, np.zeros_like(mask))
     return arrays
+
+
+def _counted_first(in_loss: np.ndarray, micro: int) -> np.ndarray:
+    """The rows of this process's share of a mini-batch (`in_loss`: which count) that its micro-batches of `micro`
+    rows take: the counted rows in order, then uncounted ones up to as many micro-batches as the process with the
+    most counted rows needs (at least one, for a mini-batch without any), so that no micro-batch is padding in every
+    process of the group."""
+    needed = max(1, int(process_reduce(-(-int(in_loss.sum()) // micro), "max")))
+    return np.argsort(~in_loss, kind="stable")[: needed * micro]
 
 
 def packing_parts(layout: Layout) -> int:
@@ -237,6 +245,10 @@ def packing_parts(layout: Layout) -> int:
             "the processes, or packed_row_tokens: 0"
         )
     return layout.batch_parts // processes
+
+
+def _rows(arrays: dict[str, np.ndarray], index: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v[index] for k, v in arrays.items()}
 
 
 def _in_row_order(outputs: np.ndarray, order: np.ndarray, rows: int) -> np.ndarray:
@@ -323,24 +335,34 @@ class TrainedRole(Worker):
         micro-batch drops its all-padding columns (`trim_padding`); with `row_tokens`, a mini-batch's sequences are
         packed into micro-batches of one row of at most `row_tokens` tokens per batch part instead
         (`hfjax.workers.packing`; `micro` unused). Either way the step is the same sum of per-token terms.
+
+        One rule for every kind of padding: a row DP dispatch or `split_rows` added, or one a program keeps out
+        (`arrays[ROW_IN_LOSS]` False, from `padding_masked`), counts in no normaliser and enters a micro-batch only
+        to fill one that holds a counted row in some process (a micro-batch of such rows alone is not run).
+        `global_tokens` is the mini-batch's valid tokens and `global_seqs` its counted rows, with or without a valid
+        token (verl's `global_batch_size`), over the group, whatever the number of processes and micro-batches. A
+        short mini-batch (the last one, or the whole batch when it has fewer than `mini` rows) is normalised by its
+        own counted rows as a full one is: verl divides by the configured size and refuses a short mini-batch, but
+        hfjax takes one step over a batch smaller than the mini-batch, and rows kept out shrink any mini-batch. A
+        mini-batch without a counted row still takes its optimizer step (a zero gradient) over one micro-batch.
         Metrics are means over optimizer steps."""
         history = []
         response_length = arrays["responses"].shape[1]
         mini, micro = process_share(mini, "ppo_mini_batch_size"), process_share(micro, "micro_batch_size")
         for _ in range(epochs):
             for batch in split_rows(arrays, mini):
-                in_loss = batch.pop(ROW_IN_LOSS, None)
+                in_loss = batch.pop(ROW_IN_LOSS)
                 tokens, seqs = process_reduce(mask_counts(batch["response_mask"], in_loss), "sum")
-                rows = len(batch["response_mask"])
+                rows = len(in_loss)
                 batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
                 batch["global_seqs"] = np.full(rows, float(seqs), np.float32)
-                if row_tokens:
+                if row_tokens:  # packing agrees the micro-batch count; a process without a counted row packs padding
+                    keep = in_loss if in_loss.any() else np.arange(rows) == 0
                     parts = packing_parts(self.state.layout)
-                    chunks = packed_micro_batches(batch, response_length, row_tokens, parts)[1]
-                elif trim:
-                    chunks = trimmed_chunks(batch, micro, response_length)[1]
+                    chunks = packed_micro_batches(_rows(batch, keep), response_length, row_tokens, parts)[1]
                 else:
-                    chunks = split_rows(batch, micro)
+                    batch = _rows(batch, _counted_first(in_loss, micro))
+                    chunks = trimmed_chunks(batch, micro, response_length)[1] if trim else split_rows(batch, micro)
                 history.append((self.state.update(loss_fn, chunks), len(chunks)))
         return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps)})
 
