@@ -10,13 +10,18 @@ weights and their buffers split over it and XLA moves the tokens with an all-to-
 collective. `capacity` is the row's length by default, so no token is ever dropped (an expert can take every
 token of the row); `capacity_factor` (`set_expert_capacity`) caps it at `factor * length * k / num_experts`
 slots, and a choice past its expert's capacity is dropped: it adds nothing, the token keeps its other choices and
-its residual, and `RoutedTokens.dropped` counts it.
+its residual, and `RoutedTokens.dropped` counts it. Padding takes no slot and counts in no capacity: the buffers
+keep the padded width's slots (a static shape), but each row places at most its own `row_capacities`, those of
+its real tokens unpadded, and places them in the order of its real tokens, so a sequence drops the same choices
+(and gets the same outputs) whatever padding its micro-batch gives it.
 
 Routing replay: a forward given `expert_choices` [rows, length, moe layers, k] (the experts a generation engine
 chose for each token, -1 where it chose none) routes each recorded token to exactly those experts, weighted by this
 forward's own router probabilities of them (renormalised as usual), so the router still learns how to weigh the
-chosen experts but not which to choose; unrecorded tokens route themselves. `record_routes()` collects the experts
-every layer chose while a forward is traced (the engine's prefill and decode steps).
+chosen experts but not which to choose; unrecorded tokens route themselves. Generation never drops a choice, so
+neither does a replaying forward: it ignores the capacity factor (every row gets the dropless capacity, its length)
+and every token reaches all the experts generation used. `record_routes()` collects the experts every layer chose
+while a forward is traced (the engine's prefill and decode steps).
 
 Router statistics: `collect_router_stats()` collects each layer's sums over the real tokens of a forward (choices
 per expert, router probabilities per expert, router entropy, dropped choices), from which `router_summary` gives
@@ -29,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hfjax.models.config import ModelConfig
@@ -48,7 +55,8 @@ class RoutedTokens:
     """The routing of a batch [rows, length]: each token's chosen `experts` [rows, length, k] (int32) and their
     float32 `weights` [rows, length, k]; `slots` [rows, length * k], each choice's slot in its row's buffers of
     `num_experts * capacity` slots (expert * capacity + position, or `num_experts * capacity` when dropped or of
-    padding), choices k-major; `valid` [rows, length]: the real tokens (None: all)."""
+    padding), choices k-major, in buffers of `capacity` slots per expert (a row may fill fewer: `row_capacities`);
+    `valid` [rows, length]: the real tokens (None: all)."""
 
     experts: jax.Array
     weights: jax.Array
@@ -191,6 +199,20 @@ def expert_capacity(length: int, k: int, num_experts: int, factor: float | None)
     return max(1, min(length, math.ceil(factor * length * k / num_experts)))
 
 
+@functools.lru_cache(maxsize=64)
+def _capacity_table(length: int, k: int, num_experts: int, factor: float) -> np.ndarray:
+    """`expert_capacity` of every real-token count 0..length [length + 1] (int32)."""
+    return np.array([expert_capacity(n, k, num_experts, factor) for n in range(length + 1)], np.int32)
+
+
+def row_capacities(valid: jax.Array, k: int, num_experts: int, factor: float) -> jax.Array:
+    """Each row's slots per expert [rows] (int32): `expert_capacity` of its real tokens (`valid` [rows, length]), the
+    capacity of the row unpadded (looked up, so with `expert_capacity`'s float64 rounding); at most the padded
+    width's."""
+    table = jnp.asarray(_capacity_table(valid.shape[1], k, num_experts, factor))
+    return table[jnp.sum(valid.astype(jnp.int32), axis=1)]
+
+
 def top_k_routing(
     logits: jax.Array, k: int, normalize: bool, replay: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -209,16 +231,24 @@ def top_k_routing(
     return weights, experts
 
 
-def buffer_slots(experts: jax.Array, num_experts: int, capacity: int, valid: jax.Array | None = None) -> jax.Array:
+def buffer_slots(
+    experts: jax.Array,
+    num_experts: int,
+    capacity: int,
+    valid: jax.Array | None = None,
+    row_capacity: jax.Array | None = None,
+) -> jax.Array:
     """Each choice's slot [rows, length * k] in its row's buffers of `num_experts * capacity` slots, choices
-    k-major (every token's first choice before any second choice), the dropped ones, and those of tokens not
-    `valid` [rows, length] (padding takes no slot), at `num_experts * capacity`."""
+    k-major (every token's first choice before any second choice), the dropped ones (past `capacity`, or past the
+    row's `row_capacity` [rows] <= `capacity` where given), and those of tokens not `valid` [rows, length] (padding
+    takes no slot), at `num_experts * capacity`."""
     rows, length, k = experts.shape
     choices = jnp.swapaxes(experts, 1, 2).reshape(rows, k * length)
     placed = jnp.ones(choices.shape, bool) if valid is None else jnp.tile(valid.astype(bool), (1, k))
     onehot = jax.nn.one_hot(choices, num_experts, dtype=jnp.int32) * placed[..., None]
     position = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)
-    return jnp.where(placed & (position < capacity), choices * capacity + position, num_experts * capacity)
+    limit = capacity if row_capacity is None else row_capacity[:, None]
+    return jnp.where(placed & (position < limit), choices * capacity + position, num_experts * capacity)
 
 
 class SparseMoE(nnx.Module):
@@ -252,12 +282,16 @@ class SparseMoE(nnx.Module):
         return self.router_kernel.shape[0]
 
     def route(self, x: jax.Array, replay: jax.Array | None = None, valid: jax.Array | None = None) -> RoutedTokens:
-        """The routing of hidden states x [rows, length, embed] (`replay` [rows, length, k]: `top_k_routing`),
-        written to the active tape (`valid` [rows, length]: the real tokens its statistics count)."""
+        """The routing of hidden states x [rows, length, embed] (`replay` [rows, length, k]: `top_k_routing`,
+        dropless), written to the active tape (`valid` [rows, length]: the real tokens, which alone take slots, set
+        each row's capacity and count in its statistics)."""
         logits = constrain(dense(x, self.router_kernel[...].astype(self.dtype)), ("batch", "length", None))
-        weights, experts = top_k_routing(logits, self.experts_per_token, self.norm_topk_prob, replay)
-        capacity = expert_capacity(x.shape[1], self.experts_per_token, self.num_experts, self.capacity_factor)
-        slots = buffer_slots(experts, self.num_experts, capacity, valid)
+        k = self.experts_per_token
+        weights, experts = top_k_routing(logits, k, self.norm_topk_prob, replay)
+        factor = None if replay is not None else self.capacity_factor  # replay keeps every expert generation used
+        capacity = expert_capacity(x.shape[1], k, self.num_experts, factor)
+        per_row = None if factor is None or valid is None else row_capacities(valid, k, self.num_experts, factor)
+        slots = buffer_slots(experts, self.num_experts, capacity, valid, per_row)
         routed = RoutedTokens(experts, weights, slots, self.num_experts, capacity, valid)
         tape = _TAPE.get()
         if tape is not None and tape.routes is not None:
@@ -289,8 +323,10 @@ class SparseMoE(nnx.Module):
         outputs = jnp.concatenate([outputs, jnp.zeros((rows, 1, embed), outputs.dtype)], axis=1)  # dropped: 0
         outputs = constrain(outputs, ("batch", None, "embed"))
         chosen = jnp.take_along_axis(outputs, routed.slots[..., None], axis=1).reshape(rows, k, length, embed)
-        weights = jnp.swapaxes(routed.weights, 1, 2)[..., None]  # [rows, k, length, 1]
-        return jnp.sum(chosen.astype(jnp.float32) * weights, axis=1).astype(self.dtype)
+        weighted = chosen.astype(jnp.float32) * jnp.swapaxes(routed.weights, 1, 2)[..., None]  # [rows, k, length, d]
+        # summed choice by choice, not by a reduce: XLA's CPU backend hands a reduce to YNNPACK at some widths only,
+        # which rounds differently (fused multiply-adds), so a row's outputs would depend on its padding
+        return sum((weighted[:, i] for i in range(1, k)), weighted[:, 0]).astype(self.dtype)
 
     def _experts(self, buffers: jax.Array) -> jax.Array:
         """Each expert's gated MLP on its buffer [experts, rows, capacity, embed]."""
