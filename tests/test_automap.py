@@ -18,6 +18,7 @@ from flax import nnx
 from hfjax.automap import (
     ClusterSpec,
     CostModel,
+    CostOptions,
     DeviceMapping,
     DeviceProfile,
     InfeasibleError,
@@ -791,3 +792,46 @@ def test_the_cost_model_reads_the_expert_axis_and_a_mixture_of_experts_width():
     assert mlp_width(NAMED_CONFIGS["llama-3.1-8b"], 1.25) == 14336
     with pytest.raises(ValueError, match=r"mesh axes \['pipeline'\] are not modelled"):
         _sizes({"mesh": {"pipeline": 2}}, 2, "actor.train_layout")
+
+
+def test_router_replay_prices_the_actors_passes_dropless_and_the_reference_capped():
+    """With `actor.router_replay` the actor's update and log-prob passes replay generation's routes, dropless whatever
+    `actor.expert_capacity_factor` says: their FLOPs run every expert over the whole row and their activations span
+    every expert's buffer, as with no factor; the reference routes itself, so the factor still caps its pass. Without
+    replay the factor caps all three."""
+    cfg = NAMED_CONFIGS["qwen3-30b-a3b"]
+    shape, sizes = model_shape(cfg, "causal_lm"), Sizes(1, 2, 1, 4)
+    cluster = ClusterSpec.builtin("h100", 1, 8)
+    w = Workload(global_batch_prompts=16, n_samples=4, prompt_len=128, response_len=128, micro_batch_seqs=2)
+
+    def model(factor, replay):
+        options = CostOptions(expert_capacity_factor=factor, router_replay=replay)
+        return CostModel(cluster, dataflow("grpo"), w, options)
+
+    capped, replayed, dropless = model(1.25, False), model(1.25, True), model(None, False)
+    assert (capped.capacity_factor("actor"), replayed.capacity_factor("actor")) == (1.25, None)
+    assert capped.capacity_factor("ref") == replayed.capacity_factor("ref") == 1.25
+    assert model(None, True).capacity_factor("ref") is None
+    # the actor's update and log-prob pass: dropless under replay, the FLOPs per token by hand (6 + 2 x remat per
+    # matmul parameter and 3 + remat per attention FLOP in the update, 2 and 1 in a log-prob pass)
+    attn = shape.attention_flops(w.seq_len / 2)
+    train_ratio = (8 * shape.matmul_params + 4 * attn) / (8 * shape.matmul_params_at(1.25) + 4 * attn)
+    infer_ratio = (2 * shape.matmul_params + attn) / (2 * shape.matmul_params_at(1.25) + attn)
+    assert replayed.train(shape, sizes) == dropless.train(shape, sizes)
+    assert replayed.infer("actor", shape, sizes) == dropless.infer("actor", shape, sizes)
+    got, capped_train = replayed.train(shape, sizes)["compute"], capped.train(shape, sizes)["compute"]
+    assert got == pytest.approx(train_ratio * capped_train, rel=1e-12) and train_ratio > 5
+    got, capped_infer = replayed.infer("actor", shape, sizes)["compute"], capped.infer("actor", shape, sizes)["compute"]
+    assert got == pytest.approx(infer_ratio * capped_infer, rel=1e-12)
+    # the reference's pass keeps the factor
+    assert replayed.infer("ref", shape, sizes) == capped.infer("ref", shape, sizes)
+    assert replayed.infer("ref", shape, sizes)["compute"] < dropless.infer("ref", shape, sizes)["compute"]
+    # activations: the actor's span every expert's buffer (the dropless width), the reference's factor x k experts'
+    actor, ref = (replayed.role_cost(role, shape, sizes).memory for role in ("actor", "ref"))
+    assert actor["train_activations"] == dropless.role_cost("actor", shape, sizes).memory["train_activations"]
+    assert actor["infer_activations"] == dropless.role_cost("actor", shape, sizes).memory["infer_activations"]
+    assert ref["infer_activations"] == capped.role_cost("ref", shape, sizes).memory["infer_activations"]
+    # a log-prob pass's extra: the four SwiGLU tensors (8 bytes per MLP unit) of every expert's buffer over factor x k
+    _, m = replayed._passes(w.global_batch_prompts * w.n_samples, sizes)
+    extra = m * w.seq_len * 8 * (mlp_width(cfg, None) - mlp_width(cfg, 1.25))
+    assert actor["infer_activations"] - ref["infer_activations"] == pytest.approx(extra, rel=1e-12)

@@ -34,6 +34,10 @@ layer, counted from what hfjax's decoder layer keeps for its backward in bf16 (`
 + 8 m) / t bytes, d the width and m the MLP width; the float32 norms, q/k/v, rotary, attention and the four SwiGLU
 tensors; 11% under the TPU compiler's figure for Qwen2.5-0.5B), each layer's input only with recomputation, and one
 chunk of the LM head's float32 logits.
+A mixture of experts' buffers (its MLP FLOPs and activations: `ModelShape.matmul_params_at`, `mlp_width`) hold
+`factor x k / experts` of a row per expert under a capacity factor in the passes that route themselves (the
+reference's, and the actor's without routing replay), and the whole row per expert in the dropless ones: generation,
+and the actor's update and log-prob passes when they replay generation's routes (`router_replay`).
 """
 
 from __future__ import annotations
@@ -73,9 +77,13 @@ class CostOptions:
     # transition only: the training and log-prob passes are still priced with the training layout's gathers)
     lora_base_in_gen: bool = True
     critic_lora: LoraConfig | None = None  # the critic's (`critic.lora`), counted as the actor's
-    # a mixture of experts' capacity factor in the training and log-prob passes (`actor.expert_capacity_factor`;
-    # None: no token dropped, every expert's buffer spans the row); generation never drops a token
+    # a mixture of experts' capacity factor in the training and log-prob passes that route themselves
+    # (`actor.expert_capacity_factor`; None: no token dropped, every expert's buffer spans the row); generation never
+    # drops a token
     expert_capacity_factor: float | None = None
+    # the actor's update and log-prob passes replay generation's routes (`actor.router_replay`): dropless whatever
+    # the capacity factor (every expert generation used is kept), which then caps the reference's pass alone
+    router_replay: bool = False
     # the actor's optimizer state (and a master that generation casts) waits in host memory while it generates
     # (`rollout.offload_optimizer`)
     offload_optimizer: bool = False
@@ -182,11 +190,18 @@ class CostModel:
         micro = math.ceil(local / self.workload.micro_batch_seqs)
         return micro, math.ceil(local / micro)
 
-    def activation_bytes(self, shape: ModelShape, sizes: Sizes, seqs: int, training: bool) -> float:
+    def capacity_factor(self, role: str) -> float | None:
+        """The experts' capacity factor that `role`'s update and log-prob passes are priced with:
+        `expert_capacity_factor`, except the actor's under `router_replay` (they replay generation's routes, dropless:
+        None, each expert's buffer spans the row). The reference routes itself, so the factor still caps it."""
+        opt = self.options
+        return None if role == "actor" and opt.router_replay else opt.expert_capacity_factor
+
+    def activation_bytes(self, shape: ModelShape, sizes: Sizes, seqs: int, training: bool, role: str) -> float:
         cfg, opt = shape.config, self.options
         _, m = self._passes(seqs, sizes)
         tokens = m * self.workload.seq_len
-        width = mlp_width(cfg, opt.expert_capacity_factor)
+        width = mlp_width(cfg, self.capacity_factor(role))
         layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor)
         # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits)
         chunk = min(m * self.workload.response_len, LOGITS_CHUNK_TOKENS)
@@ -196,14 +211,14 @@ class CostModel:
         stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers
         return stash + layer + 2 * logits
 
-    def train(self, shape: ModelShape, sizes: Sizes) -> dict[str, float]:
+    def train(self, shape: ModelShape, sizes: Sizes, role: str = "actor") -> dict[str, float]:
         w, opt, cfg = self.workload, self.options, shape.config
         r = int(opt.remat)
         seqs_step = math.ceil(self.sequences("training") / w.mini_batches)
         micro, m = self._passes(seqs_step, sizes)
         steps = w.ppo_epochs * w.mini_batches
         S = w.seq_len
-        matmul = shape.matmul_params_at(opt.expert_capacity_factor)
+        matmul = shape.matmul_params_at(self.capacity_factor(role))
         flops = m * S * ((6 + 2 * r) * matmul + (3 + r) * shape.attention_flops(S / 2))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         f, t = sizes.fsdp, sizes.tensor
@@ -228,7 +243,7 @@ class CostModel:
         w, cfg, opt = self.workload, shape.config, self.options
         micro, m = self._passes(self.sequences("inference", role), sizes)
         S, L, f, t, share = w.seq_len, cfg.num_layers, sizes.fsdp, sizes.tensor, self.share(sizes.size)
-        factor = opt.expert_capacity_factor if role in ("actor", "ref") else None  # the policy's passes
+        factor = self.capacity_factor(role) if role in ("actor", "ref") else None  # the policy's passes
         flops = m * S * (2 * shape.matmul_params_at(factor) + shape.attention_flops(S / 2))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
         compute = micro * flops / t / (share * self.shard_flops(shape, t))
@@ -355,10 +370,12 @@ class CostModel:
             inf = self.infer(role, shape, sizes)
             seconds["inference"] = inf["seconds"] + self.cluster.profile.call_overhead_s
             detail.update({f"infer_{k}": v for k, v in inf.items() if k != "seconds"})
-            memory["infer_activations"] = self.activation_bytes(shape, sizes, self.sequences("inference", role), False)
+            memory["infer_activations"] = self.activation_bytes(
+                shape, sizes, self.sequences("inference", role), False, role
+            )
             transient = memory["infer_activations"]
         if trained:
-            tr = self.train(shape, sizes)
+            tr = self.train(shape, sizes, role)
             seconds["training"] = tr["seconds"] + self.cluster.profile.call_overhead_s
             detail.update({f"train_{k}": v for k, v in tr.items() if k != "seconds"})
             seqs_step = math.ceil(self.sequences("training") / self.workload.mini_batches)
@@ -366,7 +383,7 @@ class CostModel:
             # from a step's second micro-batch on, its gradients are alive beside the accumulator of the earlier ones
             copies = 2 if self._passes(seqs_step, sizes)[0] > 1 else 1
             memory["grads"] = copies * trained_shard * (4 if lora else opt.master_bytes)
-            memory["train_activations"] = self.activation_bytes(shape, sizes, seqs_step, True)
+            memory["train_activations"] = self.activation_bytes(shape, sizes, seqs_step, True, role)
             transient = max(transient, memory["grads"] + memory["train_activations"])
         static = memory["params"] + memory.get("optimizer", 0.0)
         return RoleCost(role, sizes, seconds, static, transient, memory, detail)

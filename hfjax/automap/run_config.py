@@ -70,6 +70,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         lora_base_in_gen=cfg.keeps_lora_base_in_gen,
         critic_lora=cfg.critic.lora if cfg.uses_critic and cfg.critic.lora.enabled else None,
         expert_capacity_factor=cfg.actor.expert_capacity_factor,
+        router_replay=cfg.actor.router_replay,
         offload_optimizer=cfg.rollout.offload_optimizer,
     )
 

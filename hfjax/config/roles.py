@@ -226,13 +226,16 @@ class ActorConfig:
     remat: Literal["none", "full", "dots"] = "none"
     # Mixture-of-experts models: null sends every token to its experts (each expert's buffer holds a whole row:
     # memory and FLOPs of num_experts x the row); a factor f caps each expert at f x length x k / num_experts slots
-    # per row in the update, log-prob and reference passes (about f x k x the row), and a token choice past its
-    # expert's capacity adds nothing. Generation never drops a token.
+    # per row (about f x k x the row), and a token choice past its expert's capacity adds nothing, in the passes
+    # that route themselves: the update, log-prob and reference passes, or with router_replay the reference's alone
+    # (the actor's update and log-prob passes then replay generation's routes, dropless: every expert generation
+    # used is kept). Generation never drops a token.
     expert_capacity_factor: float | None = None
     # Rollout routing replay (mixture-of-experts policies): generation records the experts every layer chose for
     # each token, and the log-prob passes and the update route each token to exactly those (weighted by the
     # policy's own router probabilities, so the router still learns to weigh them), removing the routing mismatch
-    # between generation and training. The reference routes itself.
+    # between generation and training. These passes drop no token (expert_capacity_factor caps only the reference,
+    # which routes itself).
     router_replay: bool = False
     # Mixture-of-experts policies: the update adds this times transformers' load-balancing loss (Switch
     # Transformer's: experts x sum over experts of the share of choices times the mean router probability, over
