@@ -1,23 +1,30 @@
 """Which rows an update counts: padding rows (`split_rows`' padding of a short mini- or micro-batch, the rows DP
 dispatch adds) and the rows a program keeps out (`Step.update_actor(rows=...)`) are in no loss and no row count, so
-the sequence-mean modes divide by the mini-batch's real rows (verl's `global_batch_size`) on any number of ranks, and
-no micro-batch is padding alone. Ranks are simulated processes (threads with a stand-in for `process_reduce`)."""
+the sequence-mean modes divide by the mini-batch's real rows (verl's `global_batch_size`) on any number of ranks,
+no micro-batch is padding alone, and a mini-batch without a counted row takes no optimizer step. Ranks are simulated
+processes (threads with a stand-in for `process_reduce`)."""
 
 from __future__ import annotations
 
 import functools
 import math
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from support.algos_reference import ragged_mask, ref_agg, ref_ppo_tokens, seeded_rng
 
 import hfjax.workers.model_role as model_role
 from hfjax.algos import AGG_MODES, policy_loss
 from hfjax.controller.dispatch import Dispatch, dispatch_mode
+from hfjax.optim import OptimConfig, TrainState, make_optimizer
+from hfjax.parallel import Layout
 from hfjax.protocol import PADDING_ROWS, ROW_IN_LOSS, DataProto
 from hfjax.workers import packing, sequences
 from hfjax.workers.model_role import TrainedRole, padding_masked
@@ -117,10 +124,19 @@ class _Group:
         return results
 
 
-def _update_on_ranks(monkeypatch, batch: dict, ranks: int, mini: int = MINI, **options) -> list:
-    """Each rank's optimizer steps, as the lists of micro-batches it ran: `batch` DP-dispatched over `ranks` ranks as
-    `update_actor` gets it, then `padding_masked` and one epoch of `ppo_epochs` (mini-batch `mini`, micro-batch
-    `MICRO`) on every rank."""
+def _roles_on_ranks(
+    monkeypatch,
+    batch: dict,
+    ranks: int,
+    mini: int = MINI,
+    state: Callable[[], Any] = _RecordingState,
+    loss_fn: Callable[..., Any] | None = None,
+    epochs: int = 1,
+    **options,
+) -> list[tuple[Any, dict[str, float]]]:
+    """Each rank's (state, update metrics): `batch` DP-dispatched over `ranks` ranks as `update_actor` gets it, then
+    `padding_masked` and `epochs` epochs of `ppo_epochs` (mini-batch `mini`, micro-batch `MICRO`) on every rank, each
+    with a `state()` of its own."""
     group = _Group(ranks)
     for module in (model_role, sequences, packing):
         monkeypatch.setattr(module, "process_reduce", group.reduce)
@@ -128,13 +144,18 @@ def _update_on_ranks(monkeypatch, batch: dict, ranks: int, mini: int = MINI, **o
     data = DataProto.from_dict(batch)
     parts = [args[0] for args in dispatch_mode(Dispatch.DP_COMPUTE_PROTO).dispatch(ranks, (data,), {}).args]
 
-    def update(part: DataProto) -> list[list[dict[str, np.ndarray]]]:
+    def update(part: DataProto) -> tuple[Any, dict[str, float]]:
         arrays = padding_masked({k: np.asarray(v) for k, v in part.batch.items() if k != ROW_IN_LOSS}, part)
-        role = SimpleNamespace(state=_RecordingState())
-        TrainedRole.ppo_epochs(role, arrays, loss_fn=None, epochs=1, mini=mini, micro=MICRO, role="actor", **options)
-        return role.state.steps
+        role = SimpleNamespace(state=state())
+        kwargs = {"epochs": epochs, "mini": mini, "micro": MICRO, "role": "actor", **options}
+        return role.state, TrainedRole.ppo_epochs(role, arrays, loss_fn, **kwargs).meta_info["metrics"]
 
     return group.run(update, parts)
+
+
+def _update_on_ranks(monkeypatch, batch: dict, ranks: int, mini: int = MINI, **options) -> list:
+    """Each rank's optimizer steps, as the lists of micro-batches it ran (`_roles_on_ranks`, one epoch)."""
+    return [state.steps for state, _ in _roles_on_ranks(monkeypatch, batch, ranks, mini, **options)]
 
 
 def _ref_log_probs(params: dict, x: np.ndarray) -> np.ndarray:
@@ -142,17 +163,17 @@ def _ref_log_probs(params: dict, x: np.ndarray) -> np.ndarray:
     return -np.log1p(np.exp(-(x @ np.asarray(params["w"], np.float64) + np.float64(params["b"]))))
 
 
-def _policy_batch(rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """(an update's rows for the tiny linear policy, its parameters), float32: ragged masks (row 0 has no valid
-    token, and counts), old log probs near the policy's so that some tokens are clipped and most are not."""
-    x = rng.normal(size=(ROWS, T, DIM)) * 0.5
+def _policy_batch(rng: np.random.Generator, rows: int = ROWS) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(an update's `rows` rows for the tiny linear policy, its parameters), float32: ragged masks (row 0 has no
+    valid token, and counts), old log probs near the policy's so that some tokens are clipped and most are not."""
+    x = rng.normal(size=(rows, T, DIM)) * 0.5
     params = {"w": rng.normal(size=DIM).astype(np.float32), "b": np.float32(0.1)}
     batch = {
         "x": x,
-        "old_log_probs": _ref_log_probs(params, x) + rng.normal(size=(ROWS, T)) * 0.15,
-        "advantages": rng.normal(size=(ROWS, T)),
-        "response_mask": ragged_mask(rng, bs=ROWS, length=T),
-        "responses": np.zeros((ROWS, T), np.int32),
+        "old_log_probs": _ref_log_probs(params, x) + rng.normal(size=(rows, T)) * 0.15,
+        "advantages": rng.normal(size=(rows, T)),
+        "response_mask": ragged_mask(rng, bs=rows, length=T),
+        "responses": np.zeros((rows, T), np.int32),
     }
     return {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in batch.items()}, params
 
@@ -286,3 +307,80 @@ def test_micro_batches_of_padding_alone_are_skipped(monkeypatch, ranks, options,
     for j in range(micro_batches):
         assert sum(rank[j]["response_mask"].sum() for rank in chunks) > 0, f"micro-batch {j} is padding in every rank"
     assert sum(chunk["response_mask"].sum() for rank in chunks for chunk in rank) == ROWS * T
+
+
+# ------------------------------------------------------------- a mini-batch without a counted row
+
+
+class _LinearPolicy(nnx.Module):
+    """The tiny linear policy of `_ref_log_probs` as a model: log sigmoid(x . w + b)."""
+
+    def __init__(self, params: dict) -> None:
+        self.w = nnx.Param(jnp.asarray(params["w"]))
+        self.b = nnx.Param(jnp.asarray(params["b"]))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.nn.log_sigmoid(x @ self.w[...] + self.b[...])
+
+
+def _policy_step_loss(model: _LinearPolicy, batch: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`actor_loss` of the linear policy: the PPO loss (seq-mean-token-mean) with the mini-batch's counts."""
+    counts = {"global_tokens": batch["global_tokens"][0], "global_seqs": batch["global_seqs"][0], "norm_length": T}
+    args = (batch["old_log_probs"], model(batch["x"]), batch["advantages"], batch["response_mask"])
+    loss = policy_loss("ppo", *args, loss_agg_mode="seq-mean-token-mean", **counts)[0]
+    return loss, {"actor/pg_loss": loss}
+
+
+# AdamW with weight decay and a warm-up: a zero-gradient step would move the parameters and the rate
+EMPTY_STEP_OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=1.0, warmup_steps=4)
+ONE_DEVICE = {"mesh": {"fsdp": 1}, "rules": "fsdp", "devices": [0]}
+
+
+def _policy_state(params: dict) -> Callable[[], TrainState]:
+    """A fresh `TrainState` of the linear policy at `params`, per call (one per rank)."""
+    optimizer, clip = make_optimizer(EMPTY_STEP_OPTIM, None), EMPTY_STEP_OPTIM.grad_clip
+    return lambda: TrainState(_LinearPolicy(params), Layout.from_config(ONE_DEVICE), optimizer, clip)
+
+
+def _host(state: TrainState) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_mini_batch_without_a_counted_row_takes_no_optimizer_step(monkeypatch, rng, ranks):
+    """12 rows in mini-batches of 4 (per rank: its share), every row of the second one kept out: the update takes
+    no step for it, so the parameters, the AdamW state (moments, step count, rate) and the step metrics are bitwise
+    those of an update over the other two mini-batches alone; the skip is reported."""
+    rows, mini = 12, 4
+    batch, params = _policy_batch(rng, rows=rows)
+    share, part = rows // ranks, mini // ranks  # a rank's rows and its part of each mini-batch
+    empty = np.zeros(rows, bool)
+    for rank in range(ranks):
+        empty[rank * share + part : rank * share + 2 * part] = True  # the second mini-batch of every rank
+    kept_out = {**batch, "response_mask": batch["response_mask"] * ~empty[:, None], ROW_IN_LOSS: ~empty}
+    others = {k: v[~empty] for k, v in batch.items()}
+
+    run = functools.partial(_roles_on_ranks, monkeypatch, ranks=ranks, mini=mini, loss_fn=_policy_step_loss)
+    skipping = run(kept_out, state=_policy_state(params))
+    reference = run(others, state=_policy_state(params))
+    for (state, metrics), (expected, expected_metrics) in zip(skipping, reference, strict=True):
+        assert state.step == expected.step == 2
+        for got, want in zip(_host(state), _host(expected), strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert metrics.pop("actor/skipped_empty_mini_batches") == 1.0
+        assert expected_metrics.pop("actor/skipped_empty_mini_batches") == 0.0
+        assert metrics == expected_metrics
+
+
+def test_an_update_without_a_counted_row_takes_no_step(monkeypatch, rng):
+    """Every row kept out, over 2 epochs on 2 ranks: no micro-batch runs and no step is taken (the parameters and
+    optimizer state are those the update started from), and the metrics say so instead of averaging no steps."""
+    batch, params = _policy_batch(rng)
+    batch = {**batch, "response_mask": np.zeros_like(batch["response_mask"]), ROW_IN_LOSS: np.zeros(ROWS, bool)}
+    fresh = _policy_state(params)
+    ranks = _roles_on_ranks(monkeypatch, batch, 2, mini=4, state=fresh, loss_fn=_policy_step_loss, epochs=2)
+    for state, metrics in ranks:
+        assert state.step == 0
+        for got, want in zip(_host(state), _host(fresh()), strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert metrics == {"actor/skipped_steps": 0.0, "actor/skipped_empty_mini_batches": 6.0}

@@ -227,11 +227,11 @@ def padding_masked(arrays: dict[str, np.ndarray], data: DataProto) -> dict[str, 
 
 
 def _counted_first(in_loss: np.ndarray, micro: int) -> np.ndarray:
-    """The rows of this process's share of a mini-batch (`in_loss`: which count) that its micro-batches of `micro`
-    rows take: the counted rows in order, then uncounted ones up to as many micro-batches as the process with the
-    most counted rows needs (at least one, for a mini-batch without any), so that no micro-batch is padding in every
-    process of the group."""
-    needed = max(1, int(process_reduce(-(-int(in_loss.sum()) // micro), "max")))
+    """The rows of this process's share of a mini-batch (`in_loss`: which count; some process of the group has one)
+    that its micro-batches of `micro` rows take: the counted rows in order, then uncounted ones up to as many
+    micro-batches as the process with the most counted rows needs, so that no micro-batch is padding in every process
+    of the group."""
+    needed = int(process_reduce(-(-int(in_loss.sum()) // micro), "max"))
     return np.argsort(~in_loss, kind="stable")[: needed * micro]
 
 
@@ -274,21 +274,24 @@ def weighted_router_metrics(
     return {f"{role}/router_{name}": value * share for name, value in router_summary(router, experts_per_token).items()}
 
 
-def step_metrics(history: list[tuple[dict[str, float], int]], role: str, skipped_steps: int) -> dict[str, float]:
+def step_metrics(
+    history: list[tuple[dict[str, float], int]], role: str, skipped_steps: int, empty_mini_batches: int = 0
+) -> dict[str, float]:
     """`TrainState.update` metrics over optimizer steps, combined by `combine_metric` (means; extremes of `_max` /
     `_min` metrics). The loss functions' own metrics (named `<namespace>/...`: `actor/`, `critic/`,
     `rollout_corr/`) are normalised by the whole mini-batch's counts, so a step's value is the sum over its
     micro-batches (`update` reports their mean: times the micro-batch count), or for an extreme the extreme of the
     micro-batches' (as `update` reports it); the update's own metrics (`loss`, `grad_norm`, ...) get the `role/`
-    prefix."""
-    per_step = []
-    for metrics, micro_batches in history:
-        per_step.append({k: v * micro_batches if _is_share(k) else v for k, v in metrics.items()})
+    prefix. Without a step (`history` empty) there are none of these. Always: `role/skipped_steps` (the state's
+    steps skipped for a non-finite gradient, so far) and `role/skipped_empty_mini_batches` (the mini-batches
+    without a counted row in this update, which took no step)."""
+    per_step = [{k: v * micro if _is_share(k) else v for k, v in metrics.items()} for metrics, micro in history]
     out = {}
-    for key in per_step[0]:
+    for key in per_step[0] if per_step else ():
         name = key if "/" in key else f"{role}/{key}"
         out[name] = combine_metric(key, [m[key] for m in per_step])
     out[f"{role}/skipped_steps"] = float(skipped_steps)
+    out[f"{role}/skipped_empty_mini_batches"] = float(empty_mini_batches)
     return out
 
 
@@ -344,15 +347,20 @@ class TrainedRole(Worker):
         short mini-batch (the last one, or the whole batch when it has fewer than `mini` rows) is normalised by its
         own counted rows as a full one is: verl divides by the configured size and refuses a short mini-batch, but
         hfjax takes one step over a batch smaller than the mini-batch, and rows kept out shrink any mini-batch. A
-        mini-batch without a counted row still takes its optimizer step (a zero gradient) over one micro-batch.
-        Metrics are means over optimizer steps."""
-        history = []
+        mini-batch without a counted row in the group (`global_seqs` 0, which every process agrees on) runs no
+        micro-batch and takes no optimizer step: a zero-gradient AdamW step would still move the parameters (momentum,
+        weight decay) and advance the learning-rate schedule. Metrics are means over the steps taken
+        (`step_metrics`), with the mini-batches skipped so."""
+        history, empty = [], 0
         response_length = arrays["responses"].shape[1]
         mini, micro = process_share(mini, "ppo_mini_batch_size"), process_share(micro, "micro_batch_size")
         for _ in range(epochs):
             for batch in split_rows(arrays, mini):
                 in_loss = batch.pop(ROW_IN_LOSS)
                 tokens, seqs = process_reduce(mask_counts(batch["response_mask"], in_loss), "sum")
+                if not seqs:
+                    empty += 1
+                    continue
                 rows = len(in_loss)
                 batch["global_tokens"] = np.full(rows, float(tokens), np.float32)
                 batch["global_seqs"] = np.full(rows, float(seqs), np.float32)
@@ -364,7 +372,7 @@ class TrainedRole(Worker):
                     batch = _rows(batch, _counted_first(in_loss, micro))
                     chunks = trimmed_chunks(batch, micro, response_length)[1] if trim else split_rows(batch, micro)
                 history.append((self.state.update(loss_fn, chunks), len(chunks)))
-        return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps)})
+        return DataProto(meta_info={"metrics": step_metrics(history, role, self.state.skipped_steps, empty)})
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str, step: int, max_to_keep: int = 3) -> None:
