@@ -382,6 +382,18 @@ def extend_blocks_attention(
     return functools.reduce(jnp.add, parts).reshape(rows, length, heads, d)
 
 
+def decode_kernel(softcap: float | None = None, implementation: str | None = None) -> str | None:
+    """The Pallas kernel that `decode_attention` runs for `implementation` (`resolve_implementation`), or None where
+    it runs xla (with `softcap`, which the kernel lacks)."""
+    name = resolve_implementation(implementation)
+    if name not in PALLAS:
+        return None
+    if softcap is not None:
+        _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its decode kernel")
+        return None
+    return name
+
+
 def decode_attention(
     q: jax.Array,
     key_blocks: Sequence[jax.Array],
@@ -400,11 +412,8 @@ def decode_attention(
     others its own (own block i holds positions prompt length + i*B..; without prompt lengths, i*B..). A slot sees
     the real positions <= its length (and within `window`). Under an `program_layout` of several devices the Pallas
     kernel runs per shard (xla where the operands do not split by the layout); with `softcap` it runs as xla."""
-    name = resolve_implementation(implementation)
-    if softcap is not None and name in PALLAS:
-        _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its decode kernel")
-        name = "xla"
-    if name in PALLAS:
+    name = decode_kernel(softcap, implementation)
+    if name is not None:
         from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
         def kernel(q, keys, values, lengths, prompt_lengths) -> jax.Array:  # the operands split by DECODE_AXES

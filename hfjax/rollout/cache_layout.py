@@ -79,6 +79,7 @@ class CacheLayout:
         pool_key = batch_sharded(layout, self.pool_key_shape, ("batch", None, "kv_heads", "head_dim", "length"))
         pool_value = batch_sharded(layout, self.pool_value_shape, ("batch", None, "kv_heads", "length", "head_dim"))
         per_slot = batch_sharded(layout, (slots,), ("batch",))
+        self.readers_shape = (self.pool_parts, per_part, slots // self.pool_parts)  # a copy's readers: its part's slots
         layers = cfg.num_layers
         self.sharding = DecodeState(
             ((key,) * self.blocks,) * layers,
@@ -86,6 +87,9 @@ class CacheLayout:
             (pool_key,) * layers,
             (pool_value,) * layers,
             batch_sharded(layout, (slots, self.prompt_blocks), ("batch", None)),
+            per_slot,
+            batch_sharded(layout, self.readers_shape, ("batch", None, None)),
+            batch_sharded(layout, self.readers_shape[:2], ("batch", None)),
             per_slot,
             per_slot,
             per_slot,
@@ -114,6 +118,9 @@ class CacheLayout:
             tuple(zeros(self.pool_key_shape) for _ in layers),
             tuple(zeros(self.pool_value_shape) for _ in layers),
             jnp.zeros((slots, self.prompt_blocks), jnp.int32),
+            jnp.zeros(slots, jnp.int32),
+            jnp.full(self.readers_shape, self.readers_shape[-1], jnp.int32),  # no reader
+            jnp.zeros(self.readers_shape[:2], jnp.int32),
             jnp.zeros(slots, jnp.int32),
             jnp.zeros(slots, jnp.int32),
             jnp.zeros(slots, jnp.int32),

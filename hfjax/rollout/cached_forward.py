@@ -15,7 +15,8 @@ the attention step replaced by the model's attention functions (`causal_attentio
 only the new tokens run through the model, attending over the cached history, so a turn costs its own tokens, not a
 re-prefill of everything before it.
 Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
-(slots x positions x kv heads x head_dim x 2 per layer; a slot's prompt blocks are gathered from the pool first).
+(slots x positions x kv heads x head_dim x 2 per layer; XLA attention reads the prompt pool in place, the Pallas
+kernel gets each slot's prompt blocks gathered from the pool).
 """
 
 from __future__ import annotations
@@ -25,8 +26,16 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.attention import causal_attention, decode_attention, extend_attention, extend_blocks_attention
+from hfjax.models.attention import (
+    causal_attention,
+    decode_attention,
+    decode_kernel,
+    decode_mask,
+    extend_attention,
+    extend_blocks_attention,
+)
 from hfjax.models.transformer import CausalLM
+from hfjax.rollout.pooled_attention import PoolReaders, pooled_decode_attention
 
 
 class Prefix(NamedTuple):
@@ -109,12 +118,14 @@ class PromptBlocks(NamedTuple):
     """The shared-prompt part of the decode caches: per layer the prompt pool's keys [parts, pool blocks, kv_heads,
     head_dim, B] and values [parts, pool blocks, kv_heads, B, head_dim] (each part of the batch mesh axes holds its
     own pool, for its own slots), each slot's `table` [S, n] of block ids in its part's pool (prompt block j holds
-    positions j*B..) and its prompt length [S]; a slot's own blocks hold the positions from its prompt length on."""
+    positions j*B..) and its prompt length [S]; a slot's own blocks hold the positions from its prompt length on.
+    With `readers` (which slots read each block) a decode step's XLA attention reads the pool in place."""
 
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
     table: jax.Array
     lengths: jax.Array
+    readers: PoolReaders | None = None
 
 
 def gather_prompt_blocks(pool: jax.Array, table: jax.Array) -> list[jax.Array]:
@@ -213,8 +224,8 @@ def decode_forward(
     blocks in the decode layout (keys [S, kv_heads, head_dim, B], values [S, kv_heads, B, head_dim]; own position i
     is position prompt length + i), enough to hold every slot's position, and its shared-prompt blocks (`prompt`).
     Writes each slot's key and value in its own blocks (dropped past the blocks given) and attends over the prompt
-    blocks and its own in one softmax. Returns (logits [S, vocab] float32, new own key blocks, new own value
-    blocks)."""
+    blocks and its own in one softmax (XLA attention with `prompt.readers` reads the pool in place:
+    `pooled_decode_attention`). Returns (logits [S, vocab] float32, new own key blocks, new own value blocks)."""
     block = cache_keys[0][0].shape[-1]
     decoder = model.model
     own = lengths - prompt.lengths
@@ -232,6 +243,16 @@ def decode_forward(
             vb = tuple(write_positions(c, v[:, 0], own - s, axis=2) for c, s in zip(vb, starts, strict=True))
             new_keys.append(kb)
             new_values.append(vb)
+            columns = prompt.table.shape[1]
+            if prompt.readers is not None and columns and decode_kernel(layer.softcap) is None:
+                allowed = decode_mask(
+                    lengths, block * len(kb), layer.window, prompt_lengths=prompt.lengths,
+                    prompt_positions=block * columns,
+                )  # fmt: skip
+                return pooled_decode_attention(
+                    q, prompt.keys[index], prompt.values[index], prompt.table, prompt.readers, kb, vb, allowed,
+                    layer.softcap,
+                )  # fmt: skip
             pk = gather_prompt_blocks(prompt.keys[index], prompt.table)
             pv = gather_prompt_blocks(prompt.values[index], prompt.table)
             return decode_attention(

@@ -60,6 +60,7 @@ from hfjax.rollout.interface import (
     ResultTokens,
     prefill_buckets,
 )
+from hfjax.rollout.pooled_attention import PoolReaders
 from hfjax.rollout.prompt_pool import Placement, PromptPool, prefix_blocks, write_pool
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
 
@@ -174,7 +175,7 @@ class JaxEngine:
             self._jit(self._prefill_extend_fn),
             self._jit(self._extend_fn, ("kind", "live"), **state_out),
             self._jit(self._insert_fn, **state_out),
-            self._jit(self._generate_fn, ("kind", "live", "prompt_live"), **state_out),
+            self._jit(self._generate_fn, ("kind", "live", "prompt_live", "prompt_readers"), **state_out),
             self._jit(self._prefill_insert_fn, **state_out),
         )
 
@@ -249,7 +250,8 @@ class JaxEngine:
         """The placement arrays of a `prefill_insert` of `rows` prefill rows padded to `length` into `samples` slots,
         as `jax.ShapeDtypeStruct`s."""
         parts, blocks = self.cache.pool_parts, -(-length // self.block)
-        shapes = ((parts, rows), (parts, rows, blocks), (samples, self.prompt_blocks))
+        pool = self.cache.readers_shape
+        shapes = ((parts, rows), (parts, rows, blocks), (samples, self.prompt_blocks), pool, pool[:2], (self._slots,))
         return Placement(*(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes))
 
     def kv_cache_bytes_per_device(self) -> int:
@@ -382,8 +384,11 @@ class JaxEngine:
         a slot holds (empty and released slots may compute garbage)."""
         live = self.blocks if context is None else min(self.blocks, max(1, -(-context // self.block)))
         prompt_live = min(self.prompt_blocks, -(-int(self.pool.prompt_lengths.max()) // self.block))
-        with self._counting("generate", kind, live, prompt_live):
-            return self._generate(params, decode_state, kind=kind, live=live, prompt_live=prompt_live)
+        readers = self.pool.reader_width()
+        with self._counting("generate", kind, live, prompt_live, readers):
+            return self._generate(
+                params, decode_state, kind=kind, live=live, prompt_live=prompt_live, prompt_readers=readers
+            )
 
     def prefill_insert(
         self,
@@ -473,6 +478,9 @@ class JaxEngine:
             pool_values=tuple(pool_values),
             prompt_table=set_slots(state.prompt_table, placement.tables),
             prompt_lengths=set_slots(state.prompt_lengths, prefix.cache.lengths[rows]),
+            pool_readers=placement.readers,
+            pool_columns=placement.columns,
+            prompt_ranks=placement.ranks,
             lengths=set_slots(state.lengths, prefix.cache.lengths[rows]),
             tokens=set_slots(state.tokens, first[0]),
             rng=set_slots(state.rng, rng),
@@ -489,10 +497,13 @@ class JaxEngine:
         table = state.prompt_table[:, :blocks]
         return PromptBlocks(state.pool_keys, state.pool_values, table, state.prompt_lengths)
 
-    def _generate_fn(self, params, state: DecodeState, *, kind, live, prompt_live=None):
+    def _generate_fn(self, params, state: DecodeState, *, kind, live, prompt_live=None, prompt_readers=1):
         model = self._model(params)
         live_keys, live_values = tuple(k[:live] for k in state.keys), tuple(v[:live] for v in state.values)
-        prompt = self._prompt(state, self.prompt_blocks if prompt_live is None else prompt_live)
+        readers = PoolReaders(state.pool_readers[..., :prompt_readers], state.pool_columns, state.prompt_ranks)
+        prompt = self._prompt(state, self.prompt_blocks if prompt_live is None else prompt_live)._replace(
+            readers=readers
+        )
         with record_routes() as routes:
             logits, keys, values = decode_forward(model, state.tokens, state.lengths, live_keys, live_values, prompt)
         keys = tuple(new + old[live:] for new, old in zip(keys, state.keys, strict=True))

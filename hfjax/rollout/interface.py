@@ -35,7 +35,8 @@ class DecodeState(NamedTuple):
     [slots, kv_heads, head_dim, block], values [slots, kv_heads, block, head_dim]) and the shared prompt pool (keys
     [parts, pool blocks, kv_heads, head_dim, block], values [parts, pool blocks, kv_heads, block, head_dim]: each
     part of the batch mesh axes holds its own slots' prompts); each slot's prompt blocks (`prompt_table` [slots,
-    prompt blocks], ids in its part's pool) and prompt length; the tokens in each slot's cache (`lengths`, prompt
+    prompt blocks], ids in its part's pool) and prompt length, which slots read each pool block (so that a decode
+    step reads the pool in place); the tokens in each slot's cache (`lengths`, prompt
     included), the next input token, each sample's key and token count (`steps`), and its sampling values."""
 
     keys: tuple[tuple[jax.Array, ...], ...]
@@ -44,6 +45,9 @@ class DecodeState(NamedTuple):
     pool_values: tuple[jax.Array, ...]
     prompt_table: jax.Array
     prompt_lengths: jax.Array
+    pool_readers: jax.Array  # [parts, pool blocks, slots per part]: `hfjax.rollout.pooled_attention.PoolReaders`
+    pool_columns: jax.Array  # [parts, pool blocks]
+    prompt_ranks: jax.Array  # [slots]
     lengths: jax.Array
     tokens: jax.Array
     rng: jax.Array

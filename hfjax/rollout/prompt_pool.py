@@ -28,18 +28,22 @@ class PromptPoolFull(SamplingError):
 
 class Placement(NamedTuple):
     """Where an insert writes: prefill row `rows[p, w]` goes to pool blocks `dest[p, w]` of part p (padding entries
-    name block ids past the pool: dropped), and inserted sample j reads the blocks `tables[j]`."""
+    name block ids past the pool: dropped), and inserted sample j reads the blocks `tables[j]`; and the pool's
+    readers after it (`PromptPool.readers`, whole)."""
 
     rows: np.ndarray  # [parts, prefill rows]
     dest: np.ndarray  # [parts, prefill rows, prefix blocks]
     tables: np.ndarray  # [samples, prompt blocks]
+    readers: np.ndarray  # [parts, pool blocks, slots per part]
+    columns: np.ndarray  # [parts, pool blocks]
+    ranks: np.ndarray  # [slots]
 
 
 @dataclasses.dataclass
 class _Copy:
     part: int
     blocks: list[int]
-    refs: int
+    readers: list[int]  # the slots reading it
 
 
 class PromptPool:
@@ -79,8 +83,8 @@ class PromptPool:
             copy = self._copy_of.pop(slot, None)
             self.prompt_lengths[slot] = 0
             if copy is not None:
-                copy.refs -= 1
-                if copy.refs == 0:
+                copy.readers.remove(slot)
+                if not copy.readers:
                     self._free[copy.part].extend(copy.blocks)
 
     def place(self, lengths: list[int], readers: list[list[int]]) -> list[dict[int, list[int]]]:
@@ -105,13 +109,37 @@ class PromptPool:
                 n = self.blocks_for(length)
                 taken, self._free[part] = self._free[part][:n], self._free[part][n:]
                 readers_here = [s for s in slots if self.part_of(s) == part]
-                copy = _Copy(part, taken, len(readers_here))
+                copy = _Copy(part, taken, readers_here)
                 for slot in readers_here:
                     self._copy_of[slot] = copy
                     self.prompt_lengths[slot] = length
                 copies[part] = taken
             out.append(copies)
         return out
+
+    def _copies(self) -> list[_Copy]:
+        return list({id(copy): copy for copy in self._copy_of.values()}.values())
+
+    def reader_width(self) -> int:
+        """The most slots reading any prompt copy held, rounded up to a power of two: the readers a decode step
+        reads per pool block (so that it compiles for few values)."""
+        return 1 << max(0, max((len(c.readers) for c in self._copies()), default=1) - 1).bit_length()
+
+    def readers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which slots read each block, as the arrays of `hfjax.rollout.pooled_attention.PoolReaders`: readers
+        [parts, blocks_per_part, slots per part] (slot indices within the part, in rank order; slots per part where
+        none), each block's column in its readers' tables [parts, blocks_per_part] and each slot's rank among its
+        copy's readers [slots]."""
+        per_part = self.slots // self.parts
+        readers = np.full((self.parts, self.blocks_per_part, per_part), per_part, np.int32)
+        columns = np.zeros((self.parts, self.blocks_per_part), np.int32)
+        ranks = np.zeros(self.slots, np.int32)
+        for copy in self._copies():
+            local = [slot - copy.part * per_part for slot in copy.readers]
+            readers[copy.part, copy.blocks, : len(local)] = local
+            columns[copy.part, copy.blocks] = np.arange(len(copy.blocks))
+            ranks[copy.readers] = np.arange(len(copy.readers))
+        return readers, columns, ranks
 
     def placement(
         self, lengths: np.ndarray, slots: np.ndarray, rows: np.ndarray, prefix_blocks: int, table_blocks: int
@@ -138,7 +166,7 @@ class PromptPool:
         for j in valid:
             blocks = copies[int(rows[j])][self.part_of(int(slots[j]))]
             tables[j, : len(blocks)] = blocks
-        return Placement(pool_rows, dest, tables)
+        return Placement(pool_rows, dest, tables, *self.readers())
 
 
 def prefix_blocks(keys: jax.Array, values: jax.Array, count: int, block: int) -> tuple[jax.Array, jax.Array]:
