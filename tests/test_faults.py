@@ -31,6 +31,7 @@ import psutil
 import pytest
 import safetensors.numpy
 import yaml
+from support.checkpoints import flip_bytes
 from support.rl_setup import build_run_inputs, deterministic, rl_config
 
 from hfjax.cli.runner import user_errors
@@ -40,6 +41,7 @@ from hfjax.controller.liveness import LivenessConfig, WorkerHungError
 from hfjax.controller.worker_group import WorkerDiedError
 from hfjax.records import read_metrics
 from hfjax.records.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError
+from hfjax.records.checksums import MANIFEST
 from hfjax.records.run_dir import RunDirLock, RunDirLockedError
 from hfjax.trainer import launch
 from hfjax.trainer.health import RunStalledError
@@ -203,11 +205,10 @@ def test_a_damaged_step_of_one_role_resumes_every_role_from_the_step_before(inpu
     run_dir = tmp_path / "run"
     full = run_rl(load_rl_config(rl_config(inputs, run_dir, "ppo", trainer=two)))
     uninterrupted = read_metrics(run_dir)  # the run as it finished, before its step 2 is damaged
-    for file in (run_dir / "checkpoints" / role / "2").rglob("*"):
-        if file.is_file() and file.stat().st_size > 0:
-            file.write_bytes(b"garbage")
+    damaged = flip_bytes(run_dir / "checkpoints" / role / "2")  # restored without an error but for its checksums
     again = run_rl(load_rl_config(rl_config(inputs, run_dir, "ppo", trainer={**two, "total_steps": 2})))
     assert f"step 2 cannot be restored: {role}:" in caplog.text and "falling back to the previous step" in caplog.text
+    assert f"{damaged} does not match its saved sha256" in caplog.text
     assert len(again) == 1  # step 2 redone from step 1, by every role
     _assert_same_steps(read_metrics(run_dir), uninterrupted)
     assert deterministic(again[0]) == pytest.approx(deterministic(full[1]), rel=1e-6, abs=1e-7)
@@ -232,6 +233,7 @@ def test_a_damaged_step_is_set_aside_in_one_warning_without_asyncio_tracebacks(t
         with CheckpointManager(directory) as manager:
             manager.save(1, {"params": params})
             manager.save(2, {"params": jax.tree.map(lambda x: x + 1, params)})
+        (directory / "2" / MANIFEST).unlink()  # a step without checksums: orbax's reads meet the damage
         for file in (directory / "2" / "params").rglob("*"):
             if file.is_file() and file.parent.name == "d":
                 with open(file, "r+b") as handle:

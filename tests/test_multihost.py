@@ -20,6 +20,7 @@ from hfjax.data import BatchLoader, PromptDataset
 from hfjax.models import load_tokenizer
 from hfjax.protocol import DataProto
 from hfjax.records.checkpoint import CheckpointManager
+from hfjax.records.checksums import MANIFEST
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.rl import RLTrainer
 from hfjax.typed_config import ConfigError
@@ -92,6 +93,7 @@ def test_two_hosts_equal_one_host_and_resume_across_host_counts(ray_cluster, inp
         np.testing.assert_allclose(w2[name], w1[name], rtol=1e-4, atol=1e-5, err_msg=name)
     shutil.copytree(tmp_path / f"h{first}", tmp_path / "resumed")
     for saved in (tmp_path / "resumed" / "checkpoints").iterdir():  # each trained role's and the trainer's record
+        assert (saved / "2" / MANIFEST).is_file(), saved  # checksums written by process 0, verified by the resume
         with CheckpointManager(saved) as checkpoints:
             checkpoints.discard_after(2)
     resumed = _deterministic(run_rl(_config(inputs, tmp_path / "resumed", algorithm, then)))

@@ -1,11 +1,12 @@
 """hfjax.optim on 8 fake CPU devices: the learning-rate schedule against its formula, TrainState (one AdamW step
 against a numpy reference, micro-batch accumulation equal to the whole batch, non-finite steps skipped, one compile
 per shape), orbax checkpoints (bitwise round trip, restore into another layout, fallback past a damaged latest step,
-a leftover partial save) and the metrics log."""
+a leftover partial save, checksums that name a changed file) and the metrics log."""
 
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import chex
@@ -14,12 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support.checkpoints import flip_bytes
 from support.tiny_models import TINY, random_model
 
 from hfjax.algos import agg_loss, logprobs_from_logits
 from hfjax.optim import OptimConfig, TrainState, compile_counts, learning_rate_schedule, make_optimizer
 from hfjax.parallel import Layout
 from hfjax.records import CheckpointError, CheckpointManager, MetricsLogger, read_metrics
+from hfjax.records.checkpoint import UnreadableStepError
+from hfjax.records.checksums import MANIFEST
 
 TRAIN_LAYOUT = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"}
 OTHER_LAYOUT = {"mesh": {"fsdp": 8}, "rules": "fsdp"}
@@ -258,6 +262,61 @@ def test_damaged_latest_falls_back_and_partial_save_is_ignored(tmp_path, trained
     with pytest.raises(CheckpointError, match="opt_state"):
         manager.restore(None, {"opt_state": trained_state.abstract_items()["opt_state"]})
     manager.close()
+
+
+def test_flipped_bytes_in_the_latest_step_name_the_file_and_the_step_before_restores_bitwise(
+    tmp_path, trained_state, caplog
+):
+    """64 bytes flipped inside the latest step's data (orbax alone restores it without an error): the step's
+    checksums name the step and the file, the previous step restores bitwise, the damaged one is kept aside."""
+    directory = tmp_path / "ckpt"
+    with CheckpointManager(directory) as manager:
+        manager.save(1, trained_state.items(), {"n": 1})
+        first = _host(trained_state.items())
+        trained_state.update(token_mean_nll, _split(_batch(np.random.default_rng(7)), 4))
+        manager.save(2, trained_state.items(), {"n": 2})
+    damaged = flip_bytes(directory / "2")
+    targets = trained_state.abstract_items()
+    with CheckpointManager(directory) as manager:
+        named = rf"2: unreadable .*{re.escape(damaged)} does not match its saved sha256"
+        with pytest.raises(UnreadableStepError, match=named):
+            manager.restore(2, targets)
+        assert manager.all_steps() == [1, 2]  # an explicit step is reported, not set aside
+        with caplog.at_level(logging.INFO, logger="hfjax.records.checkpoint"):
+            step, items, extra = manager.restore(None, targets)
+    assert step == 1 and extra == {"n": 1}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "step 2" in warning and damaged in warning and "falling back" in warning
+    assert "no checksums" not in caplog.text
+    for x, y in zip(first, _host(items), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert (directory / "2.unreadable" / damaged).is_file()  # kept for inspection, not deleted
+
+
+@pytest.mark.parametrize("manifest", ["kept", "removed"])
+def test_an_intact_step_verifies_and_one_without_checksums_restores_with_a_note(
+    tmp_path, trained_state, caplog, manifest
+):
+    """Every saved step records its files' checksums, and an untouched step verifies and restores bitwise; a step
+    without them (saved before hfjax recorded checksums) restores unverified with a note."""
+    directory = tmp_path / "ckpt"
+    saved = _host(trained_state.items())
+    with CheckpointManager(directory) as manager:
+        manager.save(1, trained_state.items(), {"n": 1})
+        manager.wait()
+        assert (directory / "1" / MANIFEST).is_file()
+    if manifest == "removed":
+        (directory / "1" / MANIFEST).unlink()
+    with (
+        caplog.at_level(logging.INFO, logger="hfjax.records.checkpoint"),
+        CheckpointManager(directory) as manager,
+    ):
+        step, items, extra = manager.restore(None, trained_state.abstract_items())
+    assert step == 1 and extra == {"n": 1}
+    for x, y in zip(saved, _host(items), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert ("step 1" in caplog.text and "no checksums" in caplog.text) == (manifest == "removed")
 
 
 def test_restore_into_other_shapes_names_them_and_sets_nothing_aside(tmp_path):

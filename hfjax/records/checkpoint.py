@@ -10,6 +10,11 @@ earlier step re-saves the steps after it); an unreadable step found by `restore(
 `<step>.unreadable` (kept for inspection); a target whose tree or shapes differ from the saved ones is a caller error
 (named leaves, nothing set aside). A restore that fails lets orbax's other reads of the step end before their event
 loop closes (no asyncio tracebacks after the step's one warning).
+
+Every step records the SHA-256 of its files (`checksums.MANIFEST`, written by process 0 on a thread once
+orbax has committed the step; `wait()` waits for it too). A restore first checks them: a step whose files changed is
+unreadable, named with its files, and set aside like a truncated one; a step without them (saved before hfjax
+recorded checksums, or stopped before they were written) is restored unverified, with a note in the log.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import re
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +35,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from hfjax.models.config import VOCAB_MULTIPLE
+from hfjax.records import checksums
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +95,8 @@ class CheckpointManager:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._saving: int | None = None  # the step of the latest save started
+        self._checksummer = ThreadPoolExecutor(1, thread_name_prefix="hfjax-checkpoint-checksums")
+        self._checksummed: Future[None] | None = None  # the latest save's commit, then its checksums
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -123,11 +132,22 @@ class CheckpointManager:
             self._manager.save(step, args=ocp.args.Composite(**args), force=True)
         except OSError as e:
             raise self._save_failed(e) from e
+        self._checksummed = self._checksummer.submit(self._write_checksums, step)
+
+    def _write_checksums(self, step: int) -> None:
+        """Waits for orbax to commit step `step` (its files are then final), then records their checksums."""
+        self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+            checksums.write_manifest(self.directory / str(step))
 
     def wait(self) -> None:
-        """Blocks until in-flight saves are committed. A save that failed in the background (tensorstore reports a
-        full disk as `ValueError: RESOURCE_EXHAUSTED ... [os_error_code='28']`) raises `CheckpointSaveError`."""
+        """Blocks until in-flight saves are committed with their checksums. A save that failed in the background
+        (tensorstore reports a full disk as `ValueError: RESOURCE_EXHAUSTED ... [os_error_code='28']`) raises
+        `CheckpointSaveError`."""
         try:
+            if self._checksummed is not None:
+                checksummed, self._checksummed = self._checksummed, None
+                checksummed.result()
             self._manager.wait_until_finished()
         except Exception as e:
             raise self._save_failed(e) from e
@@ -183,6 +203,13 @@ class CheckpointManager:
         raise CheckpointError(f"{self.directory}: none of the steps {steps} is readable")
 
     def _restore_step(self, step: int, targets: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not checksums.verify(self.directory / str(step)):
+            log.info(
+                "checkpoint step %d in %s has no checksums (saved before hfjax recorded them, or stopped before they "
+                "were written); restoring it unverified",
+                step,
+                self.directory,
+            )
         record = self._manager.restore(step, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))[RECORD]
         flat_targets = {name: flatten(tree) for name, tree in targets.items()}
         for name, flat in flat_targets.items():
@@ -251,8 +278,12 @@ class CheckpointManager:
         self._manager.reload()
 
     def close(self) -> None:
-        """Waits for in-flight saves and releases orbax's threads."""
-        self._manager.close()
+        """Waits for in-flight saves and their checksums and releases orbax's threads."""
+        try:
+            self.wait()
+        finally:
+            self._checksummer.shutdown()
+            self._manager.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,6 +1,6 @@
-"""Builds tiny random Hugging Face checkpoints and tokenizers locally (no downloads) for tests. PyTorch and
-transformers are imported where they are used: a Ray worker that unpickles a worker class defined in a test module
-imports that module and what it imports, and these two take seconds."""
+"""Builds tiny random Hugging Face checkpoints and tokenizers locally (no downloads) for tests, and damages saved
+orbax steps (`flip_bytes`). PyTorch and transformers are imported where they are used: a Ray worker that unpickles a
+worker class defined in a test module imports that module and what it imports, and these two take seconds."""
 
 from __future__ import annotations
 
@@ -120,3 +120,17 @@ def torch_logits(model: torch.nn.Module, ids: np.ndarray, mask: np.ndarray, posi
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def flip_bytes(step_dir: Path, item: str = "params", count: int = 64) -> str:
+    """Inverts `count` bytes in the middle of the largest array data file of `item` in an orbax checkpoint step
+    (sizes unchanged); returns its path relative to the step."""
+    files = [f for f in (step_dir / item).rglob("*") if f.is_file() and f.parent.name == "d"]
+    data = max(files, key=lambda f: f.stat().st_size)
+    with open(data, "r+b") as handle:
+        middle = data.stat().st_size // 2
+        handle.seek(middle)
+        flipped = bytes(b ^ 0xFF for b in handle.read(count))
+        handle.seek(middle)
+        handle.write(flipped)
+    return data.relative_to(step_dir).as_posix()
