@@ -158,6 +158,32 @@ def test_malformed_files(tokenizer, tmp_path):
         read_rows(tmp_path / "absent.parquet")
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_row_that_is_not_utf8_names_file_row_and_encoding(tmp_path, suffix):
+    """One row holding the byte 0xff (Latin-1's "ÿ") in its prompt: a DataError naming the file and the row, in
+    JSONL (a line that does not decode) and in parquet (a string column whose value does not)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = _prompt_rows(np.random.default_rng(0), 6)
+    prompts = [json.dumps(row["prompt"]).encode() for row in rows]
+    bad = 3  # 0-based
+    prompts[bad] = prompts[bad].replace(b"user", b"us\xffer")
+    path = tmp_path / f"p{suffix}"
+    if suffix == ".jsonl":
+        path.write_bytes(b"".join(b'{"data_source": "x", "prompt": ' + p + b"}\n" for p in prompts))
+        expected = f"{path}: row {bad + 1}: not valid UTF-8 (0xff at byte "
+    else:
+        binary = pa.array(prompts, pa.binary())
+        strings = pa.Array.from_buffers(pa.string(), len(prompts), binary.buffers())  # no UTF-8 validation
+        pq.write_table(pa.table({"data_source": ["x"] * len(prompts), "prompt": strings}), path, row_group_size=4)
+        expected = f"{path}: row {bad + 1}: field 'prompt' is not valid UTF-8 (0xff at byte "
+    with pytest.raises(DataError) as info:
+        read_rows(path)
+    message = str(info.value)
+    assert message.startswith(expected) and message.endswith(": invalid start byte); expected UTF-8 text"), message
+
+
 class _Rows:
     """A stand-in dataset whose batches are the row indices themselves."""
 

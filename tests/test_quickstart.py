@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 import transformers as tf
 from support.rl_setup import QUICKSTART_SMOKE as SMOKE
-from support.settings import run_command, user_env
+from support.settings import REPO, run_command, user_env
 
 from hfjax.cli.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
 from hfjax.config.rl import load_rl_config
@@ -41,6 +43,25 @@ def test_quickstart_smoke(tmp_path):
     with pytest.raises(ValueError, match=r"run_dir: .* already holds a quickstart run \(sft and rl\)"):
         run_quickstart(cfg)
     assert (tmp_path / "result.json").read_bytes() == written
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_quickstart_on_ray_forks_nothing_after_jax_started(tmp_path, one_device_xla_flags):
+    """`hfjax quickstart` with its RL stage on Ray (as the shipped config runs it) and the smoke settings, in a
+    process of its own: Ray starts before the process's first JAX computation (the SFT; the base model is built in
+    a spawned process), so its output holds no `RuntimeWarning: os.fork() was called ... JAX is multithreaded` and no
+    traceback."""
+    on_ray = ["rl.trainer.backend=ray", "rl.trainer.devices_per_host=1"]
+    one_step = ["sft.trainer.total_steps=1", "rl.trainer.total_steps=1"]
+    args = ["quickstart", "configs/quickstart.yaml", *SMOKE, *on_ray, *one_step, f"run_dir={tmp_path}"]
+    env = user_env() | {"XLA_FLAGS": one_device_xla_flags, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "hfjax.cli.main", *args]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "RuntimeWarning" not in output and "Traceback" not in output, output[-4000:]
+    assert json.loads((tmp_path / "result.json").read_text())["algorithm"] == "grpo"
 
 
 def _same_accuracy(a: float, b: float, problems: int) -> bool:

@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from support.rl_setup import build_run_inputs, rl_config
+from support.settings import user_env
 
 from hfjax.automap import BUILTIN, ClusterSpec, dataflow, role_shapes
 from hfjax.automap.calibrate import calibrate, iteration_spearman, log_error, measurements, predict, spearman
@@ -121,6 +124,71 @@ def test_calibrating_a_file_that_is_not_a_sweep_is_a_one_line_error(tmp_path, ca
     assert not (tmp_path / "out.yaml").exists()
 
 
+H100_CLUSTER = {"hosts": 1, "devices_per_host": 8, "profile": "h100"}
+ROW = {"name": "a", "config": {"model_path": "m"}, "measured": {"generation": 1.0}}  # no inference or training
+
+
+@pytest.mark.parametrize(
+    ("command", "text", "expected"),
+    [
+        ("sweep", "[{name: a", r"not a readable YAML file \(while parsing .*\); expected a list of candidates"),
+        ("sweep", "[]", r"expected a non-empty list of candidates \(\{name, overrides\}\), or candidates: \[\.\.\.\]"),
+        ("sweep", "[{name: a, overrides: x}]", r"candidates\[0\]\.overrides: expected a list of key=value strings"),
+        ("automap", "{not json", r"not a readable JSON file \(Expecting property name .*\); expected the sweep\.json"),
+        ("automap", "[1, 2]", r"no 'cluster' key; expected the sweep\.json that `hfjax sweep` writes"),
+        ("automap", json.dumps({"cluster": 5}), r"cluster: expected a mapping with 'hosts' and 'profile', got int"),
+        ("automap", json.dumps({"cluster": {**H100_CLUSTER, "hosts": "two"}}), r"cluster: hosts, .* must be numbers"),
+        ("automap", json.dumps({"cluster": H100_CLUSTER, "candidates": {}}), r"candidates: expected a list"),
+        ("automap", json.dumps({"cluster": H100_CLUSTER, "candidates": [3]}), r"candidates\[0\]: expected a mapping"),
+        (
+            "automap",
+            json.dumps({"cluster": H100_CLUSTER, "candidates": [ROW]}),
+            r"candidates\[0\]\.measured: expected the seconds of generation, inference, training, got",
+        ),
+    ],
+)
+def test_a_malformed_candidates_or_sweep_file_is_one_line_naming_it(tmp_path, capsys, command, text, expected):
+    """`hfjax sweep --candidates FILE` and `hfjax automap --calibrate FILE` with a file that does not parse or is not
+    what they read: exit code 2 and one line naming the file and what was expected (before any device work)."""
+    inputs = {"policy": str(tmp_path / "policy"), "train": "train.jsonl", "test": "test.jsonl"}
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(rl_config(inputs, tmp_path / "unused", "grpo")))
+    path = tmp_path / ("candidates.yaml" if command == "sweep" else "sweep.json")
+    path.write_text(text)
+    if command == "sweep":
+        argv = ["sweep", str(run), "--candidates", str(path), "--out", str(tmp_path / "out")]
+    else:
+        argv = ["automap", "--calibrate", str(path), "--out", str(tmp_path / "calibrated.yaml")]
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"hfjax {command}: {re.escape(str(path))}: {expected}.*", line), line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "calibrated.yaml").exists()
+
+
+def test_a_target_of_another_device_count_than_the_run_is_refused(tmp_path, capsys):
+    """`hfjax sweep --target` compiles for the run's own devices: a target with another count is one line (exit code
+    2) before anything runs, as `hfjax automap --target` says for a cluster of another count; neither needs the
+    target's compiler plugin to say so."""
+    inputs = {"policy": str(tmp_path / "policy"), "train": "train.jsonl", "test": "test.jsonl"}
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(rl_config(inputs, tmp_path / "unused", "grpo", trainer={"devices_per_host": 2})))
+    candidates = tmp_path / "candidates.yaml"
+    candidates.write_text(yaml.safe_dump([{"name": "d2", "overrides": ["actor.train_layout.mesh={data: 2}"]}]))
+    out = tmp_path / "out"
+    argv = ["sweep", str(run), "--candidates", str(candidates), "--target", "v5e:2x4", "--out", str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hfjax sweep: --target v5e:2x4: has 8 devices, but the run config {run} has 1 x 2 = 2"
+    )
+    assert not out.exists()
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(H100_CLUSTER))
+    assert main(["automap", "--cluster", str(cluster), "--config", str(run), "--target", "v5e:2x2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hfjax automap: --target v5e:2x2: has 4 devices, but the cluster {cluster} has 1 x 8 = 8"
+    )
+
+
 def test_auto_candidates_are_the_automappers_best_as_run_configs_that_load(tmp_path):
     """`--candidates auto`: the `top` mappings `run_candidates` ranks first (micro-batch sizes and remat searched),
     each the run config `run_config` writes, that `hfjax train` would load: the mapping, micro-batch sizes and remat
@@ -179,6 +247,41 @@ def test_calibration_recovers_the_profile_that_made_the_measurements(tmp_path):
     for m in ms:
         assert predict(fit.cluster, m) == pytest.approx(m.seconds, rel=0.03), m.name
     assert fit.cluster.profile.call_overhead_s == pytest.approx(5e-3, rel=0.05)
+
+
+def test_sweep_and_automap_on_one_cpu_device(tmp_path, one_device_xla_flags):
+    """In a process with one CPU device (a profile measured on it has no link to time: its memory bandwidth stands
+    in), `hfjax automap` with a `profile: cpu` cluster ranks the mappings of a one-device run, and `hfjax sweep`
+    measures its cluster there and predicts a candidate, which fails at the run's preflight (no data file: the row's
+    reason, exit code 1, nothing compiled)."""
+    inputs = build_run_inputs(tmp_path / "inputs")
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(rl_config(inputs, tmp_path / "unused", "grpo", trainer={"devices_per_host": 1})))
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump({"hosts": 1, "profile": "cpu"}))
+    candidates = tmp_path / "candidates.yaml"
+    layouts = ["actor.train_layout.mesh={fsdp: 1}", "rollout.gen_layout.mesh={data: 1}"]
+    overrides = [*layouts, f"data.train_files=[{tmp_path}/x.jsonl]"]
+    candidates.write_text(yaml.safe_dump([{"name": "no-data", "overrides": overrides}]))
+    env = user_env() | {"XLA_FLAGS": one_device_xla_flags, "JAX_PLATFORMS": "cpu"}
+
+    def hfjax(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "hfjax.cli.main", *args]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+    mapped = hfjax("automap", "--cluster", str(cluster), "--config", str(run), "--out", str(tmp_path / "mapped.yaml"))
+    assert mapped.returncode == 0, mapped.stderr[-3000:]
+    assert "grpo on 1x1 devices" in mapped.stdout
+    assert yaml.safe_load((tmp_path / "mapped.yaml").read_text())["trainer"]["devices_per_host"] == 1
+    out = tmp_path / "sweep"
+    swept = hfjax("sweep", str(run), "--candidates", str(candidates), "--steps", "1", "--out", str(out))
+    assert swept.returncode == 1, swept.stderr[-3000:]
+    result = json.loads((out / "sweep.json").read_text())
+    profile = result["cluster"]["profile"]
+    assert profile["name"] == "cpu-1dev" and profile["intra_host_bandwidth"] == profile["memory_bandwidth"] > 0
+    (row,) = result["candidates"]
+    assert row["predicted"]["step_s"] > 0 and row["prediction_error"] is None
+    assert "data.train_files[0]: no such file" in row["error"], row["error"]
 
 
 TOP_LEVEL_TIMINGS = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")  # of a GRPO step

@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from support.rl_setup import build_run_inputs, rl_config
+from support.rl_setup import build_run_inputs, rl_config, with_moe_policy
 
 from hfjax.cli.main import main
 from hfjax.cli.quickstart import QuickstartConfig, run_quickstart
@@ -153,6 +153,39 @@ def test_run_memory_from_the_cost_model_beyond_device_memory(inputs, tmp_path):
         check_rl_run(cfg)
 
 
+@pytest.mark.parametrize("platforms", [None, "", "cpu"])
+def test_run_memory_is_checked_on_a_cpu_machine_whatever_jax_platforms_says(inputs, tmp_path, monkeypatch, platforms):
+    """An absurd LoRA rank on a machine without accelerators fails the memory check, with JAX_PLATFORMS unset, empty
+    or cpu (`trainer.device: auto`), instead of the kernel killing the run."""
+    if platforms is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    monkeypatch.setattr(preflight, "local_accelerator", lambda device: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = load_rl_config(rl_config(inputs, tmp_path, "grpo"), ["actor.lora.rank=100000000"])
+    with pytest.raises(ConfigError, match=r"^memory: .* GiB usable.*\(host RAM / trainer.devices_per_host=8\)$"):
+        check_rl_run(cfg)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_lora_targets_that_match_no_module_of_a_mixture_of_experts_are_named(inputs, tmp_path, role):
+    """MLP-only LoRA targets on a model whose every layer is a mixture of experts (no dense MLP to adapt) fail at
+    preflight naming the field, the targets and the modules the model has; attention targets pass that check."""
+    moe = with_moe_policy(inputs, tmp_path)
+    mlp = {"rank": 4, "targets": ["gate_proj", "up_proj", "down_proj"]}
+    cfg = load_rl_config(rl_config(moe, tmp_path / "run", "ppo", **{role: {"lora": mlp}}))
+    with pytest.raises(ConfigError) as info:
+        check_rl_run(cfg)
+    assert str(info.value) == (
+        f"{role}.lora.targets: ['gate_proj', 'up_proj', 'down_proj'] match no module of the model at {moe['policy']} "
+        "(every layer's MLP is a mixture of experts, whose experts get no adapters); expected at least one of its "
+        "modules ['q_proj', 'k_proj', 'v_proj', 'o_proj']"
+    )
+    mixed = {"rank": 4, "targets": ["q_proj", "gate_proj"]}
+    check_rl_run(load_rl_config(rl_config(moe, tmp_path / "run", "ppo", **{role: {"lora": mixed}})))
+
+
 def test_generate_with_a_million_new_tokens_is_one_clear_line(inputs, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input_ids": [3, 4, 5]}) + "\n")
@@ -279,6 +312,22 @@ def test_reward_function_failures_name_the_function_row_and_value(tmp_path, body
     skipping = RuleReward(CharTokenizer(), f"{file}:score", on_error="skip")(rollout_batch(4))
     np.testing.assert_array_equal(skipping.batch["scores"], [1.0, 1.0, 0.0, 1.0])
     assert skipping.meta_info["metrics"][ERRORS_METRIC] == 1.0
+
+
+def test_skipping_a_reward_that_fails_on_every_sample_is_an_error(tmp_path):
+    """`reward.on_error: skip` with a reward function that fails on every sample of a batch: nothing is left to train
+    on, so one line naming `reward.on_error`, how many samples failed and the first failure, not a run of zeros."""
+    file = tmp_path / "reward.py"
+    file.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return None\n")
+    with pytest.raises(RewardError) as info:
+        RuleReward(CharTokenizer(), f"{file}:score", on_error="skip")(rollout_batch(4))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "reward.on_error=skip: the reward failed on all 4 samples of the batch, which leaves nothing to train on; "
+        f"the first: reward function '{file}:score' returned None; expected a finite number"
+    )
+    assert "(sample 0 of the batch, row index 100, data_source 'src', response '" in message
 
 
 def test_reward_on_error_is_a_checked_config_value():

@@ -61,18 +61,32 @@ class Measurement:
 
 def measurements(sweep: Mapping[str, Any]) -> list[Measurement]:
     """The candidates of a sweep's JSON that ran, were predicted and kept their config (failed ones, and those the
-    cost model does not price, e.g. an asynchronous disaggregated run, are left out)."""
+    cost model does not price, e.g. an asynchronous disaggregated run, are left out). A row that is not what
+    `hfjax sweep` writes raises ConfigError naming it."""
+    rows = sweep.get("candidates", [])
+    if not isinstance(rows, list):
+        raise ConfigError(f"candidates: expected a list of the sweep's rows, got {type(rows).__name__}")
     out = []
-    for row in sweep.get("candidates", []):
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ConfigError(f"candidates[{i}]: expected a mapping (a row of the sweep), got {type(row).__name__}")
         if row.get("error") or row.get("prediction_error") or not row.get("config") or not row.get("measured"):
             continue
-        cfg = load_rl_config(row["config"])
+        measured = row["measured"]
+        stages = {s: measured.get(s) for s in (*STAGES, "step_s")} if isinstance(measured, Mapping) else {}
+        numbers = all(isinstance(stages.get(s), int | float) for s in STAGES)
+        if not numbers or not isinstance(stages["step_s"], int | float | None):
+            raise ConfigError(f"candidates[{i}].measured: expected the seconds of {', '.join(STAGES)}, got {measured}")
+        try:
+            cfg = load_rl_config(row["config"])
+        except ValueError as exc:
+            raise ConfigError(f"candidates[{i}].config: {exc}") from exc
         flow = run_dataflow(cfg)
         shapes = role_shapes(flow, run_models(cfg))
         mapping = config_mapping(row["config"], tuple(r for r in flow.roles if r in shapes))
-        seconds = {s: float(row["measured"][s]) for s in STAGES}
-        step = float(row["measured"].get("step_s") or sum(seconds.values()))
-        out.append(Measurement(row["name"], flow, shapes, mapping, cfg, seconds, step))
+        seconds = {s: float(stages[s]) for s in STAGES}
+        step = float(stages["step_s"] or sum(seconds.values()))
+        out.append(Measurement(str(row.get("name", f"candidates[{i}]")), flow, shapes, mapping, cfg, seconds, step))
     if len(out) < 2:
         raise ConfigError(
             f"calibration needs at least 2 candidates that ran and were predicted; the sweep has {len(out)}"
@@ -187,11 +201,18 @@ def calibrate_run(sweep_path: str, out: str) -> int:
 
     import yaml
 
-    sweep = json.loads(Path(sweep_path).read_text())
-    if "cluster" not in sweep:
-        raise ConfigError(f"{sweep_path}: no 'cluster' key; expected the sweep.json that `hfjax sweep` writes")
+    expected = "expected the sweep.json that `hfjax sweep` writes"
+    try:
+        sweep = json.loads(Path(sweep_path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{sweep_path}: not a readable JSON file ({exc}); {expected}") from exc
+    if not isinstance(sweep, dict) or "cluster" not in sweep:
+        raise ConfigError(f"{sweep_path}: no 'cluster' key; {expected}")
     cluster = ClusterSpec.from_dict(sweep["cluster"], f"{sweep_path}: cluster")
-    ms = measurements(sweep)
+    try:
+        ms = measurements(sweep)
+    except ConfigError as exc:
+        raise ConfigError(f"{sweep_path}: {exc}") from exc
     fit = calibrate(cluster, ms)
     before, after = iteration_spearman(cluster, ms), iteration_spearman(fit.cluster, ms)
     print(f"calibrated on {len(ms)} candidates of {sweep_path}")

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hfjax.typed_config import ConfigError
+
 GIB = 2**30
 
 
@@ -176,10 +178,12 @@ class ClusterSpec:
         """From `{hosts, devices_per_host?, device_memory_gib?, profile}`; `profile` is a built-in name, `cpu`
         (calibrated now on the local devices), or a mapping of `DeviceProfile` fields with an optional `base`
         built-in name whose fields it overrides."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected a mapping with 'hosts' and 'profile', got {type(data).__name__}")
         known = {"hosts", "devices_per_host", "device_memory_gib", "profile"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; expected {sorted(known)}")
+            raise ConfigError(f"{where}: unknown keys {unknown}; expected {sorted(known)}")
         spec = data.get("profile")
         if spec == "cpu":
             base = local_cpu()
@@ -197,34 +201,47 @@ class ClusterSpec:
             valid = {f.name for f in dataclasses.fields(DeviceProfile)}
             bad = sorted(set(fields) - valid)
             if bad:
-                raise ValueError(f"{where}.profile: unknown fields {bad}; expected {sorted(valid)} and 'base'")
+                raise ConfigError(f"{where}.profile: unknown fields {bad}; expected {sorted(valid)} and 'base'")
             fields.setdefault("name", "custom")
-            profile = DeviceProfile(**fields)
+            try:
+                profile = DeviceProfile(**fields)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{where}.profile: {exc}") from exc
         else:
-            raise ValueError(f"{where}.profile: expected a name ({sorted(BUILTIN)}, 'cpu') or a mapping, got {spec!r}")
+            raise ConfigError(f"{where}.profile: expected a name ({sorted(BUILTIN)}, 'cpu') or a mapping, got {spec!r}")
         if "hosts" not in data:
-            raise ValueError(f"{where}.hosts: required (number of hosts)")
-        memory = int(float(data["device_memory_gib"]) * GIB) if "device_memory_gib" in data else memory
-        per_host = int(data.get("devices_per_host", per_host))
+            raise ConfigError(f"{where}.hosts: required (number of hosts)")
+        try:
+            memory = int(float(data["device_memory_gib"]) * GIB) if "device_memory_gib" in data else memory
+            per_host = int(data.get("devices_per_host", per_host))
+            hosts = int(data["hosts"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{where}: hosts, devices_per_host and device_memory_gib must be numbers ({exc})"
+            ) from exc
         for key, value in (("device_memory_gib", memory), ("devices_per_host", per_host)):
             if not value:
-                raise ValueError(f"{where}.{key}: required when the profile has no built-in base")
-        return cls(int(data["hosts"]), per_host, memory, profile)
+                raise ConfigError(f"{where}.{key}: required when the profile has no built-in base")
+        try:
+            return cls(hosts, per_host, memory, profile)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
         import yaml
 
-        with open(path) as f:
-            data = yaml.safe_load(f)
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{path}: expected a mapping with 'hosts' and 'profile'")
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            reason = " ".join(str(exc).split())
+            raise ConfigError(f"{path}: not a readable YAML file ({reason}); expected a cluster mapping") from exc
         return cls.from_dict(data, str(path))
 
 
 def _builtin(name: str, where: str) -> tuple[DeviceProfile, int, int]:
     if name not in BUILTIN:
-        raise ValueError(f"{where}: unknown profile {name!r}; expected one of {sorted(BUILTIN)} or 'cpu'")
+        raise ConfigError(f"{where}: unknown profile {name!r}; expected one of {sorted(BUILTIN)} or 'cpu'")
     return BUILTIN[name]
 
 
@@ -264,7 +281,8 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
       per device; a copy would also time its output's first-touch page faults, slow on a virtual machine);
     - decode overhead per layer: a jitted chain of tiny decoder layers, 8 rows of width 64 per device;
     - link bandwidth: a jitted all-gather (the collective the sharded programs run) of 512 KiB per device, less
-      its fixed cost measured with a 4-byte shard.
+      its fixed cost measured with a 4-byte shard; with one device nothing crosses a link, and its memory bandwidth
+      stands in.
     About `budget_s` seconds plus compile time."""
     import jax
     import numpy as np
@@ -306,11 +324,12 @@ def calibrate_cpu(budget_s: float = 0.4, dtype: str = "float32") -> DeviceProfil
     shard_elems = 2**17  # 512 KiB of float32 per device
     gather_s = _timed(gather, put(n * shard_elems), budget_s / 6)
     latency_s = _timed(gather, jax.device_put(np.ones((n,), np.float32), on_mesh), budget_s / 6)
-    link = (n - 1) / n * 4 * n * shard_elems / max(gather_s - latency_s, 1e-9)
+    memory_bandwidth = np.dtype(dtype).itemsize * width * columns / stream_s
+    link = (n - 1) * 4 * shard_elems / max(gather_s - latency_s, 1e-9) if n > 1 else memory_bandwidth
     return DeviceProfile(
         name=f"cpu-{n}dev",
         matmul_flops=2 * k**3 / matmul_s,
-        memory_bandwidth=np.dtype(dtype).itemsize * width * columns / stream_s,
+        memory_bandwidth=memory_bandwidth,
         intra_host_bandwidth=link,
         inter_host_bandwidth=link,
         collective_latency_s=latency_s,

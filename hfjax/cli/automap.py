@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hfjax.typed_config import ConfigError
+
 
 def add_parser(sub: Any) -> None:
     automap = sub.add_parser("automap", help="choose placement and layouts for an RL run from a cost model")
@@ -50,6 +52,16 @@ def run(args: argparse.Namespace) -> int:
     return automap_run(args.cluster, args.config, args.out, args.top, not args.keep_batch_settings, check)
 
 
+def check_target_devices(name: str, target: Any, hosts: int, devices_per_host: int, what: str) -> None:
+    """`--target name` (the parsed `target`) has the `hosts` x `devices_per_host` devices of `what` (a cluster file,
+    a run config); ConfigError otherwise, before anything compiles."""
+    if target.num_devices != hosts * devices_per_host:
+        raise ConfigError(
+            f"--target {name}: has {target.num_devices} devices, but {what} has {hosts} x {devices_per_host} = "
+            f"{hosts * devices_per_host}"
+        )
+
+
 def _compiler_check(name: str, cluster_path: str) -> Any:
     """A check of a mapped run config: compiled for the target `name`, None where every program fits, else the
     compiler's reasons. The target and the cluster are checked against each other before anything compiles."""
@@ -59,13 +71,9 @@ def _compiler_check(name: str, cluster_path: str) -> Any:
     from hfjax.compiled.report import compiled_memory
 
     target = parse_target(name)
-    target_devices(target)  # a missing compiler plugin, before the search
     cluster = ClusterSpec.from_yaml(cluster_path)
-    if cluster.num_devices != target.num_devices:
-        raise SystemExit(
-            f"--target {name}: has {target.num_devices} devices, but the cluster {cluster_path} has "
-            f"{cluster.hosts} x {cluster.devices_per_host} = {cluster.num_devices}"
-        )
+    check_target_devices(name, target, cluster.hosts, cluster.devices_per_host, f"the cluster {cluster_path}")
+    target_devices(target)  # a missing compiler plugin, before the search
 
     def check(cfg: Any) -> str | None:
         compiled = compiled_memory(cfg, target)

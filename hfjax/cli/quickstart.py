@@ -11,10 +11,13 @@ configs/agent_quickstart.yaml).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -161,22 +164,26 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, float]:
-    """Runs the whole pipeline; returns accuracies and timings (also written to `run_dir/result.json`)."""
+    """Runs the whole pipeline; returns accuracies and timings (also written to `run_dir/result.json`). Everything
+    is checked before Ray starts (`prepare`), and Ray (for an RL stage on Ray) starts before this process's first JAX
+    computation, the SFT: `ray.init` forks its servers, and a fork after JAX has started may deadlock (JAX warns)."""
     started = time.perf_counter()
-    files = fine_tune(cfg)
-    sft_s = time.perf_counter() - started
-    result, rl_cfg = reinforce(cfg, files)
+    files = prepare(cfg)
+    with rl_ray_session(cfg):
+        fine_tune(cfg, files)
+        sft_s = time.perf_counter() - started
+        result, rl_cfg = reinforce(cfg, files)
     result |= {"sft_seconds": sft_s, "total_seconds": time.perf_counter() - started}
     (Path(cfg.run_dir) / "result.json").write_text(json.dumps(result, indent=2))
     _print_table(result, rl_cfg)
     return result
 
 
-def fine_tune(cfg: QuickstartConfig) -> dict[str, Path]:
-    """The pipeline up to RL: writes the task's data and the random base model into `run_dir` (which must hold no
-    earlier run), checks the SFT and RL runs, then fine-tunes into `run_dir/sft`. Returns the data files."""
+def prepare(cfg: QuickstartConfig) -> dict[str, Path]:
+    """The pipeline up to SFT, with no JAX computation in this process: writes the task's data and the random base
+    model (`build_base_model`, in a spawned process) into `run_dir` (which must hold no earlier run), and checks the
+    SFT and RL runs. Returns the data files."""
     from hfjax.trainer.preflight import check_rl_run
-    from hfjax.trainer.sft import run_sft
     from hfjax.trainer.supervised import check_supervised_run
 
     run_dir = Path(cfg.run_dir)
@@ -188,12 +195,34 @@ def fine_tune(cfg: QuickstartConfig) -> dict[str, Path]:
         )
     kind = TASKS[cfg.task_type]
     files = kind.write(kind.spec(**cfg.task), run_dir / "data")
-    base = build_base_model(run_dir / "base", cfg.model, kind.tokenizer())
-    sft_cfg = sft_config(cfg, base, files)
-    check_supervised_run(sft_cfg)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
+        base = process.submit(_build_task_base_model, run_dir / "base", cfg.model, cfg.task_type).result()
+    check_supervised_run(sft_config(cfg, base, files))
     check_rl_run(rl_config(cfg, base, files))  # the SFT model has the base model's shape: the RL run fits it too
-    run_sft(sft_cfg)
     return files
+
+
+def _build_task_base_model(out_dir: Path, spec: BaseModelSection, task_type: str) -> Path:
+    return build_base_model(out_dir, spec, TASKS[task_type].tokenizer())
+
+
+def rl_ray_session(cfg: QuickstartConfig) -> contextlib.AbstractContextManager[None]:
+    """The Ray session of the RL stage (`hfjax.trainer.launch.ray_session`, which `run_rl` then uses as it is) when
+    that runs on Ray; nothing otherwise."""
+    placeholder = Path(cfg.run_dir) / "not-yet-written"
+    rl = rl_config(cfg, placeholder, dict.fromkeys(("sft", "train", "test"), placeholder))
+    if rl.trainer.backend != "ray":
+        return contextlib.nullcontext()
+    from hfjax.trainer.launch import ray_session
+
+    return ray_session(rl)
+
+
+def fine_tune(cfg: QuickstartConfig, files: Mapping[str, Path]) -> None:
+    """SFT of the base model of `prepare` into `run_dir/sft`."""
+    from hfjax.trainer.sft import run_sft
+
+    run_sft(sft_config(cfg, Path(cfg.run_dir) / "base", files))
 
 
 def reinforce(cfg: QuickstartConfig, files: Mapping[str, Path], part: str = "rl") -> tuple[dict[str, Any], RLConfig]:

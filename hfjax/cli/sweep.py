@@ -4,7 +4,6 @@ cluster and compare what it measured with what the cost model predicted (`hfjax.
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -53,26 +52,37 @@ def run(args: argparse.Namespace) -> int:
     import yaml
     from tqdm import tqdm
 
-    from hfjax.config.rl import load_rl_config
+    from hfjax.config.rl import RLConfig, load_rl_config
     from hfjax.trainer.sweep import auto_candidates, read_candidates, run_sweep
     from hfjax.trainer.sweep_report import print_sweep, write_sweep
     from hfjax.typed_config import to_dict
 
+    raw = yaml.safe_load(Path(args.config).read_text()) or {}
+    base = to_dict(load_rl_config(raw, args.overrides))  # checked once, before any candidate
+    candidates = None  # over the config as written, so that a candidate's keys go into sections it leaves unset
+    if args.candidates != "auto":  # a bad file before the cluster is measured
+        candidates = read_candidates(args.candidates, raw, args.overrides)
     compile_for = None
     if args.target:
+        from hfjax.cli.automap import check_target_devices
         from hfjax.compiled import parse_target, target_devices
         from hfjax.compiled.report import compiled_memory
 
-        target = parse_target(args.target)  # a bad name, or a missing compiler plugin, before any candidate runs
+        target = parse_target(args.target)  # a bad name, another device count or a missing plugin: before any run
+        trainer = base["trainer"]
+        check_target_devices(
+            args.target, target, trainer["hosts"], trainer["devices_per_host"], f"the run config {args.config}"
+        )
         target_devices(target)
-        compile_for = functools.partial(compiled_memory, target=target)
-    raw = yaml.safe_load(Path(args.config).read_text()) or {}
-    base = to_dict(load_rl_config(raw, args.overrides))  # checked once, before any candidate
+
+        def compile_for(cfg: RLConfig) -> dict[str, Any]:
+            where = "the candidate's trainer.hosts x trainer.devices_per_host"
+            check_target_devices(args.target, target, cfg.trainer.hosts, cfg.trainer.devices_per_host, where)
+            return compiled_memory(cfg, target)
+
     cluster = _cluster(args.cluster)
-    if args.candidates == "auto":
+    if candidates is None:
         candidates = auto_candidates(base, cluster, args.top)
-    else:  # over the config as written, so that a candidate's keys go into sections it leaves unset
-        candidates = read_candidates(args.candidates, raw, args.overrides)
     out = Path(args.out)
     bar = tqdm(total=len(candidates), desc="sweep", unit="candidate")
 

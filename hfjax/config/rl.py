@@ -164,7 +164,7 @@ class RewardConfig:
     function: str | None = None
     use_rule: bool = True
     # a rule reward that raises or returns no finite number: stop the run (`raise`), or score the sample 0 and count
-    # it in the metric `reward/errors` (`skip`)
+    # it in the metric `reward/errors` (`skip`; a batch whose every sample fails still stops the run)
     on_error: Literal["raise", "skip"] = "raise"
     reward_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)
     cost_model: RewardModelConfig = dataclasses.field(default_factory=RewardModelConfig)

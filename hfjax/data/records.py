@@ -59,19 +59,55 @@ def _read_parquet(path: Path) -> list[tuple[RowRef, dict[str, Any]]]:
     import pyarrow.parquet as pq
 
     try:
-        rows = pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DataError(f"{path}: not a readable parquet file ({exc})") from exc
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:
+        raise _parquet_utf8_error(path, table) from None
     return [(RowRef(str(path), i + 1), row) for i, row in enumerate(rows)]
+
+
+def _parquet_utf8_error(path: Path, table: Any) -> DataError:
+    """The error naming the first row of `table` (a pyarrow Table read from `path`) with a string that is not valid
+    UTF-8, and its column (found by halving the rows: about two conversions of the table)."""
+
+    def decode_error(start: int, stop: int, columns: Sequence[str] | None = None) -> UnicodeDecodeError | None:
+        part = table.slice(start, stop - start)
+        try:
+            (part if columns is None else part.select(columns)).to_pylist()
+        except UnicodeDecodeError as exc:
+            return exc
+        return None
+
+    start, stop = 0, table.num_rows  # the first bad row is in [start, stop)
+    while stop - start > 1:
+        middle = (start + stop) // 2
+        start, stop = (start, middle) if decode_error(start, middle) else (middle, stop)
+    found = [(name, exc) for name in table.column_names if (exc := decode_error(start, start + 1, [name]))]
+    name, exc = found[0]
+    return DataError(f"{RowRef(str(path), start + 1)}: field '{name}' is {_not_utf8(exc)}")
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    """What is wrong with the bytes `exc` failed on, e.g. "not valid UTF-8 (0xff at byte 3: invalid start byte);
+    expected UTF-8 text"."""
+    byte = exc.object[exc.start]
+    return f"not valid UTF-8 (0x{byte:02x} at byte {exc.start + 1}: {exc.reason}); expected UTF-8 text"
 
 
 def _read_jsonl(path: Path) -> list[tuple[RowRef, dict[str, Any]]]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            ref = RowRef(str(path), line_no)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{ref}: {_not_utf8(exc)}") from None
             if not line.strip():
                 continue
-            ref = RowRef(str(path), line_no)
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:

@@ -83,6 +83,26 @@ class LoraConfig:
         return self.enabled and self.dropout > 0
 
 
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def lora_modules(cfg: ModelConfig) -> list[str]:
+    """The targets (PEFT's module names) that a model of `cfg` has a projection for: attention's in every layer, the
+    MLP's only where a layer's MLP is dense (a mixture of experts' expert weights get no adapters)."""
+    return [t for t in LORA_SITES if t in ATTENTION_TARGETS or not all(cfg.moe_layers)]
+
+
+def check_lora_targets(cfg: ModelConfig, lora: LoraConfig, field: str, where: str) -> None:
+    """Raises ValueError naming `field` (e.g. "actor.lora.targets") when `lora`'s targets match no projection of the
+    model of `cfg` (at `where`): MLP targets on a model whose every layer's MLP is a mixture of experts."""
+    modules = lora_modules(cfg)
+    if lora.enabled and not set(lora.targets) & set(modules):
+        raise ValueError(
+            f"{field}: {lora.targets} match no module of the model at {where} (every layer's MLP is a mixture of "
+            f"experts, whose experts get no adapters); expected at least one of its modules {modules}"
+        )
+
+
 def lora_parameter_count(cfg: ModelConfig, lora: LoraConfig) -> int:
     """The adapters' parameters of `lora` on a model of `cfg`: rank x (in + out) per adapted projection (the MLP
     targets adapt dense MLPs only: a mixture of experts' expert weights get no adapters)."""

@@ -3,7 +3,8 @@
 The scorer is `hfjax.rewards.compute_score` (dispatch by `data_source`) or a user function `path.py:name`.
 The score goes on the last real response token (`token_level_scores`), as verl places it. A sample whose scorer
 raises or returns no finite number stops the run with a `RewardError` naming the row (`on_error="raise"`), or is
-scored 0 and counted in the metric `reward/errors` (`on_error="skip"`).
+scored 0 and counted in the metric `reward/errors` (`on_error="skip"`); a batch whose every sample failed stops the
+run with `skip` too, naming how many failed and the first.
 """
 
 from __future__ import annotations
@@ -40,24 +41,30 @@ class RuleReward:
 
     def __call__(self, data: DataProto) -> DataProto:
         """`scores` [B] and `token_level_scores` [B, R]; `meta_info["metrics"]["reward/errors"]`: the samples
-        scored 0 because their scorer failed (`on_error="skip"`)."""
+        scored 0 because their scorer failed (`on_error="skip"`). A batch whose every sample failed leaves nothing
+        to train on: a RewardError under either setting."""
         columns = data.non_tensor_batch
         extra = columns.get("extra_info", [None] * len(data))
         index = columns.get("index", range(len(data)))
         rows = zip(columns["data_source"], self.texts(data), columns["ground_truth"], extra, strict=True)
-        scores, errors = np.zeros(len(data), np.float32), 0
+        scores, errors, first = np.zeros(len(data), np.float32), 0, ""
         for i, (source, text, truth, info) in enumerate(rows):
             try:
                 scores[i] = self.score_fn(source, text, truth, info)
             except RewardError as exc:
+                shown = text if len(text) <= RESPONSE_CHARS else text[: RESPONSE_CHARS - 3] + "..."
+                sample = f"sample {i} of the batch, row index {index[i]!r}, data_source {source!r}, response {shown!r}"
+                failure = f"{exc} ({sample})"
                 if self.on_error == "raise":
-                    shown = text if len(text) <= RESPONSE_CHARS else text[: RESPONSE_CHARS - 3] + "..."
                     raise RewardError(
-                        f"{exc} (sample {i} of the batch, row index {index[i]!r}, data_source {source!r}, response "
-                        f"{shown!r}); set "
-                        "reward.on_error=skip to score such samples 0 and count them in reward/errors"
+                        f"{failure}; set reward.on_error=skip to score such samples 0 and count them in reward/errors"
                     ) from exc
-                errors += 1
+                errors, first = errors + 1, first or failure
+        if errors and errors == len(data):
+            raise RewardError(
+                f"reward.on_error=skip: the reward failed on all {errors} samples of the batch, which leaves nothing "
+                f"to train on; the first: {first}"
+            )
         token_level = scores_to_token_level(scores, data.batch["response_mask"])
         out = DataProto.from_dict({"scores": scores, "token_level_scores": token_level})
         out.meta_info["metrics"] = {ERRORS_METRIC: float(errors)}

@@ -1,14 +1,14 @@
 """Checks of a loaded config against what it points at, before Ray, any worker or any device memory: model
 directories, their `config.json` and their safetensors headers (every tensor present, of the model's shape, within
-its file; no tensor data read), sequence lengths against the models' positions, the KV cache and
-the run's memory per device (the cost model's memory of `hfjax.automap.cost`) against the device's memory, the
-dataset files and rows (ground truth where a rule reward needs it), the tokenizer and the prompts' token lengths
-against `data.max_prompt_length` (`prompt_lengths`), and the reward function (file, import, name, signature). Each
-failure is one line naming the config field and what was expected.
+its file; no tensor data read), LoRA targets against the models' modules, sequence lengths against the models'
+positions, the KV cache and the run's memory per device (the cost model's memory of `hfjax.automap.cost`) against the
+device's memory, the dataset files and rows (ground truth where a rule reward needs it), the tokenizer and the
+prompts' token lengths against `data.max_prompt_length` (`prompt_lengths`), and the reward function (file, import,
+name, signature). Each failure is one line naming the config field and what was expected.
 
 The device memory a run is checked against: `trainer.device_memory_gib` when set; on CPU (`trainer.device: cpu`, or
-`auto` with `JAX_PLATFORMS=cpu`) the host's RAM shared by its fake devices; unknown otherwise (the controller never
-opens an accelerator), and then only the model-position checks run.
+`auto` with `JAX_PLATFORMS=cpu` or on a machine without GPU or TPU, `runs_on_cpu`) the host's RAM shared by its fake
+devices; unknown otherwise (the controller never opens an accelerator), and then only the model-position checks run.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from hfjax.data.records import DataError, RowRef, read_rows
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import check_checkpoint, load_tokenizer, read_config
 from hfjax.models.hub import is_hub_id, resolve_model
+from hfjax.models.lora import check_lora_targets
 from hfjax.models.safetensors_io import CheckpointError
 from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
 from hfjax.rewards import SCORERS, RewardError, load_reward_function
@@ -104,11 +105,25 @@ def device_memory(cfg: RLConfig) -> tuple[float, str] | None:
     trainer = cfg.trainer
     if trainer.device_memory_gib is not None:
         return trainer.device_memory_gib * GIB, f"trainer.device_memory_gib={trainer.device_memory_gib}"
-    on_cpu = trainer.device == "cpu" or (trainer.device == "auto" and os.environ.get("JAX_PLATFORMS") == "cpu")
-    if not on_cpu:
+    if not runs_on_cpu(cfg):
         return None
     per_device = host_memory_per_device(trainer.devices_per_host)
     return per_device, f"host RAM / trainer.devices_per_host={trainer.devices_per_host}"
+
+
+def runs_on_cpu(cfg: RLConfig) -> bool:
+    """Whether the run's workers will run on CPU: `trainer.device: cpu`, or `auto` with JAX_PLATFORMS naming cpu
+    first, or `auto` on this machine (not a cluster it joins) when JAX_PLATFORMS names no platform and it has no
+    GPU or TPU (`local_accelerator`)."""
+    trainer = cfg.trainer
+    if trainer.device != "auto":
+        return trainer.device == "cpu"
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    if trainer.backend == "ray" and (trainer.ray_address or os.environ.get("RAY_ADDRESS")):
+        return False  # the cluster's devices, unknown before it is joined
+    return not any(local_accelerator(device) for device in ("gpu", "tpu"))
 
 
 def resolve_hub_models(cfg: RLConfig) -> RLConfig:
@@ -145,6 +160,14 @@ def check_rl_run(cfg: RLConfig) -> None:
         raise ConfigError(f"actor.router_replay: {cfg.actor.model_path} has no mixture-of-experts layers to replay")
     if cfg.actor.router_aux_loss_coef and dense_actor:
         raise ConfigError(f"actor.router_aux_loss_coef: {cfg.actor.model_path} has no mixture-of-experts router")
+    trained = [("actor", cfg.actor.lora, checkpoints[0][0])]
+    if cfg.uses_critic:
+        trained.append(("critic", cfg.critic.lora, checkpoints[1][0]))
+    for role, lora, key in trained:
+        try:
+            check_lora_targets(models[key], lora, f"{role}.lora.targets", getattr(cfg, role).model_path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     for key, path, head in checkpoints:  # the model each role builds against the checkpoint's tensors
         check_weights(path, key, head)
     tokenizer = run_tokenizer(cfg.tokenizer_path)

@@ -28,7 +28,7 @@ from hfjax.automap.run_config import predict_run, run_candidates
 from hfjax.automap.trainer_runs import run_config, without_mapping
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.trainer.launch import ray_session, run_rl
-from hfjax.typed_config import to_dict
+from hfjax.typed_config import ConfigError, to_dict
 
 MEASURED_KEYS = ("step_s", *STAGES, "tokens_per_s", "device_peak_bytes")
 
@@ -79,28 +79,36 @@ class SweepRow:
 def read_candidates(path: str | Path, base: Mapping[str, Any], common: Sequence[str] = ()) -> list[SweepCandidate]:
     """The candidates of a YAML file: a list (or `candidates:` holding one) of `{name, overrides}`, each
     `overrides` a list of `key=value` strings or a mapping of dotted keys to values, applied over `base` after the
-    `common` overrides of every candidate."""
-    data = yaml.safe_load(Path(path).read_text())
+    `common` overrides of every candidate. A file that is not such a list raises ConfigError naming it."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"{path}: not a readable YAML file ({reason}); expected a list of candidates") from exc
     if isinstance(data, Mapping):
         data = data.get("candidates")
     if not isinstance(data, list) or not data:
-        raise ValueError(f"{path}: expected a non-empty list of candidates ({{name, overrides}}), or candidates: [...]")
+        raise ConfigError(
+            f"{path}: expected a non-empty list of candidates ({{name, overrides}}), or candidates: [...]"
+        )
     out, names = [], set()
     for i, item in enumerate(data):
         where = f"{path}: candidates[{i}]"
         if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or not item["name"].strip():
-            raise ValueError(f"{where}: expected a mapping with a non-empty name and overrides, got {item!r}")
+            raise ConfigError(f"{where}: expected a mapping with a non-empty name and overrides, got {item!r}")
         if item["name"] in names:
-            raise ValueError(f"{where}.name: {item['name']!r} names another candidate too; names must be unique")
+            raise ConfigError(f"{where}.name: {item['name']!r} names another candidate too; names must be unique")
         names.add(item["name"])
         unknown = sorted(set(item) - {"name", "overrides"})
         if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; expected name and overrides")
+            raise ConfigError(f"{where}: unknown keys {unknown}; expected name and overrides")
         overrides = item.get("overrides") or []
         if isinstance(overrides, Mapping):
             overrides = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]  # JSON: YAML that loads back as is
         if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
-            raise ValueError(f"{where}.overrides: expected a list of key=value strings or a mapping, got {overrides!r}")
+            raise ConfigError(
+                f"{where}.overrides: expected a list of key=value strings or a mapping, got {overrides!r}"
+            )
         out.append(SweepCandidate(item["name"], copy.deepcopy(dict(base)), (*common, *overrides)))
     return out
 

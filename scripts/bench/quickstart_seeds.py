@@ -71,7 +71,7 @@ def main() -> None:
         smoke = [*QUICKSTART_SMOKE, "rl.critic.ppo_mini_batch_size=16", "rl.critic.micro_batch_size=16"]
         overrides = [*smoke, f"rl.trainer.devices_per_host={jax.local_device_count()}", *overrides]
 
-    from hfjax.cli.quickstart import fine_tune, reinforce
+    from hfjax.cli.quickstart import fine_tune, prepare, reinforce
 
     root = args.run_root or Path(tempfile.mkdtemp(prefix="hfjax-quickstart-seeds-"))
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -83,7 +83,8 @@ def main() -> None:
     variants += [(algorithm, f"+lora{rank}", lora) for algorithm in algorithms] if rank else []
     for seed in seeds:
         cfg = seed_config(args.config, root / f"seed{seed}", seed, overrides)
-        files = fine_tune(cfg)
+        files = prepare(cfg)
+        fine_tune(cfg, files)
         for algorithm, suffix, extra in variants:
             algo_cfg = seed_config(
                 args.config, root / f"seed{seed}", seed, [*overrides, f"rl.algorithm.name={algorithm}", *extra]
