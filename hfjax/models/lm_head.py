@@ -10,7 +10,14 @@ chunk body, because:
   151,936 vocabulary in bf16, the loss-and-gradient's temporaries are 1.7 / 2.9 / 5.2 GiB at chunks 128 / 256 / 512
   here against 3.8 / 6.9 / 10.7 GiB with `jax.checkpoint`);
 - the kernel gradient accumulates over chunks in float32 (autodiff would sum the chunks' kernel cotangents in the
-  kernel's compute dtype, bfloat16 at real shapes).
+  kernel's compute dtype, bfloat16 at real shapes);
+- the collectives stay out of the loops: the kernel is cast to the compute dtype and gathered whole along `embed`
+  once, before the forward's loop, and kept for the backward's; each device accumulates the kernel gradient of its
+  own rows in a [row parts, vocab, embed] float32 carry split over the `batch` mesh axes, summed once after the loop
+  to the kernel's sharding (a reduce-scatter over `fsdp`; libtpu 0.0.42 makes one of a float32 array over ~800 MiB
+  an all-reduce and slice). Left to the partitioner, every chunk of both loops gathered the head and every backward
+  chunk all-reduced a float32 [vocab, embed] gradient: at Qwen2.5-1.5B's update (fsdp 8, 8 chunks) 14 GiB of
+  collectives per micro-batch, 1.3 GiB now (tests/test_lm_head_collectives.py).
 Every matmul runs in the compute dtype (that of `hidden`) with float32 accumulation; the float32 cotangent of the
 logits is cast to the compute dtype before the two backward matmuls (exact in float32 compute). The entropy is
 computed from max-centred logits, log s - sum(e u) / s with u = z - max z, e = exp(u), s = sum e: no large max
@@ -21,7 +28,8 @@ E the embed size, c the compute dtype's and k the kernel's item size:
   forward:  4 T V (a chunk's float32 logits; the reductions read them)
   backward: (4 + c) T V (the recomputed float32 logits and d(logits) in the compute dtype)
             + 4 V E (the float32 kernel-gradient accumulator) + k V E (the gradient returned in the kernel dtype)
-  plus c V E for the kernel cast to the compute dtype when its stored dtype differs, and O(rows * length * E).
+  plus c V E for the gathered kernel in the compute dtype (from the forward until the backward ends), and
+  O(rows * length * E).
 XLA:CPU adds its own copies (the logits stored again scaled and masked, d(logits) and the kernel transposed): it
 measures about 8 T V + 4 V E (see tests/test_lm_head.py).
 Under a program layout (`hfjax.models.program`) the chunk's logits are constrained to rows over the batch axes and
@@ -40,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hfjax.models.config import MASKED_SCORE
-from hfjax.models.program import constrain, current_layout
+from hfjax.models.program import constrain, constrain_weight, current_layout
 
 LOGITS_CHUNK_TOKENS = 512  # tokens per device in one chunk of logits: 512 x 151,936 float32 is 297 MiB
 
@@ -63,15 +71,19 @@ def _chunk_logits(
     return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, MASKED_SCORE)
 
 
+def _row_parts(rows: int) -> int:
+    """How many parts the traced program's `batch` mesh axes split `rows` into (1 outside a layout)."""
+    layout = current_layout()
+    if layout is None:
+        return 1
+    axes = layout.activation_spec(("batch",), (rows,))[0] or ()
+    return math.prod(layout.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
+
+
 def chunk_length(tokens_per_device: int, rows: int) -> int:
     """Positions per chunk so that a chunk holds about `tokens_per_device` tokens on each device: the rows are split
     over the traced program's `batch` mesh axes (`hfjax.models.program`), so each device holds rows / parts of them."""
-    layout = current_layout()
-    parts = 1
-    if layout is not None:
-        axes = layout.activation_spec(("batch",), (rows,))[0] or ()
-        parts = math.prod(layout.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
-    return max(8, tokens_per_device * parts // max(rows, 1))
+    return max(8, tokens_per_device * _row_parts(rows) // max(rows, 1))
 
 
 def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -85,6 +97,11 @@ def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
 def _from_chunks(x: jax.Array, length: int) -> jax.Array:
     """[length / chunk, rows, chunk] -> [rows, length] (the padding dropped)."""
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[1], -1)[:, :length]
+
+
+def _split_rows(x: jax.Array, parts: int) -> jax.Array:
+    """[rows, ...] -> [parts, rows / parts, ...]: a part per device group of the rows' `batch` sharding."""
+    return x.reshape(parts, x.shape[0] // parts, *x.shape[1:])
 
 
 def _add_pairs(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -105,8 +122,8 @@ class _Head:
 def _forward(
     hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """((logp[, entropy]), (logsumexp[, entropy])), each [rows, length] float32."""
-    kernel = kernel.astype(hidden.dtype)
+    """((logp[, entropy]), (logsumexp[, entropy])), each [rows, length] float32, of the kernel in the compute dtype
+    (`_gathered`)."""
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, ...]]:
         h, y = xs
@@ -134,22 +151,30 @@ def _forward(
     return (out[0], out[2]) if head.entropy else (out[0],), tuple(out[1:])
 
 
+def _gathered(kernel: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The kernel in the compute dtype, whole along `embed` (its vocabulary over `tensor`, as the logits'): gathered
+    once, outside the loops, in the compute dtype."""
+    return constrain(kernel.astype(dtype), ("vocab", "embed"))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _token_stats(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head) -> tuple[jax.Array, ...]:
-    return _forward(hidden, kernel, labels, head)[0]
+    return _forward(hidden, _gathered(kernel, hidden.dtype), labels, head)[0]
 
 
 def _token_stats_fwd(
     hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head
 ) -> tuple[tuple[jax.Array, ...], tuple]:
-    out, stats = _forward(hidden, kernel, labels, head)
-    return out, (hidden, kernel, labels, stats)
+    compute = _gathered(kernel, hidden.dtype)
+    out, stats = _forward(hidden, compute, labels, head)
+    return out, (hidden, kernel, compute, labels, stats)
 
 
 def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, None]:
-    hidden, kernel, labels, stats = residuals
-    compute = kernel.astype(hidden.dtype)
+    hidden, kernel, compute, labels, stats = residuals
     columns = jnp.arange(kernel.shape[0])
+    parts = _row_parts(hidden.shape[0])
+    per_part = ("batch", "vocab", "embed")  # a [parts, vocab, embed] gradient part on each device group's rows
 
     def body(grad_kernel: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         h, y, lse, g_logp, *rest = xs
@@ -167,12 +192,16 @@ def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]
             scale = scale * (1.0 - jnp.square(z * (head.temperature / head.softcap)))
         dz = jnp.where(columns < head.vocab_size, dz * scale, 0.0).astype(compute.dtype)
         grad_h = jnp.einsum("rcv,ve->rce", dz, compute, preferred_element_type=jnp.float32).astype(hidden.dtype)
-        grad_kernel = grad_kernel + jnp.einsum("rcv,rce->ve", dz, h, preferred_element_type=jnp.float32)
-        return grad_kernel, grad_h
+        own = jnp.einsum(
+            "prcv,prce->pve", _split_rows(dz, parts), _split_rows(h, parts), preferred_element_type=jnp.float32
+        )
+        return constrain(grad_kernel + own, per_part), grad_h
 
     per_token = [stats[0], grads[0]] + ([stats[1], grads[1]] if head.entropy else [])
     chunks = (_to_chunks(x, head.chunk) for x in (hidden, labels, *per_token))
-    grad_kernel, grad_h = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), tuple(chunks))
+    zeros = constrain(jnp.zeros((parts, *kernel.shape), jnp.float32), per_part)
+    grad_kernel, grad_h = jax.lax.scan(body, zeros, tuple(chunks))
+    grad_kernel = constrain_weight(jnp.sum(grad_kernel, axis=0), ("vocab", "embed"))
     grad_h = jnp.swapaxes(grad_h, 0, 1).reshape(hidden.shape[0], -1, hidden.shape[2])[:, : hidden.shape[1]]
     return grad_h, grad_kernel.astype(kernel.dtype), None
 

@@ -9,6 +9,9 @@ a model role's row functions, the engine's steps). Inside it:
 - `constrain(x, axes)` pins an activation to the layout's sharding of its logical axes (`Layout.activation_spec`):
   rows over the `batch` mesh axes, heads and MLP over `tensor`, the vocabulary of logits over `tensor`; `embed`
   stays whole. With no layout, or one of one device, it is the identity.
+- `constrain_weight(x, axes)` pins a weight-shaped array (a gradient summed over rows) to its parameter's sharding
+  (`Layout.spec`: `embed` over `fsdp`), so that the sum over the devices' rows is one reduce-scatter (or all-reduce
+  and slice, where XLA chooses).
 Why constrain: left to propagation, XLA follows the weights, which under `fsdp` split along `embed`, and splits the
 residual stream along `embed` too, so every device computes every row and all-reduces activations. Pinned activations
 make `fsdp` data parallel over rows with weights gathered per layer (ZeRO-3), and `tensor` Megatron-style.
@@ -87,6 +90,15 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = layout.activation_spec(logical_axes, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+
+
+def constrain_weight(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """`x` constrained to the current layout's sharding of a parameter of `logical_axes` (`Layout.spec`); the
+    identity outside a layout of several devices."""
+    layout = _LAYOUT.get()
+    if layout is None or layout.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, layout.sharding(logical_axes, x.shape, "weight"))
 
 
 def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
