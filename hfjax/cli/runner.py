@@ -1,6 +1,7 @@
-"""What every `hfjax` subcommand shares: hfjax's own errors turned into one line and exit code 2 (`--debug` or
-`HFJAX_DEBUG=1` shows the traceback instead), Ctrl-C turned into a message and exit code 130, INFO logging of hfjax's
-loggers on the console (above any progress bar), and the installed version."""
+"""What every `hfjax` subcommand shares: hfjax's own errors and a full or read-only disk turned into one line and exit
+code 2 (`--debug` or `HFJAX_DEBUG=1` shows the traceback instead), Ctrl-C turned into a message and exit code 130,
+SIGTERM's `Preempted` into its message and exit code 143, INFO logging of hfjax's loggers on the console (above any
+progress bar), and the installed version."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from hfjax.parallel.layout import LayoutError
     from hfjax.records.checkpoint import CheckpointError
     from hfjax.records.plot import PlotError
-    from hfjax.records.run_dir import RunDirLockedError
+    from hfjax.records.run_dir import DiskWriteError, RunDirLockedError
     from hfjax.rewards import RewardError
     from hfjax.rollout.prompt_file import PromptFileError
     from hfjax.rollout.sampling import SamplingError
@@ -54,6 +55,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
         ModelFileError,
         PlotError,
         RunDirLockedError,
+        DiskWriteError,
         CheckpointError,
         WorkerError,
         RunStalledError,
@@ -66,9 +68,9 @@ def debugging(flag: bool) -> bool:
 
 
 def run_command(command: str, run: Callable[[], int], debug: bool) -> int:
-    """Runs a subcommand: returns its exit code, or prints `hfjax COMMAND: message` for hfjax's own errors (exit 2),
-    for Ctrl-C (exit 130) and for a run stopped by SIGTERM (exit 143). With `debug`, errors propagate with their
-    traceback."""
+    """Runs a subcommand: returns its exit code, or prints `hfjax COMMAND: message` for hfjax's own errors and a write
+    that found the disk full or read-only (exit 2), for Ctrl-C (exit 130) and for a run stopped by SIGTERM (exit 143).
+    With `debug`, errors propagate with their traceback."""
     try:
         return run()
     except KeyboardInterrupt:
@@ -91,7 +93,15 @@ def run_command(command: str, run: Callable[[], int], debug: bool) -> int:
         if isinstance(exc, Preempted):  # SIGTERM: the run stopped as asked (not an error), its message says how
             print(f"hfjax {command}: {exc}", file=sys.stderr)
             return EXIT_PREEMPTED
-        if debug or not isinstance(exc, user_errors()):
+        from hfjax.records.run_dir import DISK_ERRNOS, os_reason
+
+        if debug:
+            raise
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            where = f"{exc.filename}: " if exc.filename else ""
+            print(f"hfjax {command}: {where}writing failed ({os_reason(exc)})", file=sys.stderr)
+            return EXIT_USER_ERROR
+        if not isinstance(exc, user_errors()):
             raise
         print(f"hfjax {command}: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

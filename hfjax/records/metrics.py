@@ -1,20 +1,29 @@
 """Metrics of a run: one JSON line per logged step in `run_dir/metrics.jsonl` (the record plots and tests read),
-TensorBoard scalars under `run_dir/tb` (tensorboardX), and a compact console line of the headline keys.
+TensorBoard scalars under `run_dir/tb` (tensorboardX's event files), and a compact console line of the headline keys.
 
 A resumed run passes `start_step` (the restored step): records after it, from the interrupted run, are dropped from
 the JSONL file and hidden in TensorBoard, so the files read as one uninterrupted run.
+
+Every destination writes in the caller's thread (no writer thread that could die and leave the caller waiting). One
+that fails (a full or read-only disk) is closed and raises `DiskWriteError` naming its path, the step and the reason.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from rich.console import Console
 from tqdm.auto import tqdm
+
+from hfjax.records.run_dir import DiskWriteError, write_failed, writing
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
@@ -59,18 +68,76 @@ def _number(key: str, value: Any) -> float:
 
 
 class MetricsSink(Protocol):
-    """Another destination of the metrics (e.g. `hfjax.records.wandb_sink.WandbSink`)."""
+    """A destination of the metrics (e.g. `hfjax.records.wandb_sink.WandbSink`); `path` is where it writes, which a
+    failure names."""
+
+    path: Path
 
     def log(self, step: int, values: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
 
 
+class JsonlSink:
+    """Appends `{"step": step, **values}` to the JSONL file `path`, one flushed line per step."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars as a TensorBoard event file under the directory `path`, flushed at each step. With `purge_step`,
+    TensorBoard hides what earlier files of the directory logged from that step on (the events tensorboardX's
+    `SummaryWriter` writes for its `purge_step`)."""
+
+    def __init__(self, path: Path, purge_step: int | None = None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(path / "events"))
+        if purge_step is not None:
+            self._writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self._writer.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        now = time.time()
+        for key, value in values.items():
+            self._writer.write_event(Event(wall_time=now, step=step, summary=scalar(key, value)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _close_failed(sink: MetricsSink) -> None:
+    """Closes a sink that failed; a second failure while closing it is only logged (the first is what is reported)."""
+    try:
+        sink.close()
+    except Exception as exc:
+        log.debug("closing the failed metrics destination %s also failed: %s", sink.path, exc)
+
+
 class MetricsLogger:
     """Writes each `log(step, metrics)` to JSONL, TensorBoard, the console and any further `sinks`, each optional.
 
     `console_keys` chooses the console columns (default: the `HEADLINE_KEYS` present, else the first few keys).
-    With `write=False` (processes other than the first of a multi-host run) nothing is written.
+    With `write=False` (processes other than the first of a multi-host run) nothing is written. The logger owns
+    `sinks` (closes them). A destination that cannot be opened or written raises `DiskWriteError`; one that fails
+    while logging is closed first, and the others stay open until `close()`.
     """
 
     def __init__(
@@ -89,21 +156,30 @@ class MetricsLogger:
         self.console_keys = tuple(console_keys) if console_keys is not None else None
         self.write = write
         self._console = Console(highlight=False) if console and write else None
-        self._tb = None
-        self._sinks = list(sinks) if write else []
-        self._file = None
+        self._sinks: list[MetricsSink] = list(sinks) if write else []
         if not write:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if start_step is not None:
-            self._drop_after(start_step)
-        if jsonl:
-            self._file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
-        if tensorboard:
-            from tensorboardX import SummaryWriter
+        try:
+            self._open(jsonl, tensorboard, start_step)
+        except BaseException:
+            for sink in self._sinks:
+                _close_failed(sink)
+            raise
 
+    def _open(self, jsonl: bool, tensorboard: bool, start_step: int | None) -> None:
+        path = self.run_dir / METRICS_FILE
+        with writing(self.run_dir, "creating the run directory"):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step is not None:
+            with writing(path, f"rewinding the metrics to step {start_step}"):
+                self._drop_after(start_step)
+        if jsonl:
+            with writing(path, "opening the metrics file"):
+                self._sinks.insert(0, JsonlSink(path))
+        if tensorboard:
             purge = None if start_step is None else start_step + 1
-            self._tb = SummaryWriter(str(self.run_dir / TENSORBOARD_DIR), purge_step=purge, flush_secs=10)
+            with writing(self.run_dir / TENSORBOARD_DIR, "opening TensorBoard's event file"):
+                self._sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR, purge))
 
     def _drop_after(self, step: int) -> None:
         kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= step]
@@ -117,14 +193,13 @@ class MetricsLogger:
         if not self.write:
             return
         values = {key: _number(key, value) for key, value in metrics.items()}
-        if self._file is not None:
-            self._file.write(json.dumps({"step": int(step), **values}) + "\n")
-            self._file.flush()
-        for sink in self._sinks:
-            sink.log(int(step), values)
-        if self._tb is not None:
-            for key, value in values.items():
-                self._tb.add_scalar(key, value, global_step=int(step))
+        for sink in list(self._sinks):
+            try:
+                sink.log(int(step), values)
+            except Exception as exc:
+                self._sinks.remove(sink)
+                _close_failed(sink)
+                raise write_failed(sink.path, f"writing the metrics of step {step}", exc) from exc
         if self._console is not None:
             self._print(step, values)
 
@@ -138,15 +213,16 @@ class MetricsLogger:
         tqdm.write(captured.get().rstrip("\n"))  # above any progress bar instead of through it
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        for sink in self._sinks:
-            sink.close()
-        self._sinks = []
+        """Closes every destination; the first that fails raises `DiskWriteError` once all are closed."""
+        sinks, self._sinks = self._sinks, []
+        failed: DiskWriteError | None = None
+        for sink in sinks:
+            try:
+                sink.close()
+            except Exception as exc:
+                failed = failed or write_failed(sink.path, "closing the metrics", exc)
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> MetricsLogger:
         return self

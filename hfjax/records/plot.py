@@ -3,7 +3,8 @@ number, ...}` with verl's metric names) and writes PNG panels (reward/score, KL,
 validation) plus an overview of all of them; `compare_runs` overlays one metric of several runs (hfjax vs a peer);
 `plot_timeline` draws a run's `timeline.jsonl` (spans of work per worker group, `hfjax.trainer.timeline`) as a Gantt
 chart.
-Backs `hfjax plot RUN_DIR [--out DIR]`. Renders with matplotlib's Agg canvas (no pyplot, no global backend state)."""
+Backs `hfjax plot RUN_DIR [--out DIR]`. Renders with matplotlib's Agg canvas (no pyplot, no global backend state). A PNG
+that cannot be written (a full or read-only disk) raises `DiskWriteError` naming it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
+
+from hfjax.records.run_dir import DiskWriteError, writing
 
 METRICS_FILE = "metrics.jsonl"
 PANEL_SIZE = (6.0, 4.0)  # inches per panel
@@ -146,8 +149,15 @@ def _draw(ax, panel: Panel, keys: list[str], metrics: dict[str, Series]) -> None
 def _save(fig: Figure, path: Path) -> Path:
     FigureCanvasAgg(fig)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, format="png")
+    with writing(path, "writing the plot"):
+        fig.savefig(path, dpi=DPI, format="png")
     return path
+
+
+def _make_dir(out: Path) -> Path:
+    with writing(out, "creating the plots' directory"):
+        out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def timeline_path(run: str | Path) -> Path:
@@ -220,8 +230,7 @@ def plot_timeline(run_dir: str | Path, out_dir: str | Path | None = None) -> Pat
     path, spans = timeline_path(run_dir), load_timeline(run_dir)
     if not spans:
         raise PlotError(f"{path}: no spans found; expected lines like {_TIMELINE_EXAMPLE}")
-    out = Path(out_dir) if out_dir is not None else path.parent / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    out = _make_dir(Path(out_dir) if out_dir is not None else path.parent / "plots")
     return _draw_timeline(spans, out / "timeline.png", f"Timeline of {path.parent.name}")
 
 
@@ -230,8 +239,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     then `timeline.png` when the run has a non-empty timeline file, into `out_dir` (default `run_dir/plots`);
     returns the paths in that order."""
     metrics = load_metrics(run_dir)
-    out = Path(out_dir) if out_dir is not None else metrics_path(run_dir).parent / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    out = _make_dir(Path(out_dir) if out_dir is not None else metrics_path(run_dir).parent / "plots")
     drawn = [(p, keys) for p in PANELS if (keys := p.select(list(metrics)))]
     if not drawn:
         known = [k for p in PANELS for k in p.keys] + [f"{x}*" for p in PANELS for x in p.prefixes]
@@ -269,18 +277,22 @@ def compare_runs(
         ax.plot(steps, values, marker="o", markersize=3, label=label)
     _style(ax, title or metric, metric)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _make_dir(out.parent)
     return _save(fig, out)
 
 
 def plot_finished_run(run_dir: str | Path) -> None:
     """Draws the PNGs of a run that just ended into `run_dir/plots` and logs where; metrics that cannot be drawn only
-    give a warning (the run itself is done and saved)."""
+    give a warning (the run itself is done and saved), a PNG that cannot be written raises `DiskWriteError`."""
     try:
         paths = plot_run(run_dir)
     except PlotError as exc:
         log.warning("no plots drawn for %s: %s", run_dir, exc)
         return
+    except DiskWriteError as exc:
+        raise DiskWriteError(
+            f"{exc}; the run itself finished and is saved: free space, then draw its plots with `hfjax plot {run_dir}`"
+        ) from exc
     log.info("plots of %s: %s", run_dir, paths[0].parent)
 
 

@@ -13,9 +13,11 @@ from typing import Any
 
 
 class WandbSink:
-    """One W&B run: `project`, `group` (the experiment), `config` (the resolved config) and files under `run_dir`."""
+    """One W&B run: `project`, `group` (the experiment), `config` (the resolved config) and files under `run_dir`
+    (`path`, `run_dir/wandb`)."""
 
     def __init__(self, run_dir: str | Path, project: str, experiment: str, config: Mapping[str, Any], start_step: int):
+        self.path = Path(run_dir) / "wandb"
         try:
             import wandb
         except ImportError as exc:

@@ -8,12 +8,15 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.records.run_dir import RunDirLock
+from hfjax.trainer.preemption import SigtermGuard, stopped_by_sigterm
 from hfjax.trainer.preflight import check_rl_run, resolve_hub_models
 from hfjax.trainer.rl import RLTrainer
 from hfjax.typed_config import ConfigError
@@ -34,29 +37,51 @@ def ray_session(cfg: RLConfig) -> Iterator[None]:
     cluster at `trainer.ray_address` (else `RAY_ADDRESS`), or starts a Ray of this machine alone whose servers listen
     on the loopback interface only (`_start_local_ray`); either is shut down at the end. Workers' output reaches this
     console, each line prefixed by its worker class, rank and pid. A local Ray's temp directory
-    is removed after a run that succeeded and kept, with its path logged, after one that failed (its logs)."""
+    is removed after a run that succeeded or was preempted and kept, with its path logged, after one that failed (its
+    logs). This process's SIGTERM handler (the run's `SigtermGuard`) stays in place (`_sigterm_handler_kept`)."""
     import ray
 
     if ray.is_initialized():
         yield
         return
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
-    temp = None
-    if address:
-        ray.init(address=address)
-    else:
-        temp = os.environ.get("HFJAX_RAY_TMPDIR") or tempfile.mkdtemp(prefix="hfjax-ray-")
-        _start_local_ray(temp)
+    temp = None if address else os.environ.get("HFJAX_RAY_TMPDIR") or tempfile.mkdtemp(prefix="hfjax-ray-")
+    failed = False
     try:
+        with _sigterm_handler_kept():
+            if address:
+                ray.init(address=address)
+            else:
+                _start_local_ray(temp)
         yield
-    except BaseException:
-        if temp is not None:
+    except BaseException as exc:
+        failed = not stopped_by_sigterm(exc)
+        if failed and temp is not None:
             log.error("Ray's logs of this run are kept in %s", temp)
         raise
     finally:
         ray.shutdown()
-    if temp is not None and not os.environ.get("HFJAX_RAY_TMPDIR"):
-        shutil.rmtree(temp, ignore_errors=True)
+        if temp is not None and not failed and not os.environ.get("HFJAX_RAY_TMPDIR"):
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Keeps this process's SIGTERM handler while Ray starts: `ray.init` installs one that calls `sys.exit`, which a
+    SIGTERM then raises inside Ray's own calls (the driver aborts with Ray's crash dump instead of stopping cleanly)."""
+    from ray._private import utils as ray_utils
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    install, ray_utils.set_sigterm_handler = ray_utils.set_sigterm_handler, lambda _: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = install
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def _start_local_ray(temp: str) -> None:
@@ -93,19 +118,21 @@ def pin_controller_to_cpu() -> None:
 
 
 def run_rl(cfg: RLConfig) -> list[dict[str, float]]:
-    """Resolves Hub ids (`resolve_hub_models`), checks the run (`check_rl_run`) and takes the run directory's lock,
-    then trains; for `backend: ray` in a `ray_session` (started after the lock), with the controller's JAX on the
-    CPU (`pin_controller_to_cpu`)."""
-    cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
-    check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
-    if cfg.trainer.backend == "local":
-        check_local_devices(cfg.trainer.devices_per_host)
-    with RunDirLock(cfg.trainer.run_dir) as lock:  # before Ray: a second run on the directory starts nothing
-        if cfg.trainer.backend != "ray":
-            return _train(cfg, lock)
-        pin_controller_to_cpu()
-        with ray_session(cfg):
-            return _train(cfg, lock)
+    """Resolves Hub ids (`resolve_hub_models`), checks the run (`check_rl_run`) and takes the run directory's lock
+    (which checks that the directory takes files and has space), then trains; for `backend: ray` in a `ray_session`
+    (started after the lock), with the controller's JAX on the CPU (`pin_controller_to_cpu`). One `SigtermGuard`
+    covers it all: a SIGTERM before the training loop stops the run at once (`hfjax.trainer.preemption`)."""
+    with SigtermGuard(cfg.trainer.preemption_grace_s, starting=True):
+        cfg = resolve_hub_models(cfg)  # Hub ids to local snapshots, on this (the controller's) host
+        check_rl_run(cfg)  # files, models, lengths, memory and data: before Ray or any worker starts
+        if cfg.trainer.backend == "local":
+            check_local_devices(cfg.trainer.devices_per_host)
+        with RunDirLock(cfg.trainer.run_dir) as lock:  # before Ray: a second run on the directory starts nothing
+            if cfg.trainer.backend != "ray":
+                return _train(cfg, lock)
+            pin_controller_to_cpu()
+            with ray_session(cfg):
+                return _train(cfg, lock)
 
 
 def check_local_devices(devices_per_host: int) -> None:

@@ -27,11 +27,11 @@ from hfjax.models import load_tokenizer
 from hfjax.protocol import DataProto
 from hfjax.records.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError, UnreadableStepError
 from hfjax.records.metrics import MetricsLogger
-from hfjax.records.run_dir import RunDirLock, save_run_config
+from hfjax.records.run_dir import RunDirLock, disk_failure, save_run_config
 from hfjax.rewards.rule_reward import RuleReward
 from hfjax.trainer.health import RunHealth
 from hfjax.trainer.placement import spawn_roles
-from hfjax.trainer.preemption import Preempted, SigtermGuard, StepAbandoned, abandoned_message, saved_message
+from hfjax.trainer.preemption import Preempted, SigtermGuard, abandoned_message, saved_message, training_guard
 from hfjax.trainer.programs import program_for
 from hfjax.trainer.rl_metrics import data_metrics
 from hfjax.trainer.rollout_stream import RolloutStream
@@ -144,14 +144,21 @@ class RLTrainer:
 
     def fit(self) -> list[dict[str, float]]:
         """Runs the remaining steps up to `trainer.total_steps`; returns the logged metrics of each step. On SIGTERM
-        it saves the step in flight once finished and raises `Preempted` (`hfjax.trainer.preemption`)."""
+        it saves the step in flight once finished and raises `Preempted` (`hfjax.trainer.preemption`). A file of the
+        run directory that cannot be written (a full or read-only disk) raises `DiskWriteError`."""
         self.saved_step = self.state_checkpoints.latest_step()
         self.step_in_flight = self.step + 1
-        with SigtermGuard(self.cfg.trainer.preemption_grace_s) as sigterm:
+        with training_guard(self.cfg.trainer.preemption_grace_s) as sigterm:
             try:
                 return self._fit(sigterm)
-            except StepAbandoned as abandoned:
-                raise Preempted(abandoned_message(abandoned, self.step_in_flight, self.saved_step)) from None
+            except BaseException as exc:
+                abandoned = sigterm.abandonment(exc)
+                if abandoned is not None:
+                    raise Preempted(abandoned_message(abandoned, self.step_in_flight, self.saved_step)) from None
+                failure = disk_failure(exc, self.run_dir, self.saved_step)
+                if failure is None:
+                    raise
+                raise failure from exc
 
     def _fit(self, sigterm: SigtermGuard) -> list[dict[str, float]]:
         trainer = self.cfg.trainer
@@ -341,8 +348,6 @@ class RLTrainer:
     def close(self) -> None:
         """Stops the workers, closes the logs and releases the run directory."""
         try:
-            if self.logger is not None:
-                self.logger.close()
             for handle in {id(h.group): h.group for h in self.roles.values()}.values():
                 handle.shutdown()
             for pool in self.pools:
@@ -350,4 +355,8 @@ class RLTrainer:
             if self.state_checkpoints is not None:
                 self.state_checkpoints.close()
         finally:
-            self.lock.release()
+            try:
+                if self.logger is not None:
+                    self.logger.close()
+            finally:
+                self.lock.release()

@@ -28,8 +28,8 @@ from hfjax.optim import TrainState, make_optimizer
 from hfjax.optim.train_state import split_rows
 from hfjax.parallel import layout_or_default
 from hfjax.records import CheckpointManager, MetricsLogger
-from hfjax.records.run_dir import RunDirLock, save_run_config
-from hfjax.trainer.preemption import Preempted, SigtermGuard, StepAbandoned, abandoned_message, saved_message
+from hfjax.records.run_dir import RunDirLock, disk_failure, save_run_config
+from hfjax.trainer.preemption import Preempted, SigtermGuard, abandoned_message, saved_message, training_guard
 from hfjax.trainer.preflight import check_positions, model_config
 from hfjax.typed_config import ConfigError, load_config, to_dict
 
@@ -137,12 +137,14 @@ def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, flo
     )
     check_supervised_run(cfg)
     is_main = jax.process_index() == 0
-    lock = RunDirLock(cfg.trainer.run_dir).acquire() if is_main else None  # one run per directory
-    try:
-        return _run_in_dir(cfg, objective, is_main)
-    finally:
-        if lock is not None:
-            lock.release()
+    # a SIGTERM while the model loads stops the run at once; one process only (several would have to agree)
+    with SigtermGuard(cfg.trainer.preemption_grace_s, enabled=jax.process_count() == 1, starting=True):
+        lock = RunDirLock(cfg.trainer.run_dir).acquire() if is_main else None  # one run per directory
+        try:
+            return _run_in_dir(cfg, objective, is_main)
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _run_in_dir(cfg: SupervisedConfig, objective: Objective, is_main: bool) -> dict[str, float]:
@@ -183,9 +185,11 @@ def _run_in_dir(cfg: SupervisedConfig, objective: Objective, is_main: bool) -> d
             plot_finished_run(run_dir)
         return last
     finally:
-        manager.close()
-        if logger is not None:
-            logger.close()
+        try:
+            manager.close()
+        finally:
+            if logger is not None:
+                logger.close()
 
 
 def _train(
@@ -212,9 +216,8 @@ def _train(
         manager.save(state.step, state.items(), extra)
         saved = state.step
 
-    sigterm = SigtermGuard(trainer.preemption_grace_s, enabled=jax.process_count() == 1)
     with (
-        sigterm,
+        training_guard(trainer.preemption_grace_s, enabled=jax.process_count() == 1) as sigterm,
         tqdm(total=total_steps, initial=state.step, desc=objective.name, unit="step", disable=not show) as bar,
     ):
         in_flight = state.step + 1
@@ -243,8 +246,14 @@ def _train(
                     save()
                 bar.update(1)
                 bar.set_postfix(loss=f"{last['train/loss']:.4g}")
-        except StepAbandoned as abandoned:
-            raise Preempted(abandoned_message(abandoned, in_flight, saved)) from None
+        except BaseException as exc:
+            abandoned = sigterm.abandonment(exc)
+            if abandoned is not None:
+                raise Preempted(abandoned_message(abandoned, in_flight, saved)) from None
+            failure = disk_failure(exc, cfg.trainer.run_dir, saved)
+            if failure is None:
+                raise
+            raise failure from exc
     return last
 
 
