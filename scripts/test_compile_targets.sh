@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Compile-only checks for real targets (CI runs this after the test suites): sets up .venv-compile, hfjax with the
 # `compile` extra (libtpu and the CUDA compiler plugin, about 1.1 GB; no accelerator needed), then runs the tests
-# marked compile_target and compiles one shipped config at small shapes for its TPU target (scripts/compile_configs.py
-# --tiny; without --tiny it compiles every shipped config at full size, about 10 minutes each on 2 cores) beside the
-# tests, each compiling on about one core. `--prepare-only` sets up .venv-compile and stops (CI does it early).
+# marked compile_target and, beside them, compiles one shipped config at small shapes for its TPU target
+# (scripts/compile_configs.py --tiny) and then, at full size, the update and largest prefill of the shipped configs with
+# the least room (--guard: fails when one stops fitting or the cost model is more than 15% off; without either flag it
+# compiles every shipped config at full size, about 10 minutes each on 2 cores), each side compiling on about one core.
+# `--prepare-only` sets up .venv-compile and stops (CI does it early).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -21,7 +23,12 @@ fi
 cd "$ROOT"
 export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
 OUT="$(mktemp -d -t hfjax-compile-configs-XXXX)"
-"$VENV/bin/python" scripts/compile_configs.py --tiny --out "$OUT" > "$OUT/table.txt" 2>&1 &
+(
+  failed=0
+  "$VENV/bin/python" scripts/compile_configs.py --tiny --out "$OUT/tiny" || failed=1
+  "$VENV/bin/python" scripts/compile_configs.py --guard --out "$OUT/guard" || failed=1
+  exit "$failed"
+) > "$OUT/table.txt" 2>&1 &
 CONFIGS=$!
 "$VENV/bin/python" -m pytest -q -m compile_target tests/test_targets.py tests/test_remat.py tests/test_sweep.py "$@"  # no PyTorch here
 status=0

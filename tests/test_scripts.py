@@ -47,7 +47,7 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
 # Scripts with no tiny run here, and why.
 NOT_RUN = {
     "bench/bench_common.py": "a library of the benchmarks, no command",
-    "compile_configs.py": "its --tiny runs in scripts/test_compile_targets.sh",
+    "compile_configs.py": "its --tiny and --guard runs are in scripts/test_compile_targets.sh",
     "gpu_check_table.py": "its --tiny runs in tests/test_gpu_check.py",
     "bench/make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
     "bench/peers/compare_grpo.py": "tables two runs' summaries: no model, nothing to shrink",

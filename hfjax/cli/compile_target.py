@@ -18,6 +18,14 @@ def add_parser(sub: Any) -> None:
     compile_.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.micro_batch_size=8")
     compile_.add_argument("--target", required=True, help="v5e:2x4, v5p:2x2x1, v6e:2x4, h100, h100x8, a100-80gbx8, ...")
     compile_.add_argument("--json", help="also write the table as JSON to this file")
+    compile_.add_argument(
+        "--programs",
+        nargs="+",
+        default=(),
+        metavar="NAME",
+        help='compile only the programs whose "group program" name starts with one of these, e.g. "actor loss+grad" '
+        '"rollout prefill" (the step peak is then theirs)',
+    )
     compile_.set_defaults(run=run)
 
 
@@ -29,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from hfjax.config.rl import load_rl_config
 
     cfg = load_rl_config(args.config, args.overrides)
-    programs = compile_run(cfg, target)
+    programs = compile_run(cfg, target, programs=args.programs)
     predicted, predicted_error = predicted_peak(cfg, target)
     print(format_report(programs, target, predicted, predicted_error))
     problems = fits(programs, target)
@@ -41,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "target": target.name,
+                    "only": list(args.programs),
                     "programs": rows,
                     "fits": not problems,
                     "cost_model_peak": predicted,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,12 +137,15 @@ def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
     return roles
 
 
-def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] = print) -> list[ProgramMemory]:
+def compile_run(
+    cfg: RLConfig, target: Target, progress: Callable[[str], None] = print, programs: Sequence[str] = ()
+) -> list[ProgramMemory]:
     """Every program of the run (actor update and passes, generation, critic, reward and cost models), compiled for
     `target`'s devices split between the placement's worker groups; each program's residents count what the other
-    roles of its group keep on the same devices."""
+    roles of its group keep on the same devices. `programs`: compile only those whose "group program" name starts
+    with one of these (`actor loss+grad`, `rollout prefill`); the others are traced, not compiled."""
     roles = run_roles(cfg, target_devices(target))
-    out = []
+    out, skipped = [], []
     with warnings.catch_warnings():
         # in a process that also runs JAX (`hfjax sweep --target`), the persistent compilation cache is on: an entry
         # of a compile-only device cannot be loaded back, JAX warns and compiles afresh
@@ -150,8 +153,14 @@ def compile_run(cfg: RLConfig, target: Target, progress: Callable[[str], None] =
         for role in roles:
             others = role.shared + sum(r.resident for r in roles if r.group == role.group and r is not role)
             for trace in role.programs(others):
+                name = f"{trace.group} {trace.program}"
+                if programs and not name.startswith(tuple(programs)):
+                    skipped.append(name)
+                    continue
                 out.append(measure(trace))
                 progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
+    if not out:
+        raise ConfigError(f"programs {list(programs)}: none of the run's programs {skipped} starts with one of them")
     return out
 
 

@@ -61,7 +61,7 @@ from hfjax.rollout.interface import (
     prefill_buckets,
 )
 from hfjax.rollout.pooled_attention import PoolReaders
-from hfjax.rollout.prompt_pool import Placement, PromptPool, prefix_blocks, write_pool
+from hfjax.rollout.prompt_pool import Placement, PromptPool, write_prompts
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
 
 # The jitted steps of recent engines by their settings (model structure and config, dtype, layout, slots, lengths,
@@ -461,14 +461,9 @@ class JaxEngine:
         zeros = jnp.zeros_like(slots)
         temperature, top_k, top_p = prefix.temperature[rows], prefix.top_k[rows], prefix.top_p[rows]
         first = sample_tokens(prefix.cache.last_logits[rows], rng, zeros, temperature, top_k, top_p, kind)
-        count = placement.dest.shape[-1]
-        pool_keys, pool_values = [], []
-        for keys, values, pool_k, pool_v in zip(
-            prefix.cache.keys, prefix.cache.values, state.pool_keys, state.pool_values, strict=True
-        ):
-            key_blocks, value_blocks = prefix_blocks(keys, values, count, self.block)
-            pool_keys.append(write_pool(pool_k, key_blocks, placement.rows, placement.dest))
-            pool_values.append(write_pool(pool_v, value_blocks, placement.rows, placement.dest))
+        pool_keys, pool_values = write_prompts(
+            state.pool_keys, state.pool_values, prefix.cache.keys, prefix.cache.values, placement, self.block
+        )
 
         def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
             return current.at[slots].set(value, mode="drop")

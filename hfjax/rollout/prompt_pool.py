@@ -6,7 +6,8 @@ ceil(length / block) blocks in each part those slots are in (one copy per part, 
 slots that read it; `release` drops a slot's reference (inserting into a slot releases what it read before), and a
 prompt's blocks return to the free list when its last slot lets go. `placement` turns an insert into the arrays of
 the compiled call (`Placement`), and `prefix_blocks` / `write_pool` write a prefill's keys and values into the pool
-with a scatter vmapped over the parts, so each part writes only its own pool.
+with a scatter vmapped over the parts, so each part writes only its own pool (`write_prompts`: every layer's, one
+pool after another).
 """
 
 from __future__ import annotations
@@ -190,3 +191,26 @@ def write_pool(pool: jax.Array, blocks: jax.Array, rows: jax.Array, dest: jax.Ar
         return part_pool.at[part_dest.reshape(-1)].set(flat, mode="drop")
 
     return jax.vmap(one)(pool, blocks[rows], dest)
+
+
+def write_prompts(
+    pool_keys: tuple[jax.Array, ...],
+    pool_values: tuple[jax.Array, ...],
+    keys: tuple[jax.Array, ...],
+    values: tuple[jax.Array, ...],
+    placement: Placement,
+    block: int,
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Each layer's prefill keys and values [B, P, kv_heads, head_dim] written into its pools at `placement`
+    (`prefix_blocks`, `write_pool`), one pool after another: a pool's rows are gathered to the parts (every row on
+    every part, the partitioner's gather) only once the pool before is written. Unordered, XLA's TPU scheduler
+    gathered each layer's rows while the forward ran and wrote them all at the end: every layer's gathered rows alive
+    at once (a Qwen2.5-0.5B prefill of 1024 x 512 on a v5e-8: 12.06 GiB of temporaries, 4.98 GiB ordered)."""
+    count = placement.dest.shape[-1]
+    written: list[jax.Array] = []
+    for k, v, pool_k, pool_v in zip(keys, values, pool_keys, pool_values, strict=True):
+        for pool, blocks in zip((pool_k, pool_v), prefix_blocks(k, v, count, block), strict=True):
+            if written:  # the barrier orders this pool's gather after the previous pool's write
+                blocks, written[-1] = jax.lax.optimization_barrier((blocks, written[-1]))
+            written.append(write_pool(pool, blocks, placement.rows, placement.dest))
+    return tuple(written[0::2]), tuple(written[1::2])
