@@ -69,7 +69,9 @@ def _raises(error: BaseException) -> Callable[..., None]:
 
 
 def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
+    """The one line of the command's report in `err`, besides hfjax's own log records (a run's warnings reach stderr
+    where an earlier command of the process configured logging)."""
+    lines = [line for line in err.strip().splitlines() if not re.match(r"(DEBUG|INFO|WARNING) hfjax\.", line)]
     assert len(lines) == 1, err
     return lines[0]
 
