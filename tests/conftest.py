@@ -56,3 +56,15 @@ def pytest_collection_modifyitems(items: list) -> None:
     # Workers take the files in this order: the files that take minutes (`SCHEDULE_FIRST = <minutes>` in them) go
     # first, longest first, so that the run does not end with one worker busy on a long file while the other idles.
     items.sort(key=lambda item: -getattr(getattr(item, "module", None), "SCHEDULE_FIRST", 0))
+
+
+@pytest.fixture
+def previous_handler():
+    """A handler of SIGTERM that a guard under test must put back (and that fails the test if a signal reaches it)."""
+    import signal
+
+    reached: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
+    yield signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, before)
+    assert not reached, "a SIGTERM reached the handler outside the guard"

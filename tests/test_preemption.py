@@ -27,16 +27,6 @@ def _sigterm() -> None:
     time.sleep(0.05)  # the handler runs in the main thread at its next bytecode
 
 
-@pytest.fixture
-def previous_handler():
-    """A handler of SIGTERM that the guard must put back (and that fails the test if a signal reaches it)."""
-    reached: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
-    yield signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, before)
-    assert not reached, "a SIGTERM reached the handler outside the guard"
-
-
 def test_the_first_sigterm_asks_to_stop_and_the_previous_handler_comes_back(previous_handler):
     exits: list[int] = []
     with SigtermGuard(0.3, hard_exit_margin_s=0.1, exit_process=exits.append) as guard:

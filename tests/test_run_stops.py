@@ -197,16 +197,6 @@ def test_a_run_directory_that_cannot_take_files_stops_in_one_line_before_ray(
 # --- SIGTERM at any moment -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def previous_handler():
-    """A handler of SIGTERM that the run's guard must put back (and that fails the test if a signal reaches it)."""
-    reached: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
-    yield signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, before)
-    assert not reached, "a SIGTERM reached the handler outside the run's guard"
-
-
 def _sigterm_soon() -> None:
     """SIGTERM to this process in 0.05 s, from another thread: it reaches the main thread inside its next wait."""
     threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
