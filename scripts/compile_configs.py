@@ -71,17 +71,18 @@ def compile_one(name: str, target: str, overrides: list[str], out: Path, program
 
 def cost_model_gap(row: dict) -> float | None:
     """How far the cost model's peak is from the compiled programs' largest peak, as a fraction of the latter (None:
-    the cost model gave no figure)."""
-    predicted = row["cost_model_peak"]
-    return None if predicted is None else predicted / max(p["peak"] for p in row["programs"]) - 1
+    the cost model gave no figure, or no program compiled)."""
+    predicted, peaks = row["cost_model_peak"], [p["peak"] for p in row["programs"]]
+    return None if predicted is None or not peaks else predicted / max(peaks) - 1
 
 
 def problems(row: dict, guard: bool) -> list[str]:
-    """Why a config's row fails: an error, a program that does not fit, and with `guard` a cost model further off
-    the compiler than `COST_MODEL_TOLERANCE` (or with no figure)."""
+    """Why a config's row fails: an error, a program that failed to compile or does not fit, and with `guard` a cost
+    model further off the compiler than `COST_MODEL_TOLERANCE` (or with no figure)."""
     if "error" in row:
         return ["ERROR"]
-    out = [] if row["fits"] else ["DOES NOT FIT"]
+    out = [f"{len(row['failed'])} FAILED TO COMPILE"] if row["failed"] else []
+    out += ["DOES NOT FIT"] if row["problems"] else []
     gap = cost_model_gap(row)
     if guard and (gap is None or abs(gap) > COST_MODEL_TOLERANCE):
         off = "no figure" if gap is None else f"{gap:+.1%} off"

@@ -1,9 +1,13 @@
-"""hfjax.compiled.targets: parsing target names (no plugin needed), and, marked `compile_target`, compiling a sharded
-program for compile-only TPU and GPU devices (needs `pip install "hfjax[compile]"`: libtpu and the CUDA plugin)."""
+"""hfjax.compiled.targets: parsing target names (no plugin needed), `hfjax compile`'s report of a program that fails
+to compile (on this machine's CPU devices standing in for the target's), and, marked `compile_target`, compiling a
+sharded program for compile-only TPU and GPU devices (needs `pip install "hfjax[compile]"`: libtpu and the CUDA
+plugin)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -11,12 +15,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.settings import REPO, run_command
+from support.tiny_models import TINY
 
-from hfjax.compiled import targets
+from hfjax.cli.main import main
+from hfjax.compiled import report, targets
+from hfjax.compiled.failures import MESSAGE_CHARS, PROGRAM_KINDS, classify, knob, program_kind
+from hfjax.compiled.programs import ProgramTrace, measure
 from hfjax.compiled.targets import GIB, INSTALL_HINT, Target, TargetError, parse_target, target_devices
+from hfjax.config.rl import load_rl_config
 from hfjax.models.presets import NAMED_CONFIGS
 
 
@@ -251,3 +261,125 @@ def test_target_is_hashable_and_frozen() -> None:
     assert {target: 1}[Target(**vars(target))] == 1
     with pytest.raises(AttributeError):
         target.num_devices = 4  # type: ignore[misc]
+
+
+SCOPED_VMEM = "RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom ... Scoped allocation with size 19.17M and limit 16.00M"
+DECODE_KNOB = "HFJAX_ATTENTION=xla (XLA attention instead of the Pallas kernel), or fewer rollout.slots / a shorter "
+DECODE_KNOB += "rollout.response_length"
+
+
+def test_a_scoped_vmem_error_is_classified_with_its_knob() -> None:
+    """The Pallas TPU decode kernel's compile error: class "scoped VMEM", its line as it is (short enough), and for a
+    decode program the attention and the decode shapes to turn."""
+    assert classify(jax.errors.JaxRuntimeError(SCOPED_VMEM)) == ("scoped VMEM", SCOPED_VMEM)
+    assert knob("scoped VMEM", "rollout", "decode 256 slots") == DECODE_KNOB
+    # a long first line would be trimmed past the sizes: the line that holds them instead
+    long = f"RESOURCE_EXHAUSTED: CompileTimeScopedVmemOom: {'x' * 300}\n\nScoped allocation with size 19.17M and limit "
+    long += "16.00M exceeded scoped vmem limit by 3.17M."
+    error_class, message = classify(jax.errors.JaxRuntimeError(long))
+    assert error_class == "scoped VMEM" and message.startswith("Scoped allocation with size 19.17M and limit 16.00M")
+
+
+@pytest.mark.parametrize(
+    ("error", "error_class", "message"),
+    [
+        (
+            jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used "
+                "17.25G of 15.75G hbm. Exceeded hbm capacity by 1.50G.\n\nTotal hbm usage >= 17.75G:"
+            ),
+            "out of memory",
+            "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.25G "
+            "of 15.75G hbm. Exceeded hbm capacity by 1.50G.",
+        ),
+        (ValueError("\n  dot_general requires contracting dimensions to have the same shape, got (64,) and (32,).  "),
+         "shape", "dot_general requires contracting dimensions to have the same shape, got (64,) and (32,)."),
+        (TypeError("one of\ntwo lines"), "shape", "one of"),
+        (NotImplementedError("UNIMPLEMENTED: " + "y" * 400), "NotImplementedError", f"UNIMPLEMENTED: {'y' * 142}..."),
+        (RuntimeError(""), "RuntimeError", "RuntimeError"),
+    ],
+)  # fmt: skip
+def test_error_classes_and_first_lines(error: Exception, error_class: str, message: str) -> None:
+    assert classify(error) == (error_class, message)
+    assert len(message) <= MESSAGE_CHARS
+
+
+def test_a_program_that_fails_to_trace_keeps_its_error() -> None:
+    """An error while tracing one program is that program's (the generator of a role's programs goes on to the
+    next), raised again when it is compiled."""
+
+    def trace() -> None:
+        raise ValueError("dot_general requires contracting dimensions to have the same shape")
+
+    failing = ProgramTrace.of("actor", "log probs", trace, 0)
+    assert isinstance(failing.error, ValueError) and failing.result is None
+    with pytest.raises(ValueError, match="contracting dimensions"):
+        measure(failing)
+
+
+def test_every_knob_names_config_keys_that_exist() -> None:
+    """Each dotted key a knob names (`actor.micro_batch_size`, `reward.cost_model.layout`) is a key of the config."""
+    cfg = load_rl_config({"actor": {"model_path": "unused"}, "algorithm": {"name": "ppo"}})
+    train, scores = ("loss+grad", "optimizer step"), ("scores",)
+    groups = {"actor": (*train, "log probs", "ref log probs"), "critic": (*train, "values"),
+              "rollout": ("prefill 8 x 16", "decode 8 slots"), "reward": scores, "cost": scores}  # fmt: skip
+    assert {program_kind(p) for programs in groups.values() for p in programs} == set(PROGRAM_KINDS)
+    classes = ("scoped VMEM", "VMEM", "out of memory", "shape", "RuntimeError")
+    texts = {knob(c, g, p) for c in classes for g, programs in groups.items() for p in programs}
+    keys = {k for text in texts for k in re.findall(r"\b(?:actor|critic|rollout|data|reward)(?:\.[a-z_]+)+", text)}
+    assert {"actor.remat", "rollout.slots", "reward.cost_model.micro_batch_size"} <= keys
+    for key in keys:
+        functools.reduce(getattr, key.split("."), cfg)  # AttributeError names a key that does not exist
+
+
+def test_a_program_that_fails_to_compile_is_one_line_of_the_report(tmp_path, monkeypatch, capsys) -> None:
+    """`hfjax compile` where the decode step fails to compile (the XLA error of a Pallas decode kernel over its scoped
+    VMEM, raised here for it alone, on this machine's 8 CPU devices standing in for a v5e-8's): one row names the
+    program, the error class and the knob; the other programs are compiled and reported with their figures, in the
+    table and the JSON; the exit code is 1, and no traceback is printed (the debug log holds it)."""
+    monkeypatch.setitem(NAMED_CONFIGS, "tiny-test", TINY)
+    monkeypatch.setattr(report, "target_devices", lambda target: jax.devices())
+    real_measure = report.measure
+
+    def measure(trace):
+        if trace.program.startswith("decode"):
+            trace.traced  # noqa: B018 (traced, as for real)
+            raise jax.errors.JaxRuntimeError(SCOPED_VMEM)
+        return real_measure(trace)
+
+    monkeypatch.setattr(report, "measure", measure)
+    config = {
+        "actor": {"model_path": "tiny-test", "micro_batch_size": 2, "ppo_mini_batch_size": 2},
+        "data": {"max_prompt_length": 16, "train_batch_size": 2},
+        "rollout": {"n": 2, "response_length": 8, "slots": 8},
+        "algorithm": {"name": "grpo"},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    args = ["compile", str(tmp_path / "run.yaml"), "--target", "v5e:2x4", "--json", str(tmp_path / "report.json")]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "Traceback" not in out + captured.err
+    named = [line for line in out.splitlines() if "decode 8 slots" in line and "failed to compile" in line]
+    assert named == [f"rollout  {'decode 8 slots':<22} failed to compile (scoped VMEM): try {DECODE_KNOB}"]
+    assert f"         {SCOPED_VMEM}" in out.splitlines()
+    others = [("actor", "loss+grad"), ("actor", "optimizer step"), ("actor", "log probs")]
+    others.append(("rollout", "prefill 8 x 16"))
+    for group, name in others:
+        (row,) = [line for line in out.splitlines() if line.startswith(f"{group:<8} {name:<22} ")]
+        figures = row[32:].split()  # args, outputs, temps, resident, peak (GiB), GFLOP
+        assert len(figures) == 6 and all(float(f) >= 0 for f in figures), row
+    assert "(1 program failed to compile)" in out
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert [(p["group"], p["program"]) for p in written["programs"]] == others
+    assert all(p["peak"] > 0 for p in written["programs"])
+    assert written["failed"] == [
+        {"group": "rollout", "program": "decode 8 slots", "error_class": "scoped VMEM", "message": SCOPED_VMEM,
+         "knob": DECODE_KNOB}
+    ]  # fmt: skip
+    assert written["fits"] is False
+    try:  # `hfjax --debug compile`: the same report, and the failure's traceback in the log
+        assert main(["--debug", *args]) == 1
+        assert "Traceback" in capsys.readouterr().err
+    finally:
+        logging.getLogger("hfjax.compiled").setLevel(logging.NOTSET)

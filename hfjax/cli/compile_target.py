@@ -1,11 +1,13 @@
 """`hfjax compile CONFIG --target T`: compile every program of a run for a TPU or GPU target on this machine and
-print memory per device against the target's; exit 1 when it does not fit."""
+print memory per device against the target's; exit 1 when it does not fit or a program fails to compile (that
+program is a row of the report, the others are still compiled; `hfjax --debug compile` logs its traceback)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,16 @@ def run(args: argparse.Namespace) -> int:
     from hfjax.compiled import parse_target
 
     target = parse_target(args.target)  # before any config work: a bad name is the first error
+    from hfjax.cli.runner import debugging
     from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak
     from hfjax.config.rl import load_rl_config
 
+    if debugging(getattr(args, "debug", False)):  # the tracebacks of programs that fail to compile
+        logging.getLogger("hfjax.compiled").setLevel(logging.DEBUG)
     cfg = load_rl_config(args.config, args.overrides)
-    programs = compile_run(cfg, target, programs=args.programs)
+    programs, failed = compile_run(cfg, target, programs=args.programs)
     predicted, predicted_error = predicted_peak(cfg, target)
-    print(format_report(programs, target, predicted, predicted_error))
+    print(format_report(programs, target, predicted, predicted_error, failed))
     problems = fits(programs, target)
     for line in problems:
         print(line)
@@ -51,11 +56,13 @@ def run(args: argparse.Namespace) -> int:
                     "target": target.name,
                     "only": list(args.programs),
                     "programs": rows,
-                    "fits": not problems,
+                    "failed": [dataclasses.asdict(f) for f in failed],
+                    "problems": problems,
+                    "fits": not problems and not failed,
                     "cost_model_peak": predicted,
                     "cost_model_error": predicted_error,
                 },
                 indent=1,
             )
         )
-    return 1 if problems else 0
+    return 1 if problems or failed else 0

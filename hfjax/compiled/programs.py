@@ -8,7 +8,8 @@ response_length` tokens (with `packed_row_tokens`: one packed row of that many t
 `rollout.slots` and its longest prefill bucket. The weights are
 `jax.ShapeDtypeStruct`s: nothing is allocated, so a 70B model compiles on a laptop.
 
-Each program comes as a `ProgramTrace` (the traced program): `measure` compiles it for its devices, and
+Each program comes as a `ProgramTrace` (the traced program, or what tracing it raised: one program's failure to
+trace is its own, the programs after it are still traced): `measure` compiles it for its devices, and
 `traced.lower(lowering_platforms=(...))` lowers it for a platform without its compiler (`jax.export`'s path).
 `ProgramMemory` holds what the compiler says (arguments, outputs, aliased outputs, temporaries: bytes per device) and
 what the run keeps on the device outside the program while it runs (`resident`: the optimizer state during a
@@ -81,19 +82,35 @@ def bytes_per_device(tree: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ProgramTrace:
-    """A traced program of a run (`jax.stages.Traced`), its group, and the bytes its group keeps resident beside it."""
+    """A traced program of a run (`traced`: a `jax.stages.Traced`), its group, and the bytes its group keeps resident
+    beside it; or, where tracing it raised, `error` (which `traced` raises again)."""
 
     group: str
     program: str
-    traced: Any
+    result: Any = dataclasses.field(repr=False)
     resident: int
+    error: Exception | None = None
+
+    @classmethod
+    def of(cls, group: str, program: str, trace: Callable[[], Any], resident: int) -> ProgramTrace:
+        """The program that `trace()` traces, traced now; what it raises is kept as the program's `error`."""
+        try:
+            return cls(group, program, trace(), resident)
+        except Exception as error:
+            return cls(group, program, None, resident, error)
+
+    @property
+    def traced(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 def measure(trace: ProgramTrace) -> ProgramMemory:
-    """Compiles a traced program for its devices and reads its memory and cost analyses."""
-    group, program, resident = trace.group, trace.program, trace.resident
+    """Compiles a traced program for its devices (raising what tracing it raised) and reads its memory and cost."""
+    group, program, resident, traced = trace.group, trace.program, trace.resident, trace.traced
     started = time.perf_counter()
-    compiled = trace.traced.lower().compile()
+    compiled = traced.lower().compile()
     seconds = time.perf_counter() - started
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
@@ -200,7 +217,8 @@ def _train_programs(
     grads = bytes_per_device(trained)
     frozen_bytes = bytes_per_device(model.params) - grads  # a LoRA base: resident beside the trained parameters
     trained_shardings = jax.tree.map(lambda x: x.sharding, trained)
-    traced = grad_program().trace(
+    trace = functools.partial(
+        grad_program().trace,
         trained,
         rest,
         batch,
@@ -210,19 +228,22 @@ def _train_programs(
         shardings=frozen(trained_shardings),
         layout=model.layout,
     )
-    yield ProgramTrace(group, "loss+grad", traced, resident + bytes_per_device(opt_state) + grads)
+    yield ProgramTrace.of(group, "loss+grad", trace, resident + bytes_per_device(opt_state) + grads)
     state_shardings = frozen((trained_shardings, jax.tree.map(lambda x: x.sharding, opt_state)))
-    traced = apply_program().trace(
-        trained, opt_state, trained, optimizer=optimizer, grad_clip=grad_clip, shardings=state_shardings
-    )
-    yield ProgramTrace(group, "optimizer step", traced, resident + frozen_bytes)
+    trace = functools.partial(
+        apply_program().trace, trained, opt_state, trained, optimizer=optimizer, grad_clip=grad_clip,
+        shardings=state_shardings,
+    )  # fmt: skip
+    yield ProgramTrace.of(group, "optimizer step", trace, resident + frozen_bytes)
 
 
 def _rows_program(
     group: str, name: str, model: AbstractModel, params: Any, fn: Callable[..., Any], batch: dict, resident: int
 ) -> ProgramTrace:
-    traced = rows_program(model.graphdef, model.rest, model.layout, fn).trace(params, batch)
-    return ProgramTrace(group, name, traced, resident)
+    def trace() -> Any:
+        return rows_program(model.graphdef, model.rest, model.layout, fn).trace(params, batch)
+
+    return ProgramTrace.of(group, name, trace, resident)
 
 
 def actor_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout, gen_layout: Layout) -> int:
@@ -303,19 +324,20 @@ def engine_programs(
     cfg: RLConfig, shape: ModelConfig, layout: Layout, params: Any, resident: int
 ) -> Iterator[ProgramTrace]:
     """The engine's fused prefill-and-insert at its longest bucket with every slot's row (the most the generator
-    prefills in one call) and its decode step over every cache block, with the decode state as an argument."""
+    prefills in one call) and its decode step over every cache block, with the decode state as an argument (the
+    engine built by the first trace: an error building it is each one's)."""
     rollout = cfg.rollout
-    model = add_lora(abstract_model(shape, "causal_lm", cfg.actor.dtype), cfg.actor.lora)
-    engine = JaxEngine(
-        model,
-        layout,
-        max_concurrent_decodes=rollout.slots,
-        max_prefill_length=cfg.data.max_prompt_length,
-        max_new_tokens=rollout.response_length,
-        prompt_cache_tokens=rollout.prompt_cache_tokens,
-        record_experts=cfg.actor.router_replay,
-    )
-    state = engine.abstract_decode_state()
+
+    @functools.cache
+    def engine_and_state() -> tuple[JaxEngine, Any]:
+        model = add_lora(abstract_model(shape, "causal_lm", cfg.actor.dtype), cfg.actor.lora)
+        engine = JaxEngine(
+            model, layout, max_concurrent_decodes=rollout.slots, max_prefill_length=cfg.data.max_prompt_length,
+            max_new_tokens=rollout.response_length, prompt_cache_tokens=rollout.prompt_cache_tokens,
+            record_experts=cfg.actor.router_replay,
+        )  # fmt: skip
+        return engine, engine.abstract_decode_state()
+
     sampling = sampling_params(rollout, {})
     kind = SamplerKind.of(sampling)
     rows = 1 << (rollout.slots.bit_length() - 1)  # the generator's largest power-of-two prefill call
@@ -325,14 +347,21 @@ def engine_programs(
         return jax.ShapeDtypeStruct(shape, dtype)
 
     sampling_args = (ints(rows), ints(rows), ints(rows, dtype=jnp.float32), ints(rows), ints(rows, dtype=jnp.float32))
-    placement = engine.abstract_placement(rows, length, rows)
-    traced = engine._prefill_insert.trace(
-        params, state, ints(rows, length), ints(rows), *sampling_args, ints(rows), ints(rows), ints(rows), placement,
-        kind=kind,
-    )  # fmt: skip
-    yield ProgramTrace("rollout", f"prefill {rows} x {length}", traced, resident)
-    traced = engine._generate.trace(params, state, kind=kind, live=engine.blocks)
-    yield ProgramTrace("rollout", f"decode {rollout.slots} slots", traced, resident)
+
+    def prefill() -> Any:
+        engine, state = engine_and_state()
+        placement = engine.abstract_placement(rows, length, rows)
+        return engine._prefill_insert.trace(
+            params, state, ints(rows, length), ints(rows), *sampling_args, ints(rows), ints(rows), ints(rows),
+            placement, kind=kind,
+        )  # fmt: skip
+
+    def decode() -> Any:
+        engine, state = engine_and_state()
+        return engine._generate.trace(params, state, kind=kind, live=engine.blocks)
+
+    yield ProgramTrace.of("rollout", f"prefill {rows} x {length}", prefill, resident)
+    yield ProgramTrace.of("rollout", f"decode {rollout.slots} slots", decode, resident)
 
 
 def critic_programs(cfg: RLConfig, shape: ModelConfig, layout: Layout, others: int = 0) -> Iterator[ProgramTrace]:

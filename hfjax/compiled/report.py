@@ -3,21 +3,26 @@ shapes, and reports per program the compiler's bytes per device, what stays resi
 device's usable memory, and the cost model's prediction of the group's peak beside it.
 
 A run fits when every program's peak is at most `FIT_FRACTION` of the usable memory (on a GPU, JAX's preallocated
-fraction). When one does not, the report names the program and the config knob that shrinks it.
+fraction). When one does not, the report names the program and the config knob that shrinks it. Each program is
+traced and compiled on its own: one that fails (the compiler out of memory, a Pallas kernel over its scoped VMEM, a
+shape error while tracing) is a row of the report with its error's class and the knob to turn
+(`hfjax.compiled.failures`), and the others are still compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hfjax.automap.cluster import GIB, ClusterSpec
 from hfjax.automap.cost import InfeasibleError
 from hfjax.automap.run_config import predict_run, run_models
+from hfjax.compiled.failures import ProgramFailure
 from hfjax.compiled.programs import (
     ProgramMemory,
     actor_programs,
@@ -36,6 +41,8 @@ from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
 from hfjax.parallel.layout import Layout, LayoutError
 from hfjax.trainer.preflight import MEMORY_ONLY_PROFILE, with_default_gen_layout
 from hfjax.typed_config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 FIT_FRACTION = 0.9
 KNOBS = {  # what shrinks each program
@@ -84,6 +91,7 @@ class _Role:
     resident: int
     programs: Callable[[int], Any]  # bytes that the other roles of its group keep -> traces
     shared: int = 0  # bytes of its own copies beside the one whose programs run (safe_rlhf's second critic)
+    name: str = "actor"  # its name in the report (the group of its programs; the actor's rollout programs: rollout)
 
 
 def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
@@ -106,6 +114,7 @@ def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
             index,
             actor_resident(cfg, shape, train, gen),
             functools.partial(actor_programs, cfg, shape, train, gen),
+            name="actor",
         )
     )
     if cfg.uses_critic:
@@ -120,6 +129,7 @@ def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
                 copies * one,
                 functools.partial(critic_programs, cfg, critic, layout),
                 shared=(copies - 1) * one,
+                name="critic",
             )
         )
     for name, section in (("reward_model", cfg.reward.reward_model), ("cost_model", cfg.reward.cost_model)):
@@ -132,44 +142,75 @@ def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
                     index,
                     scorer_resident(scorer, section.dtype, layout),
                     functools.partial(scorer_programs, cfg, name, scorer, section, layout),
+                    name=name.removesuffix("_model"),
                 )
             )
     return roles
 
 
+class CompiledRun(NamedTuple):
+    """What `compile_run` compiled (`programs`), and the programs that failed to trace or compile (`failed`)."""
+
+    programs: list[ProgramMemory]
+    failed: list[ProgramFailure]
+
+
+def _failure(group: str, program: str, error: Exception, progress: Callable[[str], None]) -> ProgramFailure:
+    """`error`, raised while tracing or compiling a program, as its row; the traceback goes to the debug log."""
+    failure = ProgramFailure.of(group, program, error)
+    logger.debug("%s %s failed to compile", group, program, exc_info=error)
+    progress(f"failed {group}: {program} ({failure.error_class})")
+    return failure
+
+
 def compile_run(
     cfg: RLConfig, target: Target, progress: Callable[[str], None] = print, programs: Sequence[str] = ()
-) -> list[ProgramMemory]:
+) -> CompiledRun:
     """Every program of the run (actor update and passes, generation, critic, reward and cost models), compiled for
     `target`'s devices split between the placement's worker groups; each program's residents count what the other
     roles of its group keep on the same devices. `programs`: compile only those whose "group program" name starts
-    with one of these (`actor loss+grad`, `rollout prefill`); the others are traced, not compiled."""
+    with one of these (`actor loss+grad`, `rollout prefill`); the others are traced, not compiled. A program
+    that fails to trace or compile is a `ProgramFailure`, and the others are still compiled; a role whose programs
+    cannot be built at all is one failure named "programs"."""
     roles = run_roles(cfg, target_devices(target))
-    out, skipped = [], []
+    out, failed, skipped = [], [], []
     with warnings.catch_warnings():
         # in a process that also runs JAX (`hfjax sweep --target`), the persistent compilation cache is on: an entry
         # of a compile-only device cannot be loaded back, JAX warns and compiles afresh
         warnings.filterwarnings("ignore", message="Error reading persistent compilation cache entry")
         for role in roles:
             others = role.shared + sum(r.resident for r in roles if r.group == role.group and r is not role)
-            for trace in role.programs(others):
+            traces = iter(role.programs(others))
+            while True:
+                try:
+                    trace = next(traces, None)
+                except Exception as error:  # building the role's models or batches: its remaining programs
+                    failed.append(_failure(role.name, "programs", error, progress))
+                    break
+                if trace is None:
+                    break
                 name = f"{trace.group} {trace.program}"
                 if programs and not name.startswith(tuple(programs)):
                     skipped.append(name)
                     continue
-                out.append(measure(trace))
+                try:
+                    out.append(measure(trace))
+                except Exception as error:
+                    failed.append(_failure(trace.group, trace.program, error, progress))
+                    continue
                 progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
-    if not out:
+    if not out and not failed:
         raise ConfigError(f"programs {list(programs)}: none of the run's programs {skipped} starts with one of them")
-    return out
+    return CompiledRun(out, failed)
 
 
 def compiled_memory(cfg: RLConfig, target: Target) -> dict[str, Any]:
     """The run compiled for `target` (`compile_run`, quietly), as `hfjax sweep --target` records it: the target, the
-    largest program peak in bytes per device, whether every program fits, and the lines of those that do not."""
-    programs = compile_run(cfg, target, progress=lambda _: None)
-    problems = fits(programs, target)
-    return {"target": target.name, "peak_bytes": max(p.peak for p in programs), "fits": not problems,
+    largest program peak in bytes per device (0 where none compiled), whether every program compiles and fits, and
+    the lines of those that do not."""
+    run = compile_run(cfg, target, progress=lambda _: None)
+    problems = [f"{f.line()} ({f.message})" for f in run.failed] + fits(run.programs, target)
+    return {"target": target.name, "peak_bytes": max((p.peak for p in run.programs), default=0), "fits": not problems,
             "problems": problems}  # fmt: skip
 
 
@@ -199,16 +240,25 @@ def fits(programs: list[ProgramMemory], target: Target) -> list[str]:
 
 
 def format_report(
-    programs: list[ProgramMemory], target: Target, predicted: float | None, predicted_error: str | None = None
+    programs: list[ProgramMemory],
+    target: Target,
+    predicted: float | None,
+    predicted_error: str | None = None,
+    failed: Sequence[ProgramFailure] = (),
 ) -> str:
-    """The table: per program, GiB per device of arguments, outputs, temporaries, residents and the peak."""
+    """The table: per program, GiB per device of arguments, outputs, temporaries, residents and the peak; per program
+    that failed, one row of its error's class and the knob to turn, and its message's line under it."""
     header = f"{'group':<8} {'program':<22} {'args':>7} {'outputs':>8} {'temps':>7} {'resident':>9} {'peak':>7}  GFLOP"
     lines = [f"target {target.name}: {target.num_devices} x {target.usable_bytes / GIB:.2f} GiB usable", header]
     for p in programs:
         values = (p.arguments, p.outputs - p.aliased, p.temporaries, p.resident, p.peak)
         cells = " ".join(f"{v / GIB:>{w}.2f}" for v, w in zip(values, (7, 8, 7, 9, 7), strict=True))
         lines.append(f"{p.group:<8} {p.program:<22} {cells}  {p.flops / 1e9:.0f}")
-    peak = max(p.peak for p in programs)
+    for f in failed:
+        lines.append(f"{f.group:<8} {f.program:<22} failed to compile ({f.error_class}): try {f.knob}")
+        lines.append(f"{'':<8} {f.message}")
     model = f"{predicted / GIB:.2f} GiB" if predicted is not None else f"none ({predicted_error or 'no figure'})"
-    lines.append(f"step peak (compiler) {peak / GIB:.2f} GiB per device; cost model {model}")
+    peak = f"{max(p.peak for p in programs) / GIB:.2f} GiB per device" if programs else "none"
+    failures = f" ({len(failed)} program{'s' if len(failed) > 1 else ''} failed to compile)" if failed else ""
+    lines.append(f"step peak (compiler) {peak}{failures}; cost model {model}")
     return "\n".join(lines)
