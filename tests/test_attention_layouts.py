@@ -51,7 +51,9 @@ DATA4_TENSOR2 = Layout.from_config({"mesh": {"data": 4, "tensor": 2}, "rules": "
 FSDP4_TENSOR2 = Layout.from_config({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"})
 # built directly: `Layout.from_config` refuses a mesh axis that no rule uses
 TENSOR2_FSDP_UNUSED = Layout(
-    axes=(("data", 1), ("fsdp", 2), ("expert", 1), ("tensor", 2)), rules=RULE_PRESETS["tp"], device_ids=(0, 1, 2, 3)
+    axes=(("data", 1), ("fsdp", 2), ("expert", 1), ("sequence", 1), ("tensor", 2)),
+    rules=RULE_PRESETS["tp"],
+    device_ids=(0, 1, 2, 3),
 )
 
 

@@ -37,12 +37,17 @@ def test_eight_fake_devices():
 
 def test_presets_map_logical_axes():
     layout = Layout.from_config(LAYOUTS["fsdp4-tp2"])
-    assert dict(layout.axes) == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+    assert dict(layout.axes) == {"data": 1, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 2}
     assert layout.spec(("embed", "heads", "head_dim")) == P("fsdp", "tensor", None)
     assert layout.spec(("batch", "length")) == P("fsdp", None)  # data has size 1: dropped
     assert layout.spec(("vocab", "embed")) == P("tensor", "fsdp")
-    assert layout.mesh.shape == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 2}
+    assert layout.mesh.shape == {"data": 1, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 2}
     assert Layout.from_config(LAYOUTS["tp8"]).spec(("embed", "mlp")) == P(None, "tensor")
+    # the sequence axis splits positions, and under the fsdp presets the weights too
+    context = Layout.from_config({"mesh": {"fsdp": 4, "sequence": 2}, "rules": "fsdp"})
+    assert context.spec(("embed", "mlp")) == P(("fsdp", "sequence"), None)
+    assert context.activation_spec(("batch", "length", "embed"), (8, 64, 32)) == P("fsdp", "sequence", None)
+    assert context.activation_spec(("tokens", None), (16, 32)) == P(("fsdp", "sequence"), None)
 
 
 def test_device_order_is_respected():

@@ -331,6 +331,12 @@ class RLConfig:
             if config is None:
                 continue
             layout = Layout.from_config(config, key)  # checked even for a role this run does not start
+            if key == "rollout.gen_layout" and layout.axis_size("sequence") > 1:
+                raise ValueError(
+                    f"{key}: mesh axis 'sequence' (size {layout.axis_size('sequence')}) splits the positions of the "
+                    "training and log-prob passes; generation decodes one position per step, so its layout has no "
+                    "sequence axis: drop it (data, fsdp or tensor split generation)"
+                )
             if role not in roles:
                 continue
             hosts, per_host = self.group_shape(role)

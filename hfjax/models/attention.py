@@ -41,7 +41,9 @@ import jax.numpy as jnp
 
 from hfjax.models.config import MASKED_SCORE
 from hfjax.models.program import (
+    constrain,
     current_layout,
+    length_parts,
     program_device,
     program_device_count,
     program_platform,
@@ -125,6 +127,25 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: 
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, group * t, s)
     out = jnp.einsum("bkqs,bskd->bkqd", probs, v).reshape(b, kv_heads, group, t, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
+
+
+def split_positions_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, softcap: float | None = None
+) -> jax.Array:
+    """The xla implementation where the program's layout splits the positions of a row over the `sequence` mesh
+    axis: the keys and values are gathered whole over it (`constrain`), so each device's queries attend to every key
+    in one pass, and the queries, scores and outputs stay split by position (the query heads of a kv head are their
+    own dimension, never merged with the positions). Shapes as `dot_product_attention`."""
+    b, t, heads, d = q.shape
+    kv_heads = k.shape[2]
+    whole = ("batch", None, "kv_heads", "head_dim")
+    k, v = constrain(k, whole), constrain(v, whole)
+    mask = constrain(mask, ("batch", "length", None))
+    q = q.reshape(b, t, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scale_scores(scores, d, softcap), MASKED_SCORE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, heads, d)
 
 
 def extend_attention(
@@ -256,6 +277,14 @@ def causal_attention(
     if softcap is not None and name != "xla":
         _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its kernels")
         name = "xla"
+    if length_parts(q.shape[1]) > 1:
+        if name != "xla":
+            _fall_back(name, "the sequence mesh axis splits the positions; its kernels take whole rows")
+        if mask is None:
+            index = jnp.arange(q.shape[1], dtype=jnp.int32)
+            valid = valid if valid is not None else index[None, :] < lengths[:, None]
+            mask = attention_mask(valid, index, index, window)
+        return split_positions_attention(q, k, v, mask, softcap)
     if name == "cudnn":
         limit = _cudnn_head_dim_limit(q.shape[-1])
         if not cudnn_supported(q.shape, k.shape, q.dtype, with_mask=lengths is None, head_dim_limit=limit):

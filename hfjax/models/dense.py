@@ -1,7 +1,8 @@
 """`dense(x, kernel)`: the model's one matrix product, y[..., o] = sum_i x[..., i] kernel[o, i] (kernels stored
 [out, in], as Hugging Face stores them), with a hand-written backward.
 
-The kernel gradient is grad^T x over all rows. Left to itself, XLA:CPU runs it as an Eigen dot on a transposed
+The kernel gradient is grad^T x summed over every leading dimension (rows and positions, none merged into one:
+positions split over a mesh axis stay split). Left to itself, XLA:CPU runs it as an Eigen dot on a transposed
 operand and fuses the elementwise work that produced the output gradient (the SwiGLU and rotary backward) into that
 transposing copy: a strided loop at a fraction of a GB/s (`optimization_barrier` does not stop it: XLA expands the
 barrier into control dependencies before fusing). Here the transpose of the output gradient runs inside a
@@ -39,14 +40,20 @@ def _dense_backward(out_dtype: jnp.dtype | None, residuals: tuple, grad: jax.Arr
     x, kernel = residuals
     grad = grad.astype(x.dtype)  # matmuls in the compute dtype (no float32 copy of a bf16 kernel), float32 sums
     grad_x = jnp.einsum("...o,oi->...i", grad, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
-    rows_grad, rows_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     if program_platform() == "cpu":
-        opaque = rows_grad[0, 0] == rows_grad[0, 0]
-        grad_t = jax.lax.cond(opaque, jnp.transpose, jnp.transpose, rows_grad)
+        first = grad[(0,) * grad.ndim]
+        grad_t = jax.lax.cond(first == first, _outputs_first, _outputs_first, grad)
     else:
-        grad_t = rows_grad.T
-    grad_kernel = jnp.dot(grad_t, rows_x, preferred_element_type=jnp.float32)
+        grad_t = _outputs_first(grad)
+    rows = "abcdefgh"[: grad.ndim - 1]
+    grad_kernel = jnp.einsum(f"o{rows},{rows}i->oi", grad_t, x, preferred_element_type=jnp.float32)
     return grad_x, grad_kernel.astype(kernel.dtype)
+
+
+def _outputs_first(grad: jax.Array) -> jax.Array:
+    """[..., out] -> [out, ...]: the rows' dimensions stay as they are (not merged into one), so that positions
+    split over a mesh axis stay split (a merge of a whole row axis with a split position axis is gathered)."""
+    return jnp.moveaxis(grad, -1, 0)
 
 
 dense.defvjp(_dense_forward, _dense_backward)

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from hfjax.models.config import MASKED_SCORE
-from hfjax.models.program import constrain, constrain_weight, current_layout
+from hfjax.models.program import constrain, constrain_weight, current_layout, length_parts
+from hfjax.parallel.layout import TOKENS
 
 LOGITS_CHUNK_TOKENS = 512  # tokens per device in one chunk of logits: 512 x 151,936 float32 is 297 MiB
 
@@ -58,25 +59,24 @@ def softcap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
 
 
-def _chunk_logits(
-    hidden: jax.Array, kernel: jax.Array, vocab_size: int, temperature: float, softcap: float | None
-) -> jax.Array:
+def _chunk_logits(hidden: jax.Array, kernel: jax.Array, head: _Head) -> jax.Array:
     """float32 soft-capped logits / temperature [rows, chunk, padded vocab] of one chunk, the padding columns at
     `MASKED_SCORE` (as `mask_vocab_padding`). The one place the per-chunk logits are made: their sharding constraint
-    (logical axes batch, length, vocab) goes here."""
+    (logical axes: the head's rows, none, vocab) goes here."""
     logits = jnp.einsum("rce,ve->rcv", hidden, kernel, preferred_element_type=jnp.float32)
-    logits = constrain(softcap_logits(logits, softcap) / temperature, ("batch", None, "vocab"))
-    if logits.shape[-1] == vocab_size:
+    logits = constrain(softcap_logits(logits, head.softcap) / head.temperature, (head.rows_axis, None, "vocab"))
+    if logits.shape[-1] == head.vocab_size:
         return logits
-    return jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, MASKED_SCORE)
+    return jnp.where(jnp.arange(logits.shape[-1]) < head.vocab_size, logits, MASKED_SCORE)
 
 
-def _row_parts(rows: int) -> int:
-    """How many parts the traced program's `batch` mesh axes split `rows` into (1 outside a layout)."""
+def _row_parts(rows: int, rows_axis: str = "batch") -> int:
+    """How many parts the traced program's mesh axes of `rows_axis` (`batch`, or `tokens`: rows with positions
+    folded in) split `rows` into (1 outside a layout)."""
     layout = current_layout()
     if layout is None:
         return 1
-    axes = layout.activation_spec(("batch",), (rows,))[0] or ()
+    axes = layout.activation_spec((rows_axis,), (rows,))[0] or ()
     return math.prod(layout.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
 
 
@@ -117,6 +117,7 @@ class _Head:
     softcap: float | None
     chunk: int
     entropy: bool
+    rows_axis: str = "batch"  # the logical axis of the rows: `tokens` where the positions are folded into them
 
 
 def _forward(
@@ -127,7 +128,7 @@ def _forward(
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, ...]]:
         h, y = xs
-        z = _chunk_logits(h, kernel, head.vocab_size, head.temperature, head.softcap)
+        z = _chunk_logits(h, kernel, head)
         top = jnp.max(z, axis=-1, keepdims=True)
         shifted = z - top  # centred: the entropy's difference cancels no large max
         exps = jnp.exp(shifted)
@@ -173,12 +174,12 @@ def _token_stats_fwd(
 def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, None]:
     hidden, kernel, compute, labels, stats = residuals
     columns = jnp.arange(kernel.shape[0])
-    parts = _row_parts(hidden.shape[0])
-    per_part = ("batch", "vocab", "embed")  # a [parts, vocab, embed] gradient part on each device group's rows
+    parts = _row_parts(hidden.shape[0], head.rows_axis)
+    per_part = (head.rows_axis, "vocab", "embed")  # a [parts, vocab, embed] gradient part on each device group's rows
 
     def body(grad_kernel: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         h, y, lse, g_logp, *rest = xs
-        z = _chunk_logits(h, compute, head.vocab_size, head.temperature, head.softcap)
+        z = _chunk_logits(h, compute, head)
         log_p = z - lse[..., None]
         p = jnp.exp(log_p)
         # d logp / dz = onehot(label) - p;  d entropy / dz = p (sum softmax(z) z - z) = -p (log p + entropy)
@@ -227,7 +228,13 @@ def token_logprobs(
     through both."""
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of positions, got {chunk}")
+    rows, length = labels.shape
+    parts = length_parts(length)
+    if parts > 1:  # positions split over `sequence`: each device's part of a row becomes a row of its own
+        hidden = constrain(hidden.reshape(rows * parts, length // parts, hidden.shape[2]), (TOKENS, None, None))
+        labels = constrain(labels.reshape(rows * parts, length // parts), (TOKENS, None))
     chunk = max(1, min(chunk, hidden.shape[1]))
-    head = _Head(vocab_size, temperature, softcap, chunk, with_entropy)
+    head = _Head(vocab_size, temperature, softcap, chunk, with_entropy, "batch" if parts == 1 else TOKENS)
     out = _token_stats(hidden, kernel, labels.astype(jnp.int32), head)
+    out = [constrain(o.reshape(rows, length), ("batch", "length")) for o in out]
     return out[0], out[1] if with_entropy else None

@@ -7,8 +7,8 @@ a model role's row functions, the engine's steps). Inside it:
   compile-only devices of a TPU or GPU target makes the target's choices (attention kernel, dense path, cache
   blocks); outside any layout it is `jax.default_backend()`.
 - `constrain(x, axes)` pins an activation to the layout's sharding of its logical axes (`Layout.activation_spec`):
-  rows over the `batch` mesh axes, heads and MLP over `tensor`, the vocabulary of logits over `tensor`; `embed`
-  stays whole. With no layout, or one of one device, it is the identity.
+  rows over the `batch` mesh axes, positions over `sequence`, heads and MLP over `tensor`, the vocabulary of logits
+  over `tensor`; `embed` stays whole. With no layout, or one of one device, it is the identity.
 - `constrain_weight(x, axes)` pins a weight-shaped array (a gradient summed over rows) to its parameter's sharding
   (`Layout.spec`: `embed` over `fsdp`), so that the sum over the devices' rows is one reduce-scatter (or all-reduce
   and slice, where XLA chooses).
@@ -90,6 +90,16 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         return x
     spec = layout.activation_spec(logical_axes, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+
+
+def length_parts(length: int) -> int:
+    """How many parts the traced program's layout splits `length` positions of a row into (its `length` rule: the
+    `sequence` mesh axis); 1 outside a layout or where the axis does not divide `length`."""
+    layout = _LAYOUT.get()
+    if layout is None or layout.size == 1:
+        return 1
+    entry = layout.activation_spec(("length",), (length,))[0] or ()
+    return math.prod(layout.axis_size(a) for a in ((entry,) if isinstance(entry, str) else entry))
 
 
 def constrain_weight(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:

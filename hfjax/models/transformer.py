@@ -227,7 +227,8 @@ class CausalLM(_Backbone):
         given tokens use `token_logprobs`."""
         kernel = self.head_kernel
         logits = softcap_logits(self._to_float32(hidden, kernel[...]), self.config.final_softcap)
-        logits = constrain(logits, ("batch",) + (None,) * (hidden.ndim - 2) + ("vocab",))
+        positions = ("length",) if hidden.ndim == 3 else (None,) * (hidden.ndim - 2)
+        logits = constrain(logits, ("batch", *positions, "vocab"))
         return mask_vocab_padding(logits, self.config.vocab_size)
 
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 LOGICAL_AXES = (
     "batch",
     "length",
@@ -34,14 +34,26 @@ _TENSOR_PARALLEL = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", (
 # Expert parallelism: a mixture-of-experts layer's experts split over the `expert` mesh axis, which also splits rows
 # (as data parallelism does) everywhere else; a model without experts uses it as one more data-parallel axis.
 _EXPERT_PARALLEL = (("expert", ("expert",)),)
+# Sequence (context) parallelism: the positions of a row split over the `sequence` mesh axis in the training and
+# log-prob passes (attention gathers keys and values over it); under the fsdp presets the weights split over it too,
+# so its devices hold no copy of one another's weights or optimizer state.
+_SEQUENCE_PARALLEL = (("length", ("sequence",)),)
+_FSDP_WEIGHTS = (("embed", ("fsdp", "sequence")),)
 RULE_PRESETS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "fsdp": (("batch", ("data", "fsdp", "expert")), ("embed", ("fsdp",)), *_EXPERT_PARALLEL),
-    "tp": (("batch", ("data", "expert")), *_TENSOR_PARALLEL, *_EXPERT_PARALLEL),
-    "fsdp_tp": (("batch", ("data", "fsdp", "expert")), ("embed", ("fsdp",)), *_TENSOR_PARALLEL, *_EXPERT_PARALLEL),
+    "fsdp": (("batch", ("data", "fsdp", "expert")), *_FSDP_WEIGHTS, *_EXPERT_PARALLEL, *_SEQUENCE_PARALLEL),
+    "tp": (("batch", ("data", "expert")), *_TENSOR_PARALLEL, *_EXPERT_PARALLEL, *_SEQUENCE_PARALLEL),
+    "fsdp_tp": (
+        ("batch", ("data", "fsdp", "expert")),
+        *_FSDP_WEIGHTS,
+        *_TENSOR_PARALLEL,
+        *_EXPERT_PARALLEL,
+        *_SEQUENCE_PARALLEL,
+    ),
     "dp_tp_gen": (("batch", ("data", "fsdp", "expert")), *_TENSOR_PARALLEL, *_EXPERT_PARALLEL),
 }
 LAYOUT_KEYS = ("mesh", "rules", "devices")
-WEIGHT_ONLY_AXES = ("embed", "length", "head_dim")  # logical axes that split weights but never activations
+WEIGHT_ONLY_AXES = ("embed", "head_dim")  # logical axes that split weights but never activations
+TOKENS = "tokens"  # an activation axis of rows with their positions folded in: split over the batch and length axes
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -198,10 +210,12 @@ class Layout:
         return str(self.mesh.devices.flat[0].platform)
 
     def activation_spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
-        """PartitionSpec of an activation: like `spec`, except that `embed`, `length` and `head_dim` stay whole
-        (they shard weights, not activations: under `fsdp` the rows split and the weights are gathered) and a mesh
-        axis that does not divide its dimension is left out (that dimension is replicated over it)."""
+        """PartitionSpec of an activation: like `spec`, except that `embed` and `head_dim` stay whole (they shard
+        weights, not activations: under `fsdp` the rows split and the weights are gathered), `tokens` splits over the
+        mesh axes of `batch` then `length` (rows with their positions folded in), and a mesh axis that does not
+        divide its dimension is left out (that dimension is replicated over it)."""
         rules = dict(self.rules)
+        rules[TOKENS] = (*rules.get("batch", ()), *rules.get("length", ()))
         used: set[str] = set()
         entries: list[tuple[str, ...] | str | None] = []
         for size, logical in zip(shape, logical_axes, strict=True):
