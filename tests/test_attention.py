@@ -235,6 +235,30 @@ def test_decode_kernel_matches_attend_blocks(heads, kv_heads, dtype, window):
         assert np.array_equal(np.asarray(xla), np.asarray(want))
 
 
+@pytest.mark.parametrize("most_positions", [16, 8, 4])
+def test_decode_kernel_streams_blocks_in_sub_blocks(most_positions):
+    """The decode kernel's grid through each block a sub-block at a time (here 1, 2 and 4 steps per block of 16,
+    with shared-prompt blocks first and a window) gives the whole-block reference's output."""
+    block, blocks, d, prompt_blocks = 16, 4, 16, 2
+    keys, values = cache_blocks(4, 6, 2, d, block, blocks, jnp.float32)
+    q = jnp.asarray(np.random.default_rng(7).standard_normal((6, 1, 8, d)), jnp.float32)
+    prompt_lengths = jnp.asarray([1, 16, 20, 32, 7, 32], jnp.int32)
+    lengths = prompt_lengths + jnp.asarray([0, 3, 16, 31, 9, 0], jnp.int32)
+    for window in (None, 10):
+        got = attention_pallas.decode_attention(
+            q, keys, values, lengths, window, prompt_lengths, prompt_blocks=prompt_blocks, interpret=True,
+            most_positions=most_positions,
+        )  # fmt: skip
+        allowed = decode_mask(
+            lengths, block * (blocks - prompt_blocks), window,
+            prompt_lengths=prompt_lengths, prompt_positions=block * prompt_blocks,
+        )  # fmt: skip
+        want = attend_blocks(q, keys, values, allowed)
+        assert_close(got, want, np.ones(got.shape[:3], bool), jnp.float32)
+    assert attention_pallas.sub_block(16, most_positions) == most_positions
+    assert attention_pallas.sub_block(2176, 512) == 128 and attention_pallas.sub_block(2048, 512) == 512
+
+
 def test_pallas_kernels_lower_for_tpu():
     """Pallas -> Mosaic lowering for TPU from this machine (jax.export); the TPU compiler itself does not run here."""
     for heads in (4, 16):  # 4 and 8 query heads per kv head: both query layouts of the decode kernel

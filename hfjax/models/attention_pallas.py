@@ -6,9 +6,10 @@ Splash attention takes the real keys as segment ids: a row's real positions are 
 so real queries see only real keys, and padding queries see padding keys (at least themselves: no row is ever empty).
 Its sequence blocks are multiples of the TPU's 128 lanes, so the sequence is padded up to one (extra positions are
 padding, after every real query, and are cut from the output).
-The decode kernel runs one program per (slot, kv head): the query heads of that kv head against each cache block in
-turn (the slot's shared-prompt blocks, then its own, placed by its prompt length) with an online softmax in float32,
-skipping the blocks that hold no position the slot may see.
+The decode kernel runs a grid of (slot, kv head, step): the query heads of that kv head against each cache block in
+turn (the slot's shared-prompt blocks, then its own, placed by its prompt length), a sub-block of at most
+`SUB_BLOCK` positions per step, with an online softmax in float32, skipping (and not fetching) the sub-blocks that
+hold no position the slot may see: its VMEM does not grow with the context.
 XLA cannot partition a Pallas (Mosaic) kernel over devices, so over a layout of several devices `per_shard` gives each
 device whole batch rows (split over the mesh axes of the layout's `batch` rule) and whole groups of query heads with
 their kv head (split over those of its `heads` and `kv_heads` rules: the tensor axis in the presets), so that no shard
@@ -92,37 +93,83 @@ def splash_causal_attention(
     return out.transpose(0, 2, 1, 3)[:, :t]
 
 
+_KERNEL_PRECISION = jax.lax.Precision.DEFAULT
+SUB_BLOCK = 512  # the most positions of a cache block the decode kernel holds in VMEM at once (per operand)
+
+
+def sub_block(block: int, most: int = SUB_BLOCK) -> int:
+    """Positions per step of the decode kernel's grid through a cache block of `block` positions: the largest
+    divisor of `block` up to `most` that is a multiple of the TPU's 128 lanes (or `block` itself, when no such
+    divisor exists: a block under 128 positions, as CPU tests use)."""
+    for size in range(min(block, most), 0, -1):
+        if block % size == 0 and size % LANES == 0:
+            return size
+    return block if block <= most else next(s for s in range(most, 0, -1) if block % s == 0)
+
+
+class _DecodeBlocks:
+    """Where the decode kernel's grid step `step` is for a slot: block `i` of `blocks` (the first `prompt_blocks`
+    the slot's shared-prompt blocks, the rest its own) covers steps i * subs .. (i + 1) * subs - 1, one sub-block of
+    `sub` positions each."""
+
+    def __init__(self, blocks: int, block: int, sub: int, prompt_blocks: int):
+        self.blocks, self.block, self.sub, self.prompt_blocks = blocks, block, sub, prompt_blocks
+        self.subs = block // sub
+
+    def start(self, i: int, prompt: jax.Array) -> jax.Array:
+        """The first position of block `i`: prompt block i holds positions i * block..; own block i -
+        prompt_blocks holds positions prompt + (i - prompt_blocks) * block.. ."""
+        own = i - self.prompt_blocks
+        return jnp.int32(i * self.block) if own < 0 else prompt + own * self.block
+
+    def end(self, i: int, length: jax.Array, prompt: jax.Array) -> jax.Array:
+        """The first position past block `i`'s visible ones: the prompt's end, or the slot's position + 1."""
+        return prompt if i < self.prompt_blocks else length + 1
+
+    def fetched(self, i: int, step: jax.Array, length: jax.Array, prompt: jax.Array) -> jax.Array:
+        """The sub-block of block `i` that the grid holds at `step`: its own while the grid is in block `i`, else
+        the nearest; never past the last that holds a visible position, so that a step there fetches nothing new
+        (the pipeline copies a block only when its index changes)."""
+        last = jax.lax.div(self.end(i, length, prompt) - 1 - self.start(i, prompt), jnp.int32(self.sub))
+        last = jax.lax.max(jax.lax.min(last, jnp.int32(self.subs - 1)), jnp.int32(0))  # lax: index maps take scalars
+        return jax.lax.max(jax.lax.min(step - i * self.subs, last), jnp.int32(0))
+
+
 def _decode_kernel(
     lengths_ref: jax.Array,
     prompt_ref: jax.Array,
     q_ref: jax.Array,
     *refs: jax.Array,
-    blocks: int,
-    block: int,
-    prompt_blocks: int,
+    where: _DecodeBlocks,
     window: int | None,
 ) -> None:
-    keys, values = refs[:blocks], refs[blocks : 2 * blocks]
-    out_ref, max_ref, sum_ref, acc_ref = refs[2 * blocks :]
+    keys, values = refs[: where.blocks], refs[where.blocks : 2 * where.blocks]
+    out_ref, max_ref, sum_ref, acc_ref = refs[2 * where.blocks :]
+    step = pl.program_id(2)
     length, prompt = lengths_ref[pl.program_id(0)], prompt_ref[pl.program_id(0)]
-    max_ref[...] = jnp.full(max_ref.shape, MASKED_SCORE, jnp.float32)
-    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(step == 0)
+    def _() -> None:
+        max_ref[...] = jnp.full(max_ref.shape, MASKED_SCORE, jnp.float32)
+        sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
     q = q_ref[...]  # [group, d]
     scale = q.shape[-1] ** -0.5
-    for i in range(blocks):
-        # prompt block i holds positions i*block.. (real below the prompt length); own block i - prompt_blocks
-        # holds positions prompt + (i - prompt_blocks)*block.. (real up to the slot's length)
-        start = i * block if i < prompt_blocks else prompt + (i - prompt_blocks) * block
-        end = prompt if i < prompt_blocks else length + 1  # the first position past the block's visible ones
-        seen = start < end  # the block holds a visible position (and, with a window, one > length - window)
+    for i in range(where.blocks):
+        part = step - i * where.subs  # this step's sub-block of block i (outside 0..subs-1: another block's step)
+        start = where.start(i, prompt) + part * where.sub
+        end = where.end(i, length, prompt)
+        seen = (part >= 0) & (part < where.subs) & (start < end)  # a visible position (and one in the window)
         if window is not None:
-            seen &= length - (start + block - 1) < window
+            seen &= length - (start + where.sub - 1) < window
 
         @pl.when(seen)
         def _(i: int = i, start: jax.Array = start, end: jax.Array = end) -> None:
             key = keys[i][...].astype(q.dtype)  # exact: a float32 query only widens the products
-            scores = jnp.dot(q, key, preferred_element_type=jnp.float32) * scale  # [group, block]
+            # the dots' precision is explicit: Mosaic takes no HIGHEST for bf16 operands (a process-wide
+            # jax_default_matmul_precision would otherwise reach them)
+            scores = jnp.dot(q, key, precision=_KERNEL_PRECISION, preferred_element_type=jnp.float32) * scale
             position = start + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
             allowed = position < end
             if window is not None:
@@ -135,12 +182,14 @@ def _decode_kernel(
             sum_ref[...] = decay * sum_ref[...] + jnp.sum(probs, axis=-1, keepdims=True)
             value = values[i][...]
             acc_ref[...] = decay * acc_ref[...] + jnp.dot(
-                probs.astype(value.dtype), value, preferred_element_type=jnp.float32
+                probs.astype(value.dtype), value, precision=_KERNEL_PRECISION, preferred_element_type=jnp.float32
             )
             max_ref[...] = new_max
 
-    total = sum_ref[...]  # 0 only when no block was seen (a slot with nothing to see): the output is then 0
-    out_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
+    @pl.when(step == pl.num_programs(2) - 1)
+    def _() -> None:
+        total = sum_ref[...]  # 0 only when no block was seen (a slot with nothing to see): the output is then 0
+        out_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(out_ref.dtype)
 
 
 def decode_attention(
@@ -153,27 +202,44 @@ def decode_attention(
     *,
     prompt_blocks: int = 0,
     interpret: bool,
+    most_positions: int = SUB_BLOCK,
 ) -> jax.Array:
     """One query per slot at position `lengths` [S] over its cache blocks, scores and softmax in float32:
     q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]. The
     first `prompt_blocks` blocks are the slot's shared-prompt blocks (real below `prompt_lengths` [S]), the others
-    its own, from position prompt length on (`hfjax.models.attention.decode_key_positions`)."""
+    its own, from position prompt length on (`hfjax.models.attention.decode_key_positions`).
+
+    The grid runs (slot, kv head, step): the steps stream the blocks through VMEM `sub_block(B, most_positions)`
+    positions at a time, so the kernel's scoped VMEM does not grow with the context (the block size), only with
+    the number of blocks (bounded by the engine); a step past a slot's last visible position fetches nothing."""
     slots, _, heads, d = q.shape
     kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[3]
     group, count = heads // kv_heads, len(key_blocks)
     prompt_lengths = jnp.zeros_like(lengths) if prompt_lengths is None else prompt_lengths
+    where = _DecodeBlocks(count, block, sub_block(block, most_positions), prompt_blocks)
 
-    def spec(*shape: int | None) -> pl.BlockSpec:
-        return pl.BlockSpec((None, *shape), lambda slot, head, lengths, prompts: (slot, head, 0, 0))
+    def whole(*shape: int | None) -> pl.BlockSpec:
+        return pl.BlockSpec((None, *shape), lambda slot, head, step, lengths, prompts: (slot, head, 0, 0))
+
+    def streamed(i: int, keys: bool) -> pl.BlockSpec:
+        def index(slot, head, step, lengths, prompts):
+            part = where.fetched(i, step, lengths[slot], prompts[slot])
+            return (slot, head, 0, part) if keys else (slot, head, part, 0)
+
+        return pl.BlockSpec((None, None, d, where.sub) if keys else (None, None, where.sub, d), index)
 
     if group % 8:  # as JAX's paged attention does: a [.., 1, d] float32 query, else XLA tiles it 8 rows deep
-        queries, query_spec = q.reshape(slots, heads, 1, d).astype(jnp.float32), spec(group, None, d)
+        queries, query_spec = q.reshape(slots, heads, 1, d).astype(jnp.float32), whole(group, None, d)
     else:
-        queries, query_spec = q.reshape(slots, kv_heads, group, d), spec(None, group, d)
+        queries, query_spec = q.reshape(slots, kv_heads, group, d), whole(None, group, d)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(slots, kv_heads),
-        in_specs=[query_spec, *[spec(None, d, block)] * count, *[spec(None, block, d)] * count],
+        grid=(slots, kv_heads, count * where.subs),
+        in_specs=[
+            query_spec,
+            *[streamed(i, keys=True) for i in range(count)],
+            *[streamed(i, keys=False) for i in range(count)],
+        ],
         out_specs=query_spec,
         scratch_shapes=[
             pltpu.VMEM((group, 1), jnp.float32),
@@ -181,12 +247,12 @@ def decode_attention(
             pltpu.VMEM((group, d), jnp.float32),
         ],
     )
-    kernel = functools.partial(_decode_kernel, blocks=count, block=block, prompt_blocks=prompt_blocks, window=window)
+    kernel = functools.partial(_decode_kernel, where=where, window=window)
     out = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(queries.shape, queries.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
     )(lengths.astype(jnp.int32), prompt_lengths.astype(jnp.int32), queries, *key_blocks, *value_blocks)
     return out.reshape(slots, 1, heads, d).astype(value_blocks[0].dtype)
