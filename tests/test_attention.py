@@ -259,6 +259,27 @@ def test_decode_kernel_streams_blocks_in_sub_blocks(most_positions):
     assert attention_pallas.sub_block(2176, 512) == 128 and attention_pallas.sub_block(2048, 512) == 512
 
 
+@pytest.mark.parametrize("parts", [1, 2])
+def test_decode_kernel_reads_the_prompt_pool_in_place(parts):
+    """Prompt blocks given as a shared pool and each slot's table (slots of one prompt share blocks; with 2 parts
+    each half of the slots reads its own part of the pool): the kernel's output equals xla over the gathered blocks."""
+    block, d, pool_blocks, slots = 16, 16, 5, 6
+    rng = np.random.default_rng(11)
+    pool_keys = jnp.asarray(rng.standard_normal((parts, pool_blocks, 2, d, block)), jnp.float32)
+    pool_values = jnp.asarray(rng.standard_normal((parts, pool_blocks, 2, block, d)), jnp.float32)
+    table = jnp.asarray(rng.integers(0, pool_blocks, (slots, 2)), jnp.int32)
+    keys, values = cache_blocks(4, slots, 2, d, block, 2, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((slots, 1, 8, d)), jnp.float32)
+    prompt_lengths = jnp.asarray([1, 16, 20, 32, 7, 30], jnp.int32)
+    lengths = prompt_lengths + jnp.asarray([0, 3, 16, 31, 9, 1], jnp.int32)
+    pool = (pool_keys, pool_values, table)
+    got = decode_attention(
+        q, keys, values, lengths, 12, prompt_lengths=prompt_lengths, prompt_pool=pool, implementation="pallas_interpret"
+    )
+    want = decode_attention(q, keys, values, lengths, 12, prompt_lengths=prompt_lengths, prompt_pool=pool)
+    assert_close(got, want, np.ones(got.shape[:3], bool), jnp.float32)
+
+
 def test_pallas_kernels_lower_for_tpu():
     """Pallas -> Mosaic lowering for TPU from this machine (jax.export); the TPU compiler itself does not run here."""
     for heads in (4, 16):  # 4 and 8 query heads per kv head: both query layouts of the decode kernel

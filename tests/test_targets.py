@@ -140,23 +140,23 @@ def test_v5e_memory_limit_is_libtpus() -> None:
 @pytest.mark.parametrize("block", [2176, 8192])
 def test_decode_kernel_compiles_for_tpu_at_any_block_size(block: int) -> None:
     """The Pallas decode kernel for one v5p chip at Llama-3.1-8B's 1k + 16k shape (64 slots, 4 kv heads and 16 query
-    heads per device, 9 blocks of 2,176 positions; the kernel that took each block whole needed 19.17 MiB of its
-    16 MiB scoped VMEM) and at 9 blocks of 8,192 (74k positions): the kernel streams sub-blocks through its grid, so
-    it compiles, with the same few temporaries, whatever the block size."""
+    heads per device, 8 own blocks of 2,176 positions and a prompt block read in a shared pool of 16 blocks; the
+    kernel that took each block whole needed 19.17 MiB of its 16 MiB scoped VMEM) and with blocks of 8,192 (74k
+    positions): the kernel streams sub-blocks through its grid, so it compiles, with the same few temporaries,
+    whatever the block size."""
     from jax.sharding import SingleDeviceSharding
 
     from hfjax.models import attention_pallas
 
     device = SingleDeviceSharding(target_devices(parse_target("v5p:2x2x1"))[0])
-    slots, kv_heads, d, blocks = 64, 4, 128, 9
+    slots, kv_heads, d, blocks = 64, 4, 128, 8
 
     def spec(*shape: int, dtype=jnp.bfloat16) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=device)
 
-    def decode(q, keys, values, lengths, prompts):
-        return attention_pallas.decode_attention(
-            q, keys, values, lengths, None, prompts, prompt_blocks=1, interpret=False
-        )
+    def decode(q, keys, values, lengths, prompts, pool_keys, pool_values, table):
+        pool = (pool_keys, pool_values, table)
+        return attention_pallas.decode_attention(q, keys, values, lengths, None, prompts, pool=pool, interpret=False)
 
     args = (
         spec(slots, 1, 4 * kv_heads, d),
@@ -164,6 +164,9 @@ def test_decode_kernel_compiles_for_tpu_at_any_block_size(block: int) -> None:
         [spec(slots, kv_heads, block, d)] * blocks,
         spec(slots, dtype=jnp.int32),
         spec(slots, dtype=jnp.int32),
+        spec(1, 16, kv_heads, d, block),
+        spec(1, 16, kv_heads, block, d),
+        spec(slots, 1, dtype=jnp.int32),
     )
     compiled = jax.jit(decode).lower(*args).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 4 * 2**20

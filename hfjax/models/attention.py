@@ -423,6 +423,16 @@ def decode_kernel(softcap: float | None = None, implementation: str | None = Non
     return name
 
 
+def gather_prompt_blocks(pool: jax.Array, table: jax.Array) -> list[jax.Array]:
+    """The prompt blocks [S, ...] of every slot (`table` [S, n], slots in the order of the pool's parts) from a
+    layer's `pool` [parts, pool blocks, ...]: n arrays, one per table column, each a block of the decode layout.
+    Vmapped over the parts, so a part reads only its own pool (a parts-sharded pool is gathered shard by shard)."""
+    parts, slots = pool.shape[0], table.shape[0]
+    local = table.reshape(parts, slots // parts, table.shape[1])
+    take = jax.vmap(lambda part_pool, ids: part_pool[ids])
+    return [take(pool, local[..., j]).reshape(slots, *pool.shape[2:]) for j in range(table.shape[1])]
+
+
 def decode_attention(
     q: jax.Array,
     key_blocks: Sequence[jax.Array],
@@ -432,6 +442,7 @@ def decode_attention(
     *,
     prompt_lengths: jax.Array | None = None,
     prompt_blocks: int = 0,
+    prompt_pool: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     softcap: float | None = None,
     implementation: str | None = None,
 ) -> jax.Array:
@@ -439,23 +450,32 @@ def decode_attention(
     [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]. The first `prompt_blocks` blocks are
     the slot's shared-prompt blocks (prompt block j holds positions j*B.., real below `prompt_lengths` [S]), the
     others its own (own block i holds positions prompt length + i*B..; without prompt lengths, i*B..). A slot sees
-    the real positions <= its length (and within `window`). Under an `program_layout` of several devices the Pallas
-    kernel runs per shard (xla where the operands do not split by the layout); with `softcap` it runs as xla."""
+    the real positions <= its length (and within `window`). With `prompt_pool` (a layer's pool keys, pool values and
+    the slots' prompt table, `gather_prompt_blocks`) the blocks given are the own ones and the prompt blocks are the
+    table's: the Pallas kernel reads them in the pool, the xla path gathers them. Under an `program_layout` of
+    several devices the Pallas kernel runs per shard (xla where the operands do not split by the layout); with
+    `softcap` it runs as xla."""
     name = decode_kernel(softcap, implementation)
     if name is not None:
         from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
-        def kernel(q, keys, values, lengths, prompt_lengths) -> jax.Array:  # the operands split by DECODE_AXES
-            interpret = name == "pallas_interpret"
+        def kernel(q, keys, values, lengths, prompt_lengths, pool_keys, pool_values, table) -> jax.Array:
+            pool = None if table is None else (pool_keys, pool_values, table)  # the operands split by DECODE_AXES
             return attention_pallas.decode_attention(
-                q, keys, values, lengths, window, prompt_lengths, prompt_blocks=prompt_blocks, interpret=interpret
-            )
+                q, keys, values, lengths, window, prompt_lengths, prompt_blocks=prompt_blocks, pool=pool,
+                interpret=name == "pallas_interpret",
+            )  # fmt: skip
 
         starts = jnp.zeros_like(lengths) if prompt_lengths is None else prompt_lengths
-        operands = (q, tuple(key_blocks), tuple(value_blocks), lengths, starts)
+        operands = (q, tuple(key_blocks), tuple(value_blocks), lengths, starts, *(prompt_pool or (None,) * 3))
         out = attention_pallas.per_shard(kernel, operands, attention_pallas.DECODE_AXES, current_layout())
         if out is not None:
             return out
+    if prompt_pool is not None:
+        pool_keys, pool_values, table = prompt_pool
+        prompt_blocks = table.shape[1]
+        key_blocks = (*gather_prompt_blocks(pool_keys, table), *key_blocks)
+        value_blocks = (*gather_prompt_blocks(pool_values, table), *value_blocks)
     block = key_blocks[0].shape[-1]
     own_positions = block * (len(key_blocks) - prompt_blocks)
     allowed = decode_mask(

@@ -44,7 +44,9 @@ QUERY_AXES: Axes = ("batch", None, "heads", None)  # q [b, t, heads, d] and the 
 KV_AXES: Axes = ("batch", None, "kv_heads", None)  # k, v [b, t, kv_heads, d]
 BLOCK_AXES: Axes = ("batch", "kv_heads", None, None)  # keys [S, kv_heads, d, B] and values [S, kv_heads, B, d]
 CAUSAL_AXES = (QUERY_AXES, KV_AXES, KV_AXES, ("batch", None))  # q, k, v, valid
-DECODE_AXES = (QUERY_AXES, BLOCK_AXES, BLOCK_AXES, ("batch",), ("batch",))  # q, blocks, lengths, prompt lengths
+POOL_AXES: Axes = ("batch", None, "kv_heads", None, None)  # a shared prompt pool [parts, pool blocks, kv_heads, ..]
+# q, own blocks, lengths, prompt lengths, and the shared prompt pool's keys, values and table (or None each)
+DECODE_AXES = (QUERY_AXES, BLOCK_AXES, BLOCK_AXES, ("batch",), ("batch",), POOL_AXES, POOL_AXES, ("batch", None))
 
 
 @functools.lru_cache(maxsize=64)
@@ -138,6 +140,7 @@ class _DecodeBlocks:
 def _decode_kernel(
     lengths_ref: jax.Array,
     prompt_ref: jax.Array,
+    table_ref: jax.Array,
     q_ref: jax.Array,
     *refs: jax.Array,
     where: _DecodeBlocks,
@@ -201,6 +204,7 @@ def decode_attention(
     prompt_lengths: jax.Array | None = None,
     *,
     prompt_blocks: int = 0,
+    pool: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     interpret: bool,
     most_positions: int = SUB_BLOCK,
 ) -> jax.Array:
@@ -211,20 +215,39 @@ def decode_attention(
 
     The grid runs (slot, kv head, step): the steps stream the blocks through VMEM `sub_block(B, most_positions)`
     positions at a time, so the kernel's scoped VMEM does not grow with the context (the block size), only with
-    the number of blocks (bounded by the engine); a step past a slot's last visible position fetches nothing."""
+    the number of blocks (bounded by the engine); a step past a slot's last visible position fetches nothing.
+
+    With `pool` (pool keys [parts, pool blocks, kv_heads, d, B], pool values [parts, pool blocks, kv_heads, B, d],
+    `table` [S, n]: each slot's prompt blocks, ids in its part's pool; slots in the order of the parts) the n prompt
+    blocks are read where they lie in the shared pool, through the grid's index maps (no per-slot copy), and
+    `key_blocks` / `value_blocks` are the slot's own blocks only."""
     slots, _, heads, d = q.shape
     kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[3]
-    group, count = heads // kv_heads, len(key_blocks)
     prompt_lengths = jnp.zeros_like(lengths) if prompt_lengths is None else prompt_lengths
+    if pool is not None:
+        pool_keys, pool_values, table = pool
+        parts, pool_blocks = pool_keys.shape[:2]
+        prompt_blocks, per_part = table.shape[1], slots // parts
+        pool_keys, pool_values = (x.reshape(parts * pool_blocks, *x.shape[2:]) for x in (pool_keys, pool_values))
+        table = (table + (jnp.arange(slots, dtype=jnp.int32) // per_part * pool_blocks)[:, None]).reshape(-1)
+        key_blocks, value_blocks = (
+            (pool_keys,) * prompt_blocks + tuple(key_blocks),
+            ((pool_values,) * prompt_blocks + tuple(value_blocks)),
+        )
+    else:
+        table = jnp.zeros((1,), jnp.int32)
+    group, count = heads // kv_heads, len(key_blocks)
     where = _DecodeBlocks(count, block, sub_block(block, most_positions), prompt_blocks)
+    pooled = pool is not None
 
     def whole(*shape: int | None) -> pl.BlockSpec:
-        return pl.BlockSpec((None, *shape), lambda slot, head, step, lengths, prompts: (slot, head, 0, 0))
+        return pl.BlockSpec((None, *shape), lambda slot, head, step, lengths, prompts, table: (slot, head, 0, 0))
 
     def streamed(i: int, keys: bool) -> pl.BlockSpec:
-        def index(slot, head, step, lengths, prompts):
+        def index(slot, head, step, lengths, prompts, table):
             part = where.fetched(i, step, lengths[slot], prompts[slot])
-            return (slot, head, 0, part) if keys else (slot, head, part, 0)
+            row = table[slot * prompt_blocks + i] if pooled and i < prompt_blocks else slot  # a pool block, or own
+            return (row, head, 0, part) if keys else (row, head, part, 0)
 
         return pl.BlockSpec((None, None, d, where.sub) if keys else (None, None, where.sub, d), index)
 
@@ -233,7 +256,7 @@ def decode_attention(
     else:
         queries, query_spec = q.reshape(slots, kv_heads, group, d), whole(None, group, d)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(slots, kv_heads, count * where.subs),
         in_specs=[
             query_spec,
@@ -254,7 +277,7 @@ def decode_attention(
         out_shape=jax.ShapeDtypeStruct(queries.shape, queries.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
-    )(lengths.astype(jnp.int32), prompt_lengths.astype(jnp.int32), queries, *key_blocks, *value_blocks)
+    )(lengths.astype(jnp.int32), prompt_lengths.astype(jnp.int32), table, queries, *key_blocks, *value_blocks)
     return out.reshape(slots, 1, heads, d).astype(value_blocks[0].dtype)
 
 

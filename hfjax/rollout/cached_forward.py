@@ -15,8 +15,8 @@ the attention step replaced by the model's attention functions (`causal_attentio
 only the new tokens run through the model, attending over the cached history, so a turn costs its own tokens, not a
 re-prefill of everything before it.
 Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
-(slots x positions x kv heads x head_dim x 2 per layer; XLA attention reads the prompt pool in place, the Pallas
-kernel gets each slot's prompt blocks gathered from the pool).
+(slots x positions x kv heads x head_dim x 2 per layer; both the XLA attention and the Pallas kernel read the
+prompt pool in place; `extend_slots_forward` gathers each slot's prompt blocks).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from hfjax.models.attention import (
     decode_mask,
     extend_attention,
     extend_blocks_attention,
+    gather_prompt_blocks,
 )
 from hfjax.models.transformer import CausalLM
 from hfjax.rollout.pooled_attention import PoolReaders, pooled_decode_attention
@@ -126,16 +127,6 @@ class PromptBlocks(NamedTuple):
     table: jax.Array
     lengths: jax.Array
     readers: PoolReaders | None = None
-
-
-def gather_prompt_blocks(pool: jax.Array, table: jax.Array) -> list[jax.Array]:
-    """The prompt blocks [S, ...] of every slot (`table` [S, n], slots in the order of the pool's parts) from a
-    layer's `pool` [parts, pool blocks, ...]: n arrays, one per table column, each a block of the decode layout.
-    Vmapped over the parts, so a part reads only its own pool (a parts-sharded pool is gathered shard by shard)."""
-    parts, slots = pool.shape[0], table.shape[0]
-    local = table.reshape(parts, slots // parts, table.shape[1])
-    take = jax.vmap(lambda part_pool, ids: part_pool[ids])
-    return [take(pool, local[..., j]).reshape(slots, *pool.shape[2:]) for j in range(table.shape[1])]
 
 
 def extend_slots_forward(
@@ -253,18 +244,10 @@ def decode_forward(
                     q, prompt.keys[index], prompt.values[index], prompt.table, prompt.readers, kb, vb, allowed,
                     layer.softcap,
                 )  # fmt: skip
-            pk = gather_prompt_blocks(prompt.keys[index], prompt.table)
-            pv = gather_prompt_blocks(prompt.values[index], prompt.table)
             return decode_attention(
-                q,
-                (*pk, *kb),
-                (*pv, *vb),
-                lengths,
-                layer.window,
-                prompt_lengths=prompt.lengths,
-                prompt_blocks=len(pk),
-                softcap=layer.softcap,
-            )
+                q, kb, vb, lengths, layer.window, prompt_lengths=prompt.lengths,
+                prompt_pool=(prompt.keys[index], prompt.values[index], prompt.table), softcap=layer.softcap,
+            )  # fmt: skip
 
         x = layer.block(x, *tables[layer.rope], attend)
     logits = model.logits(decoder.norm(x[:, 0]))
