@@ -140,3 +140,36 @@ def test_a_generation_layout_with_a_sequence_axis_is_refused(tmp_path):
     config = rl_config(inputs, tmp_path / "run", "grpo", rollout={"gen_layout": {"mesh": {"data": 4, "sequence": 2}}})
     with pytest.raises(ValueError, match=r"rollout.gen_layout: mesh axis 'sequence' \(size 2\)"):
         load_rl_config(config)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_splash_kernels_per_position_shard_match_the_reference(window):
+    """Under `fsdp: 2, sequence: 2, tensor: 2` the splash kernels (interpret mode) run per shard with each device's
+    positions against every key (one kernel per query offset): outputs and the gradients of q, k and v equal xla
+    attention over whole rows on one device, with left padding and packed rows."""
+    from support.attention_cases import assert_close, output_and_grads, qkv_inputs
+
+    from hfjax.models.attention import attention_mask, causal_attention, dot_product_attention
+
+    layout = Layout.from_config(LAYOUTS["fsdp2_sequence2_tensor2"])
+    t = 24
+    q, k, v = qkv_inputs(3, 4, t, 4, 2, 8, jnp.float32)
+    valid = np.ones((4, t), np.int32)
+    valid[0, :9] = 0
+    valid[1, 10:17], valid[1, 17:] = 2, 3
+    valid = jnp.asarray(valid)
+    index = jnp.arange(t)
+    mask = attention_mask(valid, index, index, window)
+
+    def attend(q, k, v):
+        with program_layout(layout):
+            return causal_attention(q, k, v, valid=valid, window=window, implementation="pallas_interpret")
+
+    out, grads = output_and_grads(attend, q, k, v, valid > 0)
+    want, want_grads = output_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask), q, k, v, valid > 0)
+    real = np.asarray(valid) > 0
+    assert_close(out, want, real, jnp.float32)
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert_close(got, expected, np.ones(real.shape, bool), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(attend)(q, k, v))
+    assert "pallas_call" in jaxpr and "shard_map" in jaxpr

@@ -277,13 +277,28 @@ def causal_attention(
     if softcap is not None and name != "xla":
         _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its kernels")
         name = "xla"
-    if length_parts(q.shape[1]) > 1:
-        if name != "xla":
-            _fall_back(name, "the sequence mesh axis splits the positions; its kernels take whole rows")
-        if mask is None:
-            index = jnp.arange(q.shape[1], dtype=jnp.int32)
-            valid = valid if valid is not None else index[None, :] < lengths[:, None]
-            mask = attention_mask(valid, index, index, window)
+    parts = length_parts(q.shape[1])
+    if parts > 1:
+        index = jnp.arange(q.shape[1], dtype=jnp.int32)
+        if valid is None:
+            valid = index[None, :] < lengths[:, None] if lengths is not None else jnp.diagonal(mask, axis1=1, axis2=2)
+        if name in PALLAS:
+            from hfjax.models import attention_pallas  # Pallas loads only when it runs
+
+            layout = current_layout()
+            entry = layout.activation_spec(("length",), (q.shape[1],))[0]
+            kernel = functools.partial(
+                attention_pallas.splash_split_positions_attention, window=window, parts=parts,
+                axes=(entry,) if isinstance(entry, str) else tuple(entry), interpret=name == "pallas_interpret",
+            )  # fmt: skip
+            out = attention_pallas.per_shard(
+                kernel, (q, k, v, valid, valid), attention_pallas.SPLIT_CAUSAL_AXES, layout
+            )
+            if out is not None:
+                return out
+        elif name != "xla":
+            _fall_back(name, "the sequence mesh axis splits the positions; the cuDNN kernel takes whole rows")
+        mask = mask if mask is not None else attention_mask(valid, index, index, window)
         return split_positions_attention(q, k, v, mask, softcap)
     if name == "cudnn":
         limit = _cudnn_head_dim_limit(q.shape[-1])

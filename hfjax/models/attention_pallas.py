@@ -44,18 +44,26 @@ QUERY_AXES: Axes = ("batch", None, "heads", None)  # q [b, t, heads, d] and the 
 KV_AXES: Axes = ("batch", None, "kv_heads", None)  # k, v [b, t, kv_heads, d]
 BLOCK_AXES: Axes = ("batch", "kv_heads", None, None)  # keys [S, kv_heads, d, B] and values [S, kv_heads, B, d]
 CAUSAL_AXES = (QUERY_AXES, KV_AXES, KV_AXES, ("batch", None))  # q, k, v, valid
+# q and its segment ids split by position (over the `length` rule's axes), k, v and theirs whole
+SPLIT_CAUSAL_AXES = (("batch", "length", "heads", None), KV_AXES, KV_AXES, ("batch", "length"), ("batch", None))
 POOL_AXES: Axes = ("batch", None, "kv_heads", None, None)  # a shared prompt pool [parts, pool blocks, kv_heads, ..]
 # q, own blocks, lengths, prompt lengths, and the shared prompt pool's keys, values and table (or None each)
 DECODE_AXES = (QUERY_AXES, BLOCK_AXES, BLOCK_AXES, ("batch",), ("batch",), POOL_AXES, POOL_AXES, ("batch", None))
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(length: int, heads: int, window: int | None, interpret: bool) -> splash.SplashAttentionKernel:
-    """The splash kernel for causal attention (within `window` when set) of `heads` query heads over `length`
-    positions (a multiple of 128). Built once per shape, with its block tables as concrete arrays."""
-    shape = (length, length)
-    mask = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), offset=0)
-    block = next(size for size in (512, 256, LANES) if length % size == 0)
+def _splash_kernel(
+    queries: int, keys: int, heads: int, window: int | None, offset: int, interpret: bool
+) -> splash.SplashAttentionKernel:
+    """The splash kernel for causal attention (within `window` when set) of `heads` query heads at positions
+    offset..offset + queries - 1 over `keys` positions from 0 (both multiples of 128). Built once per shape, with its
+    block tables as concrete arrays."""
+    shape = (queries, keys)
+    if window is None:
+        mask = splash.CausalMask(shape, offset=offset)
+    else:
+        mask = splash.LocalMask(shape, (window - 1, 0), offset=offset)
+    block = next(size for size in (512, 256, LANES) if queries % size == 0 and keys % size == 0)
     sizes = splash.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -72,27 +80,62 @@ def _splash_kernel(length: int, heads: int, window: int | None, interpret: bool)
         )
 
 
+def _splash(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_valid: jax.Array, valid: jax.Array, window: int | None, offset: int,
+    interpret: bool,
+) -> jax.Array:  # fmt: skip
+    """Splash attention of queries q [b, tq, heads, d] at positions offset.. over keys k, v [b, t, kv_heads, d] from
+    position 0; `q_valid` [b, tq] and `valid` [b, t] their segment ids (0: padding). Each length is padded up to a
+    multiple of 128 with padding positions after the real ones (cut from the output)."""
+    _, tq, heads, d = q.shape
+    q_pad, kv_pad = -tq % LANES, -k.shape[1] % LANES
+
+    def heads_major(x: jax.Array, pad: int) -> jax.Array:
+        return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+
+    q_segments = jnp.pad(q_valid.astype(jnp.int32), ((0, 0), (0, q_pad)))
+    kv_segments = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, kv_pad)))
+    kernel = _splash_kernel(tq + q_pad, k.shape[1] + kv_pad, heads, window, offset, interpret)
+
+    def one_row(q: jax.Array, k: jax.Array, v: jax.Array, q_segment: jax.Array, kv_segment: jax.Array) -> jax.Array:
+        return kernel(q, k, v, segment_ids=splash.SegmentIds(q_segment, kv_segment))
+
+    scaled = q * jnp.asarray(d**-0.5, q.dtype)  # splash attention does not scale the scores
+    out = jax.vmap(one_row)(
+        heads_major(scaled, q_pad), heads_major(k, kv_pad), heads_major(v, kv_pad), q_segments, kv_segments
+    )
+    return out.transpose(0, 2, 1, 3)[:, :tq]
+
+
 def splash_causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, window: int | None, *, interpret: bool
 ) -> jax.Array:
     """Causal self-attention by splash attention: q [b, t, heads, d]; k, v [b, t, kv_heads, d]; valid [b, t] (real
     keys 1, or the segment ids of packed sequences; padding 0) -> [b, t, heads, d]. Differentiable (splash
     attention's own backward kernels)."""
-    _, t, heads, d = q.shape
-    pad = -t % LANES
+    return _splash(q, k, v, valid, valid, window, 0, interpret)
 
-    def heads_major(x: jax.Array) -> jax.Array:
-        return jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
 
-    segments = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, pad)))
-    kernel = _splash_kernel(t + pad, heads, window, interpret)
-
-    def one_row(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> jax.Array:
-        return kernel(q, k, v, segment_ids=splash.SegmentIds(segment, segment))
-
-    scaled = q * jnp.asarray(d**-0.5, q.dtype)  # splash attention does not scale the scores
-    out = jax.vmap(one_row)(heads_major(scaled), heads_major(k), heads_major(v), segments)
-    return out.transpose(0, 2, 1, 3)[:, :t]
+def splash_split_positions_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_valid: jax.Array,
+    valid: jax.Array,
+    window: int | None,
+    *,
+    axes: tuple[str, ...],
+    parts: int,
+    interpret: bool,
+) -> jax.Array:
+    """Splash attention of one device's share of the positions (inside a `shard_map` whose mesh axes `axes` split
+    the positions into N = `parts`): q [b, t / N, heads, d] and `q_valid` [b, t / N] are this device's positions,
+    k, v [b, t, kv_heads, d] and `valid` [b, t] every position. The device's place along `axes` picks one of N
+    kernels, each with its queries' offset in its mask (splash masks are static), so each skips the key blocks past
+    its queries."""
+    local = q.shape[1]
+    kernels = [functools.partial(_splash, window=window, offset=i * local, interpret=interpret) for i in range(parts)]
+    return jax.lax.switch(jax.lax.axis_index(axes), kernels, q, k, v, q_valid, valid)
 
 
 _KERNEL_PRECISION = jax.lax.Precision.DEFAULT
