@@ -1,6 +1,7 @@
 """Scaling read from compiled programs (not timed): the actor's loss-and-gradient, its log-prob pass and the engine's
 decode step of a small model (4 layers, 8 heads, a 32k vocabulary) on 8 fake devices. Under `data=2,fsdp=4` and
-`fsdp=4,tensor=2` each device does about 1/8 of one device's FLOPs, and under `data=2,fsdp=4` the collectives are
+`fsdp=4,tensor=2` and `fsdp=4,sequence=2` (positions split over the sequence axis) each device does about 1/8 of
+one device's FLOPs, and under `data=2,fsdp=4` the collectives are
 the weights' (gathers of parameters, reductions of gradients), never an activation's or the logits'. The engine's
 largest prefill under `data=4` does about 1/4 of one device's FLOPs on each device (each data shard prefills its
 own rows)."""
@@ -42,6 +43,10 @@ LAYOUTS = {
         {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"},
         {"mesh": {"data": 4, "tensor": 2}, "rules": "dp_tp_gen"},
     ),
+    "fsdp=4,sequence=2": (
+        {"mesh": {"fsdp": 4, "sequence": 2}, "rules": "fsdp"},
+        {"mesh": {"data": 8}, "rules": "dp_tp_gen"},
+    ),
 }
 COLLECTIVE = re.compile(r"= (\([^=]*\)|\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
 ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
@@ -49,14 +54,15 @@ ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]")
 
 @functools.cache
 def compiled_programs(name: str) -> dict[str, jax.stages.Compiled]:
-    """The three programs compiled under one of `LAYOUTS`, the LM head in two chunks of 32 positions under every
-    layout: XLA's cost analysis counts a loop's body once whatever its trip count, so the same trip count makes the
-    counts comparable (and with one chunk, one device's program would fold the backward's recomputed logits into the
-    forward's, which a partitioned program does not)."""
+    """The three programs compiled under one of `LAYOUTS`, the LM head in two chunks (of 32 positions, or of a
+    device's share of them under a sequence axis) under every layout: XLA's cost analysis counts a loop's body once
+    whatever its trip count, so the same trip count makes the counts comparable (and with one chunk, one device's
+    program would fold the backward's recomputed logits into the forward's, which a partitioned program does not)."""
     train, gen = LAYOUTS[name]
     cfg = _rl_config()
     chunk_length = transformer.chunk_length
-    transformer.chunk_length = lambda tokens, rows: 32
+    local = 32 // Layout.from_config(train).axis_size("sequence")  # a device's positions: the same two chunks
+    transformer.chunk_length = lambda tokens, rows: local
     try:
         traces = actor_programs(cfg, SHAPE, Layout.from_config(train), Layout.from_config(gen))
         return {t.program.split(" ")[0] if t.program.startswith("decode") else t.program: t.traced.lower().compile()
@@ -81,7 +87,7 @@ def flops(compiled: jax.stages.Compiled) -> float:
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
-@pytest.mark.parametrize("layout", ["data=2,fsdp=4", "fsdp=4,tensor=2"])
+@pytest.mark.parametrize("layout", ["data=2,fsdp=4", "fsdp=4,tensor=2", "fsdp=4,sequence=2"])
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_flops_per_device_split_eight_ways(layout, program):
     one, eight = flops(compiled_programs("1 device")[program]), flops(compiled_programs(layout)[program])

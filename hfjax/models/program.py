@@ -113,20 +113,24 @@ def constrain_weight(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Ar
 
 def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """`table[ids]` ([rows, ..., embed]) looked up where the table's `embed` shards live: the ids split only over the
-    `batch` mesh axes that `embed` does not use, the result pinned to rows over those and `embed` over the table's
-    axes, so that a later constraint to rows over every batch axis is one all-to-all (looked up with rows over every
-    batch axis, the result is split over `fsdp` twice, and the partitioner replicates it). A plain lookup outside a
-    layout of several devices or where no mesh axis splits `embed`."""
+    `batch` mesh axes that `embed` does not use (and their positions over the `length` axes), the result pinned to
+    rows (and positions) over those and `embed` over the table's other axes, so that a later constraint to rows over
+    every batch axis is one all-to-all (looked up with rows over every batch axis, the result is split over `fsdp`
+    twice, and the partitioner replicates it). A plain lookup outside a layout of several devices or where no mesh
+    axis splits `embed`."""
     layout = _LAYOUT.get()
     rules = dict(layout.rules) if layout is not None else {}
     embed_axes = tuple(a for a in rules.get("embed", ()) if layout.axis_size(a) > 1)
     row_axes = tuple(a for a in rules.get("batch", ()) if a not in embed_axes and layout.axis_size(a) > 1)
     if not embed_axes or ids.shape[0] % math.prod(layout.axis_size(a) for a in row_axes):
         return jnp.take(table, ids, axis=0)
+    positions = (layout.activation_spec(("length",), ids.shape[1:2])[0],) if ids.ndim > 1 else ()
+    split = {a for entry in positions if entry for a in ((entry,) if isinstance(entry, str) else entry)}
     rows = spec_entry(row_axes)
-    ids = jax.lax.with_sharding_constraint(ids, NamedSharding(layout.mesh, PartitionSpec(rows)))
+    ids = jax.lax.with_sharding_constraint(ids, NamedSharding(layout.mesh, PartitionSpec(rows, *positions)))
     out = jnp.take(table, ids, axis=0)
-    spec = PartitionSpec(rows, *([None] * (out.ndim - 2)), spec_entry(embed_axes))
+    embed = spec_entry(tuple(a for a in embed_axes if a not in split))
+    spec = PartitionSpec(rows, *positions, *([None] * (out.ndim - 2 - len(positions))), embed)
     return jax.lax.with_sharding_constraint(out, NamedSharding(layout.mesh, spec))
 
 
