@@ -1,16 +1,25 @@
 """Cost model of one RL iteration (HybridFlow §6's simulators): seconds per role and stage, and memory per device.
 
-A role's layout is `Sizes(data, fsdp, tensor, expert)` (`hfjax.automap.sizes`) on its group's devices (mesh axes
-in that order, tensor innermost, devices numbered host-major, so a group of `span` consecutive devices talks over
-NVLink/ICI when it fits a host).
-With P the matmul parameters, L layers, width d, S = prompt + response tokens, F achievable FLOP/s per device
-(at the width d/t each device's matmuls produce under t-way tensor parallelism: `DeviceProfile.flops_at`):
-- training, per token (6 + 2r) P + (3 + r) attention FLOPs (r = 1 with full recomputation), split over the
-  group's devices; per micro-batch FSDP all-gathers the tensor-shard of the parameters twice and reduce-scatters
-  gradients once (overlapped with compute), data-parallel ranks all-reduce gradients once per optimizer step,
-  and tensor parallelism all-reduces activations (m S d) 4 + 2r times per layer (on the critical path);
-- inference: 2P + attention per token, one FSDP gather and 2 tensor all-reduces per layer per micro-batch (the
+A role's layout is `Sizes(data, fsdp, tensor, expert, sequence)` (`hfjax.automap.sizes`) on its group's devices (mesh
+axes in the order data, fsdp, expert, sequence, tensor: tensor innermost, devices numbered host-major, so a group of
+`span` consecutive devices talks over NVLink/ICI when it fits a host).
+With P the matmul parameters, L layers, width d, S = prompt + response tokens, m sequences per micro-batch and
+data-parallel rank, N the `sequence` size (1 without the axis: it splits each row's positions, so a device computes
+m S / N tokens of a micro-batch), F achievable FLOP/s per device (at the width d/t each device's matmuls produce
+under t-way tensor parallelism: `DeviceProfile.flops_at`):
+- training, per token (6 + 2r) P + (3 + r) A FLOPs (r = 1 with full recomputation; A the attention's, over S/2 keys
+  a query, the causal half; under a sequence axis over all S where it runs as xla, whose split products skip no key,
+  or S (2N - 1) / 2N with the splash kernels per position shard, the last shard's: `attention_flops`), split over
+  the group's devices; per micro-batch FSDP all-gathers the tensor-shard of the parameters twice and
+  reduce-scatters gradients once over the fsdp x sequence devices that split the weights (overlapped with compute),
+  data-parallel ranks all-reduce gradients once per optimizer step, and tensor parallelism all-reduces activations
+  (m S d / N) 4 + 2r times per layer (on the critical path);
+- inference: 2P + A per token, one FSDP gather and 2 tensor all-reduces per layer per micro-batch (the
   actor's old log-probs under its training layout, as the HybridEngine leaves it after generation);
+- `sp`, under a sequence axis: each layer's attention all-gathers the keys and values of the micro-batch's rows over
+  it (2 m S k e c / t bytes gathered, k kv heads of size e, c the compute dtype's bytes) once per forward, again in
+  the recomputed forward, and reduce-scatters their gradients in the backward (2 + r per layer in training, 1 in
+  inference; on the critical path);
 - generation: prefill compute-bound; each decode step reads the actor's generation shard of the parameters
   plus the KV cache of its batch (memory-bound unless compute is slower), 2 tensor all-reduces per layer, and a
   fixed cost per layer (kernel launches, host work: `DeviceProfile.decode_layer_overhead_s`);
@@ -22,22 +31,10 @@ A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for 
 bandwidth, plus a fixed latency per call. On a shared host (fake CPU devices: `DeviceProfile.shared_host`) a group
 of g of the host's n devices runs at n/g times the per-device rates (measured with all n busy), collectives add
 to compute instead of overlapping it, and the groups' stage seconds add up instead of taking their max.
-Memory per device, as hfjax's trainers hold it: a trained role keeps its master copy (`master_bytes`, float32 by
-default), Adam's two moments in float32 and gradients in the master's dtype (twice from a step's second micro-batch
-on: the accumulator and the micro-batch's own); a frozen role (reference, reward) keeps its parameters in the compute
-dtype (`param_bytes`); a LoRA actor (`CostOptions.actor_lora`) keeps its base in the
-compute dtype and float32 adapters with their moments and gradients, and its reference is that base (no copy), kept
-in its generation layout all iteration (`CostOptions.lora_base_in_gen`, then only the adapters move); the
-actor's generation copy in the compute dtype is extra while it generates (the whole copy when it is a cast of the
-master, else what the generation shard adds to the training shard), and so is its KV cache; activations per token and
-layer, counted from what hfjax's decoder layer keeps for its backward in bf16 (`layer_activation_bytes`: 14 d + (10 d
-+ 8 m) / t bytes, d the width and m the MLP width; the float32 norms, q/k/v, rotary, attention and the four SwiGLU
-tensors; 11% under the TPU compiler's figure for Qwen2.5-0.5B), each layer's input only with recomputation, and one
-chunk of the LM head's float32 logits.
-A mixture of experts' buffers (its MLP FLOPs and activations: `ModelShape.matmul_params_at`, `mlp_width`) hold
-`factor x k / experts` of a row per expert under a capacity factor in the passes that route themselves (the
-reference's, and the actor's without routing replay), and the whole row per expert in the dropless ones: generation,
-and the actor's update and log-prob passes when they replay generation's routes (`router_replay`).
+Memory per device (`hfjax.automap.memory_terms`, whose docstring gives the terms): the parameters, gradients and
+optimizer state of each role as its trainer holds them, the actor's generation copy and KV cache, and the
+activations of the training and log-prob passes (a sequence axis divides them by N, and adds what its attention
+holds).
 """
 
 from __future__ import annotations
@@ -48,45 +45,12 @@ from collections.abc import Mapping, Sequence
 
 from hfjax.automap.cluster import GIB, ClusterSpec
 from hfjax.automap.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
-from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, Sizes, layer_activation_bytes, layout_of, mlp_width
-from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
-from hfjax.models.lora import LoraConfig, lora_parameter_count
+from hfjax.automap.memory_terms import CostOptions, MemoryTerms
+from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, Sizes, layout_of
+from hfjax.models.lora import lora_parameter_count
 from hfjax.parallel.layout_compare import transition_bytes
 
 ROLLOUT = "rollout"  # the group of a disaggregated placement that only generates, with a copy of the actor's weights
-
-
-@dataclasses.dataclass(frozen=True)
-class CostOptions:
-    """Precision and memory assumptions: `param_bytes` of the compute dtype (activations, frozen roles, the
-    generation copy, the KV cache, collectives of parameters), `master_bytes` of a trained role's stored parameters
-    and gradients, `optimizer_bytes` of its optimizer state per parameter (Adam's two float32 moments)."""
-
-    param_bytes: int = 2
-    master_bytes: int = 4
-    optimizer_bytes: int = 8
-    # each layer keeps only its input for the backward (the paper's setting, for searches; a run's config says what
-    # its code does: `run_cost_options` sets it from `actor.remat`)
-    remat: bool = True
-    usable_memory_fraction: float = 0.9
-    # the actor's LoRA adapters (`actor.lora`; None: full fine-tuning): the base in `param_bytes`, float32 adapters
-    # with their gradients and optimizer state, and no reference copy (the base serves)
-    actor_lora: LoraConfig | None = None
-    # a LoRA actor's base stays in the generation layout (`rollout.lora_base_layout: gen`): its generation shard is
-    # resident while it trains too, and the train -> gen transition moves the adapters alone (memory and the
-    # transition only: the training and log-prob passes are still priced with the training layout's gathers)
-    lora_base_in_gen: bool = True
-    critic_lora: LoraConfig | None = None  # the critic's (`critic.lora`), counted as the actor's
-    # a mixture of experts' capacity factor in the training and log-prob passes that route themselves
-    # (`actor.expert_capacity_factor`; None: no token dropped, every expert's buffer spans the row); generation never
-    # drops a token
-    expert_capacity_factor: float | None = None
-    # the actor's update and log-prob passes replay generation's routes (`actor.router_replay`): dropless whatever
-    # the capacity factor (every expert generation used is kept), which then caps the reference's pass alone
-    router_replay: bool = False
-    # the actor's optimizer state (and a master that generation casts) waits in host memory while it generates
-    # (`rollout.offload_optimizer`)
-    offload_optimizer: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +106,7 @@ class InfeasibleError(ValueError):
     """A mapping that does not fit in device memory, or whose layouts do not match its groups."""
 
 
-class CostModel:
+class CostModel(MemoryTerms):
     """Seconds and bytes of each role of `flow` on `cluster` for `workload`."""
 
     def __init__(self, cluster: ClusterSpec, flow: Dataflow, workload: Workload, options: CostOptions | None = None):
@@ -184,32 +148,28 @@ class CostModel:
         baseline = stage == "generation" or (stage == "inference" and role in SCORING_ROLES)
         return w.global_batch_prompts * (w.n_samples + (self.flow.baseline_rollouts if baseline else 0))
 
-    def _passes(self, seqs: int, sizes: Sizes) -> tuple[int, int]:
-        """(micro-batches, sequences per micro-batch) one data-parallel rank runs for `seqs` sequences."""
-        local = math.ceil(seqs / sizes.batch_parts)
-        micro = math.ceil(local / self.workload.micro_batch_seqs)
-        return micro, math.ceil(local / micro)
+    def attention_flops(self, shape: ModelShape, sizes: Sizes) -> float:
+        """Forward attention FLOPs per token of the slowest device: over the causal half of a row's keys (S/2);
+        under a sequence axis of N, over all S on the xla path (its split products skip no key), and with the
+        splash kernels per position shard over S (2N - 1) / 2N (the last shard's queries, which see the most keys)."""
+        S, n = self.workload.seq_len, sizes.sequence
+        if n == 1:
+            return shape.attention_flops(S / 2)
+        return shape.attention_flops(S * (2 * n - 1) / (2 * n) if self.split_attention_kernel(shape) else S)
 
-    def capacity_factor(self, role: str) -> float | None:
-        """The experts' capacity factor that `role`'s update and log-prob passes are priced with:
-        `expert_capacity_factor`, except the actor's under `router_replay` (they replay generation's routes, dropless:
-        None, each expert's buffer spans the row). The reference routes itself, so the factor still caps it."""
-        opt = self.options
-        return None if role == "actor" and opt.router_replay else opt.expert_capacity_factor
+    def weight_gathers(self, sizes: Sizes) -> tuple[int, int]:
+        """(devices, span) of the FSDP collectives: the fsdp x sequence devices that split the weights, spanning
+        every mesh axis under `data`."""
+        return sizes.fsdp * sizes.sequence, sizes.size // sizes.data
 
-    def activation_bytes(self, shape: ModelShape, sizes: Sizes, seqs: int, training: bool, role: str) -> float:
-        cfg, opt = shape.config, self.options
-        _, m = self._passes(seqs, sizes)
-        tokens = m * self.workload.seq_len
-        width = mlp_width(cfg, self.capacity_factor(role))
-        layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor)
-        # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits)
-        chunk = min(m * self.workload.response_len, LOGITS_CHUNK_TOKENS)
-        logits = chunk * cfg.padded_vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
-        if not training:
-            return layer + logits
-        stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers
-        return stash + layer + 2 * logits
+    def key_value_gathers(self, shape: ModelShape, sizes: Sizes, rows: int, per_layer: int) -> float:
+        """Seconds of a micro-batch's `sp` collectives under a sequence axis: `per_layer` collectives per layer (an
+        all-gather per forward, a reduce-scatter of the gradients per backward) of the keys and values of `rows`
+        rows (their tensor shard) over the sequence devices, which sit just above `tensor` in the mesh."""
+        cfg, n, t = shape.config, sizes.sequence, sizes.tensor
+        nbytes = 2 * rows * self.workload.seq_len * cfg.num_kv_heads * cfg.head_dim * self.options.param_bytes / t
+        calls = per_layer * cfg.num_layers
+        return self.collective("gather", calls * nbytes, n, n * t, calls, self.share(sizes.size))
 
     def train(self, shape: ModelShape, sizes: Sizes, role: str = "actor") -> dict[str, float]:
         w, opt, cfg = self.workload, self.options, shape.config
@@ -217,48 +177,45 @@ class CostModel:
         seqs_step = math.ceil(self.sequences("training") / w.mini_batches)
         micro, m = self._passes(seqs_step, sizes)
         steps = w.ppo_epochs * w.mini_batches
-        S = w.seq_len
+        tokens = m * w.seq_len / sizes.sequence  # a device's positions of a micro-batch
         matmul = shape.matmul_params_at(self.capacity_factor(role))
-        flops = m * S * ((6 + 2 * r) * matmul + (3 + r) * shape.attention_flops(S / 2))
+        flops = tokens * ((6 + 2 * r) * matmul + (3 + r) * self.attention_flops(shape, sizes))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
-        f, t = sizes.fsdp, sizes.tensor
+        (f, span), t = self.weight_gathers(sizes), sizes.tensor
         L, share = cfg.num_layers, self.share(sizes.size)
-        compute = micro * flops / sizes.tensor / (share * self.shard_flops(shape, sizes.tensor))
+        compute = micro * flops / t / (share * self.shard_flops(shape, t))
         fsdp = micro * (
-            self.collective("gather", shard * f * opt.param_bytes, f, f * t, 2 * L, share)
-            + self.collective("gather", shard * f * opt.master_bytes, f, f * t, L, share)
+            self.collective("gather", shard * f * opt.param_bytes, f, span, 2 * L, share)
+            + self.collective("gather", shard * f * opt.master_bytes, f, span, L, share)
         )
         dp = self.collective("reduce", shard * opt.master_bytes, sizes.data, sizes.size, share=share)
         tp = micro * self.collective(
-            "reduce", (4 + 2 * r) * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, (4 + 2 * r) * L, share
+            "reduce", (4 + 2 * r) * L * tokens * cfg.hidden_size * opt.param_bytes, t, t, (4 + 2 * r) * L, share
         )
+        sp = micro * self.key_value_gathers(shape, sizes, m, 2 + r)
         return {
             "compute": steps * compute,
             "fsdp_dp": steps * (fsdp + dp),
             "tp": steps * tp,
-            "seconds": steps * (self.overlap(compute, fsdp + dp) + tp),
+            "sp": steps * sp,
+            "seconds": steps * (self.overlap(compute, fsdp + dp) + tp + sp),
         }
 
     def infer(self, role: str, shape: ModelShape, sizes: Sizes) -> dict[str, float]:
         w, cfg, opt = self.workload, shape.config, self.options
         micro, m = self._passes(self.sequences("inference", role), sizes)
-        S, L, f, t, share = w.seq_len, cfg.num_layers, sizes.fsdp, sizes.tensor, self.share(sizes.size)
+        L, t, share = cfg.num_layers, sizes.tensor, self.share(sizes.size)
+        tokens = m * w.seq_len / sizes.sequence  # a device's positions of a micro-batch
         factor = self.capacity_factor(role) if role in ("actor", "ref") else None  # the policy's passes
-        flops = m * S * (2 * shape.matmul_params_at(factor) + shape.attention_flops(S / 2))
+        flops = tokens * (2 * shape.matmul_params_at(factor) + self.attention_flops(shape, sizes))
         shard = shape.shard_elements(layout_of(sizes, TRAIN_RULES))
+        f, span = self.weight_gathers(sizes)
         compute = micro * flops / t / (share * self.shard_flops(shape, t))
-        fsdp = micro * self.collective("gather", shard * f * opt.param_bytes, f, f * t, L, share)
-        tp = micro * self.collective("reduce", 2 * L * m * S * cfg.hidden_size * opt.param_bytes, t, t, 2 * L, share)
-        return {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "seconds": self.overlap(compute, fsdp) + tp}
-
-    def gen_extra_bytes(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
-        """Parameter bytes per device that generation adds: the whole generation shard when it is a cast copy of
-        the master (which stays), else what it adds over the training shard (the HybridEngine reuses that)."""
-        opt = self.options
-        gen_elems = shape.shard_elements(layout_of(gen, GEN_RULES))
-        if opt.master_bytes != opt.param_bytes:
-            return gen_elems * opt.param_bytes
-        return (gen_elems - shape.shard_elements(layout_of(train, TRAIN_RULES))) * opt.param_bytes
+        fsdp = micro * self.collective("gather", shard * f * opt.param_bytes, f, span, L, share)
+        tp = micro * self.collective("reduce", 2 * L * tokens * cfg.hidden_size * opt.param_bytes, t, t, 2 * L, share)
+        sp = micro * self.key_value_gathers(shape, sizes, m, 1)
+        seconds = self.overlap(compute, fsdp) + tp + sp
+        return {"compute": compute, "fsdp_dp": fsdp, "tp": tp, "sp": sp, "seconds": seconds}
 
     def generate(
         self, shape: ModelShape, train: Sizes | None, gen: Sizes, kv_budget: float | None, sync_link: str = "intra"
@@ -308,8 +265,10 @@ class CostModel:
             moving = shape.params * opt.param_bytes
             if self.stationary_base():  # float32 adapters alone
                 moving = lora_parameter_count(cfg, opt.actor_lora) * 4
-            moved = sum(transition_bytes(moving, layout_of(train, TRAIN_RULES), layout_of(gen, GEN_RULES)))
-            reshard = moved / (share * profile.bandwidth(self.cluster.link(train.fsdp * train.tensor)))
+            # weights split over fsdp x sequence move as over one fsdp axis of that size (generation has no sequence)
+            weights = dataclasses.replace(train, fsdp=train.fsdp * train.sequence, sequence=1)
+            moved = sum(transition_bytes(moving, layout_of(weights, TRAIN_RULES), layout_of(gen, GEN_RULES)))
+            reshard = moved / (share * profile.bandwidth(self.cluster.link(weights.fsdp * weights.tensor)))
         return {
             "prefill": waves * prefill,
             "decode": waves * w.response_len * step,
@@ -320,16 +279,6 @@ class CostModel:
             "seconds": waves * (prefill + w.response_len * step) + reshard,
         }
 
-    def generation_extra(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
-        """The parameter bytes per device that generation adds to what is resident: none for a LoRA base kept in
-        the generation layout (`with_base_in_gen` counts it resident), else `gen_extra_bytes`."""
-        return 0.0 if self.stationary_base() else self.gen_extra_bytes(shape, train, gen)
-
-    def stationary_base(self) -> bool:
-        """Whether the actor is LoRA with its base kept in the generation layout (`CostOptions.lora_base_in_gen`)."""
-        lora = self.options.actor_lora
-        return lora is not None and lora.enabled and self.options.lora_base_in_gen
-
     def with_base_in_gen(self, cost: RoleCost, shape: ModelShape, gen: Sizes) -> RoleCost:
         """The generating actor's cost with its LoRA base in the generation layout all iteration (what the
         generation shard adds over the training one becomes resident), when it keeps it there; else `cost`."""
@@ -338,17 +287,6 @@ class CostModel:
         extra = self.gen_extra_bytes(shape, cost.sizes, gen)
         memory = {**cost.memory, "params": cost.memory["params"] + extra}
         return dataclasses.replace(cost, static_bytes=cost.static_bytes + extra, memory=memory)
-
-    def prefill_bytes(self, shape: ModelShape, gen: Sizes, kv_cache: float) -> float:
-        """Bytes per device that the engine's largest prefill call adds to the KV cache: a second copy of the cache
-        while the prompts' keys and values are written into it, their keys and values, and one layer's activations
-        over the prompts (the generator prefills at most the largest power of two of `kv_slots` rows at once)."""
-        w, cfg, opt = self.workload, shape.config, self.options
-        rows = math.ceil((1 << (w.kv_slots.bit_length() - 1)) / gen.batch_parts)
-        kv_token = shape.kv_elements_per_token() * opt.param_bytes / gen.tensor
-        width = mlp_width(cfg, None)  # generation drops no token
-        layer = layer_activation_bytes(cfg.hidden_size, width, gen.tensor) * opt.param_bytes / 2
-        return kv_cache + rows * w.prompt_len * (kv_token + layer)
 
     def role_cost(self, role: str, shape: ModelShape, sizes: Sizes) -> RoleCost:
         """Inference and training seconds and memory of `role` under `sizes` (generation is added by
@@ -432,15 +370,6 @@ class CostModel:
         cost = RoleCost(ROLLOUT, gen, seconds, params, 0.0, memory, detail, gen)
         return cost, params + max(params, out["kv_bytes"] + out["prefill_bytes"])
 
-    def offloaded_bytes(self, cost: RoleCost) -> float:
-        """What the generating role parks in host memory while it generates (`offload_optimizer`): its optimizer
-        state, and its master weights where generation reads a cast copy of them."""
-        opt = self.options
-        if not opt.offload_optimizer:
-            return 0.0
-        casts = opt.master_bytes != opt.param_bytes and not (opt.actor_lora and opt.actor_lora.enabled)
-        return cost.memory.get("optimizer", 0.0) + (cost.memory["params"] if casts else 0.0)
-
     def finish_group(
         self, costs: Sequence[RoleCost], shapes: Mapping[str, ModelShape], devices: int, gen: Sizes | None
     ) -> tuple[list[RoleCost], float] | str:
@@ -458,7 +387,7 @@ class CostModel:
         for i, cost in enumerate(costs):
             if cost.role in self.flow.generation and gen is not None:
                 extra = self.generation_extra(shapes[cost.role], cost.sizes, gen)
-                resident = static - self.offloaded_bytes(cost)
+                resident = static - self.offloaded_bytes(cost.memory)
                 with_gen = self.with_generation(cost, shapes[cost.role], gen, self.usable_bytes - resident - extra)
                 if isinstance(with_gen, str):
                     return with_gen

@@ -26,6 +26,7 @@ from hfjax.automap.dataflow import Dataflow
 from hfjax.automap.search import Candidate
 from hfjax.automap.trainer_runs import config_mapping, run_config, trainer_candidates, without_mapping
 from hfjax.config.rl import RLConfig, load_rl_config
+from hfjax.models.attention import configured_implementation
 from hfjax.typed_config import to_dict
 
 
@@ -58,8 +59,9 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 
 def run_cost_options(cfg: RLConfig) -> CostOptions:
     """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
-    `remat` setting, its LoRA adapters (and the critic's) and where its base lives, its experts' capacity factor and
-    whether its optimizer state leaves the device while it generates."""
+    `remat` setting, its LoRA adapters (and the critic's) and where its base lives, its experts' capacity factor,
+    whether its optimizer state leaves the device while it generates, and whether attention under a sequence axis
+    runs as the splash kernels (`trainer.device: tpu`, unless `HFJAX_ATTENTION` picks another implementation)."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
@@ -72,6 +74,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         expert_capacity_factor=cfg.actor.expert_capacity_factor,
         router_replay=cfg.actor.router_replay,
         offload_optimizer=cfg.rollout.offload_optimizer,
+        split_attention_kernel=cfg.trainer.device == "tpu" and configured_implementation() in ("auto", "pallas_tpu"),
     )
 
 

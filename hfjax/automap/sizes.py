@@ -16,29 +16,35 @@ GEN_RULES = "dp_tp_gen"
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Sizes:
-    """Mesh sizes of one layout: data x fsdp x expert x tensor devices (the searches keep `expert` at 1)."""
+    """Mesh sizes of one layout: data x fsdp x expert x sequence x tensor devices (the searches keep `expert` and
+    `sequence` at 1). `sequence` splits the positions of every row in the training and log-prob passes (and, under
+    the rule presets the cost model prices, the weights with `fsdp`); a generation layout has none."""
 
     data: int
     fsdp: int
     tensor: int
     expert: int = 1
+    sequence: int = 1
 
     @property
     def size(self) -> int:
-        return self.data * self.fsdp * self.expert * self.tensor
+        return self.data * self.fsdp * self.expert * self.sequence * self.tensor
 
     @property
     def batch_parts(self) -> int:
-        """The parts the batch splits into: every rule preset spreads rows over data, fsdp and expert."""
+        """The parts the batch splits into: every rule preset spreads rows over data, fsdp and expert (`sequence`
+        splits each row's positions instead)."""
         return self.data * self.fsdp * self.expert
 
     def config(self, rules: str) -> dict[str, Any]:
-        """The layout config `Layout.from_config` accepts (tensor innermost; `expert` where it is above 1)."""
-        mesh = {"data": self.data, "fsdp": self.fsdp, **({"expert": self.expert} if self.expert > 1 else {})}
+        """The layout config `Layout.from_config` accepts (tensor innermost; `expert` and `sequence` where above 1)."""
+        mesh = {"data": self.data, "fsdp": self.fsdp}
+        mesh.update({axis: n for axis, n in (("expert", self.expert), ("sequence", self.sequence)) if n > 1})
         return {"mesh": {**mesh, "tensor": self.tensor}, "rules": rules}
 
     def describe(self) -> str:
-        return f"d{self.data}.f{self.fsdp}{f'.e{self.expert}' if self.expert > 1 else ''}.t{self.tensor}"
+        optional = "".join(f".{axis}{n}" for axis, n in (("e", self.expert), ("s", self.sequence)) if n > 1)
+        return f"d{self.data}.f{self.fsdp}{optional}.t{self.tensor}"
 
 
 @functools.lru_cache(maxsize=8192)

@@ -194,10 +194,12 @@ def _sizes(config: Mapping[str, Any] | None, devices: int, where: str) -> Sizes:
     if config is None:
         return Sizes(1, devices, 1)
     mesh = dict(config.get("mesh") or {})
-    unknown = sorted(set(mesh) - {"data", "fsdp", "expert", "tensor"})
+    unknown = sorted(set(mesh) - {"data", "fsdp", "expert", "sequence", "tensor"})
     if unknown:
-        raise ValueError(f"{where}: mesh axes {unknown} are not modelled; expected data, fsdp, expert and tensor")
-    sizes = (int(mesh.get(axis, 1)) for axis in ("data", "fsdp", "tensor", "expert"))
+        raise ValueError(
+            f"{where}: mesh axes {unknown} are not modelled; expected data, fsdp, expert, sequence and tensor"
+        )
+    sizes = (int(mesh.get(axis, 1)) for axis in ("data", "fsdp", "tensor", "expert", "sequence"))
     return Sizes(*sizes)
 
 

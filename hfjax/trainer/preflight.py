@@ -335,7 +335,7 @@ def check_memory(cfg: RLConfig, actor: ModelConfig) -> None:
     except LayoutError as exc:
         raise ConfigError(f"memory: {exc} ({source})") from exc
     except ValueError:
-        roles = {}  # a run the cost model does not model (asynchronous disaggregated, other mesh axes)
+        roles = {}  # a run the cost model does not model (asynchronous disaggregated)
     if "rollout" in roles:  # disaggregated: the KV cache sits beside the rollout group's copy of the weights
         resident = roles["rollout"].static_bytes
     elif "actor" in roles:
