@@ -26,6 +26,7 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
     "bench/bench_forward.py": (["--tiny"], "out.json", REPORT_KEYS | {"relative_error", "params"}),
     "bench/bench_generate.py": (["--tiny"], "out.json", REPORT_KEYS | {"decode_steps", "floor_step_ms"}),
     "bench/bench_load.py": (["--tiny"], "out.json", REPORT_KEYS | {"checkpoint_bytes", "raw"}),
+    "bench/bench_long_context.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs", "checkpoint", "steps", "devices"}),
     "bench/bench_moe.py": (["--tiny"], "out.json", REPORT_KEYS | {"replay_off", "replay_on", "expert-parallel"}),
     "bench/bench_packing.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_loss", "real_tokens", "sequences"}),
     "bench/bench_prompt_kv.py": (["--tiny"], "out.json", REPORT_KEYS | {"block", "copied_kv_bytes"}),

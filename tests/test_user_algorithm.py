@@ -1,7 +1,9 @@
 """User-written algorithms: the DAPO example (examples/dapo.py) against hand-written numpy references, the
 config-load errors of `algorithm.program`, `algorithm.adv_estimator` and `actor.policy_loss` given as
-`path.py:name`, the step API's stable names, and DAPO training through `hfjax train` from a copy of the example
-outside the package, in process and on Ray."""
+`path.py:name`, the step API's stable names, DAPO training through `hfjax train` from a copy of the example
+outside the package, in process and on Ray, and the long-context recipe (examples/dapo_long_context.yaml) run as
+shipped but for its data, model and size: its actor trains over the sequence axis and its overlong punishment is
+sized by its response length."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from hfjax.algos import ADVANTAGE_ESTIMATORS, actor_options, policy_loss
 from hfjax.cli.main import main
 from hfjax.config.rl import load_rl_config
 from hfjax.records.metrics import read_metrics
+from hfjax.trainer import launch
 from hfjax.trainer.programs import PROGRAMS, program_for
 from hfjax.trainer.step import PUBLIC_API, Step
 from hfjax.typed_config import ConfigError
@@ -27,6 +30,7 @@ from hfjax.user_code import load_callable
 
 pytest_plugins = ["support.ray_cluster"]
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "dapo.py"
+LONG_CONTEXT = EXAMPLE.with_name("dapo_long_context.yaml")
 USER_FUNCTIONS = ("program", "overlong_grpo", "clip_higher_loss")
 # Appended to the test's copy of the example: each user function records its name in dapo.calls when it is called
 # (the policy loss when the actor's update is traced, on whichever process runs the actor).
@@ -281,3 +285,96 @@ def test_dapo_trains_through_hfjax_train_on_ray(ray_cluster, inputs, tmp_path, m
     monkeypatch.chdir(tmp_path / "user")  # the Ray workers run elsewhere: they load the file by its absolute path
     history = dapo_run(inputs, tmp_path, "ray", steps=2)
     assert_trained(history, tmp_path, steps=2)
+
+
+# ---------------------------------------------------------------- the long-context recipe
+
+# Appended to the test's copy of the example: every call of the estimator saves its inputs and advantages.
+ESTIMATOR_RECORDER = """
+
+import pathlib as _pathlib
+
+_RECORDS = _pathlib.Path(__file__).with_suffix(".estimates")
+_estimate = overlong_grpo
+
+
+def overlong_grpo(token_level_rewards, response_mask, index, norm_adv_by_std):
+    advantages, returns = _estimate(token_level_rewards, response_mask, index, norm_adv_by_std)
+    _RECORDS.mkdir(exist_ok=True)
+    np.savez(
+        _RECORDS / f"{len(list(_RECORDS.iterdir()))}.npz",
+        rewards=np.asarray(token_level_rewards),
+        mask=np.asarray(response_mask),
+        groups=np.unique(np.asarray(index), return_inverse=True)[1],
+        advantages=np.asarray(advantages),
+    )
+    return advantages, returns
+"""
+
+
+def grpo_reference(scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """GRPO's advantage per row: its score minus its group's mean, over the group's (unbiased) std + 1e-6."""
+    out = np.zeros(len(scores))
+    for group in np.unique(groups):
+        members = groups == group
+        out[members] = (scores[members] - scores[members].mean()) / (scores[members].std(ddof=1) + 1e-6)
+    return out
+
+
+def test_long_context_recipe_trains_over_the_sequence_axis_with_its_overlong_penalty(inputs, tmp_path, monkeypatch):
+    """examples/dapo_long_context.yaml through `hfjax train`, with the test's tiny model and data, 2 prompts and 2
+    iterations instead of the quickstart's (its response length, layout, loss and program as shipped): the actor's
+    worker trained over `fsdp=4, sequence=2`; the estimator got every response at the width of the recipe's
+    `rollout.response_length`, and its advantages are GRPO's of the scores minus the soft overlong penalty over the
+    last `OVERLONG_BUFFER` of that length (NumPy, below), which differ from those without it: the run had responses
+    in the punished zone beside shorter ones in their groups."""
+    recipe = yaml.safe_load(LONG_CONTEXT.read_text())
+    assert recipe["actor"]["train_layout"]["mesh"] == {"fsdp": 4, "sequence": 2}
+    response_length = recipe["rollout"]["response_length"]
+    user = tmp_path / "user"
+    example_copy(user).write_text(EXAMPLE.read_text() + ESTIMATOR_RECORDER)
+    for section, key in (("actor", "policy_loss"), ("algorithm", "program"), ("algorithm", "adv_estimator")):
+        assert recipe[section][key].startswith("examples/dapo.py:")
+        recipe[section][key] = recipe[section][key].removeprefix("examples/")  # the recording copy
+    recipe["model_path"] = inputs["policy"]
+    recipe["data"].update(train_files=[inputs["train"]], val_files=[inputs["test"]], train_batch_size=2)
+    recipe["rollout"]["slots"] = 16
+    recipe["actor"].update(ppo_mini_batch_size=16, micro_batch_size=8)
+    recipe["reward"] = {"function": write_varied_reward(tmp_path)}
+    recipe["trainer"].update(
+        run_dir=str(tmp_path / "run"), total_steps=2, test_freq=0, val_before_train=False, backend="local"
+    )
+    recipe["trainer"].update(progress=False, plot=False)
+    (user / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+
+    trainers = []
+
+    class Recorded(launch.RLTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainers.append(self)
+
+    monkeypatch.setattr(launch, "RLTrainer", Recorded)
+    monkeypatch.chdir(user)
+    assert main(["train", "recipe.yaml"]) == 0
+    history = [r for r in read_metrics(tmp_path / "run") if "timing_s/step" in r]
+    assert [r["step"] for r in history] == [1, 2]
+    assert any("actor/pg_loss" in r for r in history)
+    (trainer,) = trainers
+    assert {info["train_layout"] for info in trainer.role_info["actor"]} == {"mesh(fsdp=4, sequence=2)"}
+
+    calls = [np.load(path) for path in sorted((user / "dapo.estimates").iterdir())]
+    assert len(calls) == 2
+    buffer = 0.5 * response_length  # OVERLONG_BUFFER of the recipe's response length
+    punished = 0
+    for call in calls:
+        mask, groups = call["mask"], call["groups"]
+        assert mask.shape[1] == response_length  # the batch's width, whatever its longest response
+        lengths = mask.sum(-1)
+        penalty = np.clip((lengths - (response_length - buffer)) / buffer, 0, 1)
+        scores = call["rewards"].sum(-1)
+        expected = grpo_reference(scores - penalty, groups)
+        np.testing.assert_allclose(call["advantages"], expected[:, None] * mask, rtol=1e-4, atol=1e-4)
+        unpunished = grpo_reference(scores, groups)
+        punished += int((~np.isclose(expected, unpunished, atol=1e-3)).sum())
+    assert punished > 0
