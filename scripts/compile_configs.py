@@ -1,5 +1,6 @@
-"""Compiles every shipped `configs/gsm8k/*` config for its hardware target (`hfjax compile`) and prints one table:
-the compiler's step peak per device beside the cost model's, and whether it fits (at most 90% of usable memory).
+"""Compiles every shipped `configs/gsm8k/*` and `configs/long/*` config for its hardware target (`hfjax compile`)
+and prints one table: the compiler's step peak per device beside the cost model's, and whether it fits (at most 90%
+of usable memory).
 
 Needs the `compile` extra (libtpu and the CUDA compiler plugin; the GPU configs' cuDNN attention also needs the
 `nvidia-cudnn-cu12` wheel). Each config runs in its own process (libtpu and the CUDA plugin hold their state per
@@ -35,6 +36,7 @@ TARGETS = {  # each shipped config and the hardware its header names
     "gemma-3-1b-grpo-1gpu": "h100",
     "qwen3-30b-a3b-grpo-tpu-v5p-32": "v5p:2x2x4",
     "qwen3-30b-a3b-grpo-lora-8gpu": "h100x8",
+    "long/qwen2.5-1.5b-grpo-32k-tpu-v5e-8": "v5e:2x4",
 }
 TINY = (  # one config at small shapes: the same programs, compiled in seconds
     "qwen2.5-0.5b-grpo-tpu-v5e-8",
@@ -54,8 +56,9 @@ COST_MODEL_TOLERANCE = 0.15  # `--guard`: the cost model's peak within this frac
 def compile_one(name: str, target: str, overrides: list[str], out: Path, programs: tuple[str, ...] = ()) -> dict:
     """Runs `hfjax compile` on one config (`programs`: only those) in its own process; returns its JSON report plus
     wall time and status."""
-    report = out / f"{name}.json"
-    command = [sys.executable, "-m", "hfjax.cli.main", "compile", str(ROOT / "configs/gsm8k" / f"{name}.yaml")]
+    report = out / f"{name.replace('/', '-')}.json"
+    config = ROOT / "configs" / f"{name if '/' in name else 'gsm8k/' + name}.yaml"  # gsm8k/ unless named
+    command = [sys.executable, "-m", "hfjax.cli.main", "compile", str(config)]
     command += [*overrides, "--target", target, "--json", str(report)]
     command += ["--programs", *programs] if programs else []
     started = time.perf_counter()

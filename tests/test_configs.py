@@ -23,6 +23,7 @@ from hfjax.typed_config import load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 GSM8K = sorted((CONFIGS / "gsm8k").glob("*.yaml"))
+SHIPPED = GSM8K + sorted((CONFIGS / "long").glob("*.yaml"))  # and the long-trajectory configs
 
 
 SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.1-8b", "gemma-3-1b", "qwen3-30b-a3b")
@@ -49,7 +50,7 @@ def test_gsm8k_configs_cover_algorithms_and_hardware():
         assert hardware in names
 
 
-@pytest.mark.parametrize("path", GSM8K, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_gsm8k_config_validates(path):
     cfg = load_rl_config(path)
     params = nnx.state(abstract_model(named_config(_shape_name(path)), "causal_lm", "bfloat16"), nnx.Param)
@@ -70,7 +71,7 @@ def _hardware(path: Path) -> str:
     return next(profile for part, profile in HARDWARE.items() if part in path.stem)
 
 
-@pytest.mark.parametrize("path", GSM8K, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_gsm8k_config_fits_its_hardware_memory(path):
     """The cost model's memory per device for the config's own mapping (master weights, Adam state, gradients,
     generation copy, KV cache, activations) fits the device memory of the hardware its name gives."""
