@@ -52,7 +52,7 @@ def ray_session(cfg: RLConfig) -> Iterator[None]:
             if address:
                 ray.init(address=address)
             else:
-                _start_local_ray(temp)
+                _start_local_ray(temp, streams_tpu_logs=cfg.trainer.device == "tpu")
         yield
     except BaseException as exc:
         failed = not stopped_by_sigterm(exc)
@@ -84,20 +84,31 @@ def _sigterm_handler_kept() -> Iterator[None]:
             signal.signal(signal.SIGTERM, handler)
 
 
-def _start_local_ray(temp: str) -> None:
+def _start_local_ray(temp: str, streams_tpu_logs: bool) -> None:
     """Starts Ray on this machine with every server bound to 127.0.0.1. Ray resolves "localhost" to the machine's
     network address unless clusters are off (its switch for platforms without clusters), so it is switched off while
     Ray starts; `tests/test_faults.py` checks that every socket Ray listens on is a loopback one. Ray starts no idle
-    worker processes ahead of time (`NO_PRESTARTED_WORKERS`)."""
+    worker processes ahead of time (`NO_PRESTARTED_WORKERS`). Ray streams every file of libtpu's log directory
+    (`TPU_LOG_DIR`, else /tmp/tpu_logs) to this console; unless the run is on TPU (`streams_tpu_logs`) it is shown
+    an empty one instead (after `hfjax compile` for a TPU target on this machine, /tmp/tpu_logs can hold hundreds of
+    MB of compile logs; with `trainer.device: auto` they stay in that directory, off the console)."""
     import ray
     from ray._private import ray_constants
 
     clusters = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
+    tpu_logs = os.environ.get("TPU_LOG_DIR")
+    if not streams_tpu_logs:
+        os.environ["TPU_LOG_DIR"] = os.path.join(temp, "no-tpu-logs")
+        os.makedirs(os.environ["TPU_LOG_DIR"], exist_ok=True)
     try:
         ray.init(include_dashboard=False, _temp_dir=temp, _system_config=NO_PRESTARTED_WORKERS)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = clusters
+        if tpu_logs is None:
+            os.environ.pop("TPU_LOG_DIR", None)
+        else:
+            os.environ["TPU_LOG_DIR"] = tpu_logs
 
 
 def pin_controller_to_cpu() -> None:
