@@ -119,6 +119,7 @@ def test_sequence_axis_splits_the_work():
     assert four < one / 2, (four, one)
 
 
+@pytest.mark.slow  # two in-process runs: the model-level checks above stay in the default suite
 def test_rl_steps_with_a_sequence_axis_train_as_without(tmp_path):
     """Two GRPO iterations with the actor (and its reference) over `fsdp: 4, sequence: 2` train as over `fsdp: 8`:
     the same losses, KL, entropy and gradient norms (the rollout layout has no sequence axis)."""

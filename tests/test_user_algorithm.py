@@ -321,6 +321,7 @@ def grpo_reference(scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.mark.slow  # a whole `hfjax train` of the shipped recipe
 def test_long_context_recipe_trains_over_the_sequence_axis_with_its_overlong_penalty(inputs, tmp_path, monkeypatch):
     """examples/dapo_long_context.yaml through `hfjax train`, with the test's tiny model and data, 2 prompts and 2
     iterations instead of the quickstart's (its response length, layout, loss and program as shipped): the actor's
