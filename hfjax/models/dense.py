@@ -1,8 +1,9 @@
 """`dense(x, kernel)`: the model's one matrix product, y[..., o] = sum_i x[..., i] kernel[o, i] (kernels stored
 [out, in], as Hugging Face stores them), with a hand-written backward.
 
-The kernel gradient is grad^T x summed over every leading dimension (rows and positions, none merged into one:
-positions split over a mesh axis stay split). Left to itself, XLA:CPU runs it as an Eigen dot on a transposed
+The kernel gradient is grad^T x summed over every leading dimension: rows and positions merged into one, except
+where the program's layout splits the positions (the `sequence` axis), where they stay apart (a merge of a whole row
+axis with a split position axis is gathered). Left to itself, XLA:CPU runs it as an Eigen dot on a transposed
 operand and fuses the elementwise work that produced the output gradient (the SwiGLU and rotary backward) into that
 transposing copy: a strided loop at a fraction of a GB/s (`optimization_barrier` does not stop it: XLA expands the
 barrier into control dependencies before fusing). Here the transpose of the output gradient runs inside a
@@ -22,24 +23,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.program import program_platform
+from hfjax.models.program import length_parts, program_platform
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def dense(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x [..., in] times kernel [out, in] transposed -> [..., out], accumulated and returned in `out_dtype` when
     given (e.g. float32 logits from bfloat16 activations), else in the inputs' type."""
+    return _dense(x, kernel, out_dtype, x.ndim >= 3 and length_parts(x.shape[1]) > 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None, split_positions: bool) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, kernel, preferred_element_type=out_dtype)
 
 
-def _dense_forward(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None) -> tuple[jax.Array, tuple]:
-    return dense(x, kernel, out_dtype), (x, kernel)
+def _dense_forward(
+    x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None, split_positions: bool
+) -> tuple[jax.Array, tuple]:
+    return _dense(x, kernel, out_dtype, split_positions), (x, kernel)
 
 
-def _dense_backward(out_dtype: jnp.dtype | None, residuals: tuple, grad: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _dense_backward(
+    out_dtype: jnp.dtype | None, split_positions: bool, residuals: tuple, grad: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     x, kernel = residuals
     grad = grad.astype(x.dtype)  # matmuls in the compute dtype (no float32 copy of a bf16 kernel), float32 sums
     grad_x = jnp.einsum("...o,oi->...i", grad, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
+    if not split_positions:  # rows and positions merged: one [out, rows] x [rows, in] product
+        grad, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     if program_platform() == "cpu":
         first = grad[(0,) * grad.ndim]
         grad_t = jax.lax.cond(first == first, _outputs_first, _outputs_first, grad)
@@ -51,9 +62,8 @@ def _dense_backward(out_dtype: jnp.dtype | None, residuals: tuple, grad: jax.Arr
 
 
 def _outputs_first(grad: jax.Array) -> jax.Array:
-    """[..., out] -> [out, ...]: the rows' dimensions stay as they are (not merged into one), so that positions
-    split over a mesh axis stay split (a merge of a whole row axis with a split position axis is gathered)."""
+    """[..., out] -> [out, ...]: the rows' dimensions stay as they are."""
     return jnp.moveaxis(grad, -1, 0)
 
 
-dense.defvjp(_dense_forward, _dense_backward)
+_dense.defvjp(_dense_forward, _dense_backward)
