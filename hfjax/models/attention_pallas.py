@@ -144,12 +144,10 @@ SUB_BLOCK = 512  # the most positions of a cache block the decode kernel holds i
 
 def sub_block(block: int, most: int = SUB_BLOCK) -> int:
     """Positions per step of the decode kernel's grid through a cache block of `block` positions: the largest
-    divisor of `block` up to `most` that is a multiple of the TPU's 128 lanes (or `block` itself, when no such
-    divisor exists: a block under 128 positions, as CPU tests use)."""
-    for size in range(min(block, most), 0, -1):
-        if block % size == 0 and size % LANES == 0:
-            return size
-    return block if block <= most else next(s for s in range(most, 0, -1) if block % s == 0)
+    divisor of `block` up to `most` that is a multiple of the TPU's 128 lanes, else the largest divisor up to `most`
+    (a block under 128 positions, as CPU tests use: the block itself)."""
+    fitting = [size for size in range(min(block, most), 0, -1) if block % size == 0]
+    return next((size for size in fitting if size % LANES == 0), fitting[0])
 
 
 class _DecodeBlocks:
@@ -254,7 +252,7 @@ def decode_attention(
     """One query per slot at position `lengths` [S] over its cache blocks, scores and softmax in float32:
     q [S, 1, heads, d]; key blocks [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]. The
     first `prompt_blocks` blocks are the slot's shared-prompt blocks (real below `prompt_lengths` [S]), the others
-    its own, from position prompt length on (`hfjax.models.attention.decode_key_positions`).
+    its own, from position prompt length on (`hfjax.models.decode_attention.decode_key_positions`).
 
     The grid runs (slot, kv head, step): the steps stream the blocks through VMEM `sub_block(B, most_positions)`
     positions at a time, so the kernel's scoped VMEM does not grow with the context (the block size), only with

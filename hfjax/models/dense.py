@@ -9,16 +9,17 @@ transposing copy: a strided loop at a fraction of a GB/s (`optimization_barrier`
 barrier into control dependencies before fusing). Here the transpose of the output gradient runs inside a
 conditional, which no fusion crosses, so it is a plain copy, and the product takes the fast matmul path. Both branches
 are the same transpose; the predicate only has to be unknown when compiling. Only on CPU (the program's platform,
-`hfjax.models.program.program_platform`, not the tracing machine's): a GPU conditional reads its predicate on the host,
-and GPU/TPU compilers handle the plain product well. The backward casts the output gradient to the compute dtype
-(float32 logits' gradient to bf16 under a bf16 model) and accumulates in float32, so no matmul runs on a float32 copy
-of a bf16 weight (docs/benchmarks.md, "Other measured figures", has the time it saves). Values are those of
-autodiff's backward up to summation order.
+`hfjax.models.program.program_platform`, read where `dense` is called, not the tracing machine's): a GPU
+conditional reads its predicate on the host, and GPU/TPU compilers handle the plain product well. The backward
+casts the output gradient to the compute dtype (float32 logits' gradient to bf16 under a bf16 model) and accumulates
+in float32, so no matmul runs on a float32 copy of a bf16 weight (docs/benchmarks.md, "Other measured figures", has
+the time it saves). Values are those of autodiff's backward up to summation order.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,29 +30,38 @@ from hfjax.models.program import length_parts, program_platform
 def dense(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None = None) -> jax.Array:
     """x [..., in] times kernel [out, in] transposed -> [..., out], accumulated and returned in `out_dtype` when
     given (e.g. float32 logits from bfloat16 activations), else in the inputs' type."""
-    return _dense(x, kernel, out_dtype, x.ndim >= 3 and length_parts(x.shape[1]) > 1)
+    backward = _Backward(x.ndim >= 3 and length_parts(x.shape[1]) > 1, program_platform() == "cpu")
+    return _dense(x, kernel, out_dtype, backward)
+
+
+class _Backward(NamedTuple):
+    """How the backward runs, chosen where `dense` is called (traced under the program's layout; the backward may be
+    traced outside it, where the tracing machine's backend would answer)."""
+
+    split_positions: bool  # rows and positions kept apart (the layout splits the positions)
+    opaque_transpose: bool  # the output gradient transposed inside a conditional (XLA:CPU)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dense(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None, split_positions: bool) -> jax.Array:
+def _dense(x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None, backward: _Backward) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, kernel, preferred_element_type=out_dtype)
 
 
 def _dense_forward(
-    x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None, split_positions: bool
+    x: jax.Array, kernel: jax.Array, out_dtype: jnp.dtype | None, backward: _Backward
 ) -> tuple[jax.Array, tuple]:
-    return _dense(x, kernel, out_dtype, split_positions), (x, kernel)
+    return _dense(x, kernel, out_dtype, backward), (x, kernel)
 
 
 def _dense_backward(
-    out_dtype: jnp.dtype | None, split_positions: bool, residuals: tuple, grad: jax.Array
+    out_dtype: jnp.dtype | None, backward: _Backward, residuals: tuple, grad: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     x, kernel = residuals
     grad = grad.astype(x.dtype)  # matmuls in the compute dtype (no float32 copy of a bf16 kernel), float32 sums
     grad_x = jnp.einsum("...o,oi->...i", grad, kernel, preferred_element_type=jnp.float32).astype(x.dtype)
-    if not split_positions:  # rows and positions merged: one [out, rows] x [rows, in] product
+    if not backward.split_positions:  # rows and positions merged: one [out, rows] x [rows, in] product
         grad, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    if program_platform() == "cpu":
+    if backward.opaque_transpose:
         first = grad[(0,) * grad.ndim]
         grad_t = jax.lax.cond(first == first, _outputs_first, _outputs_first, grad)
     else:

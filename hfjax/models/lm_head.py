@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from hfjax.models.config import MASKED_SCORE
-from hfjax.models.program import constrain, constrain_weight, current_layout, length_parts
+from hfjax.models.program import constrain, constrain_weight, length_parts, split_parts
 from hfjax.parallel.layout import TOKENS
 
 LOGITS_CHUNK_TOKENS = 512  # tokens per device in one chunk of logits: 512 x 151,936 float32 is 297 MiB
@@ -70,20 +69,10 @@ def _chunk_logits(hidden: jax.Array, kernel: jax.Array, head: _Head) -> jax.Arra
     return jnp.where(jnp.arange(logits.shape[-1]) < head.vocab_size, logits, MASKED_SCORE)
 
 
-def _row_parts(rows: int, rows_axis: str = "batch") -> int:
-    """How many parts the traced program's mesh axes of `rows_axis` (`batch`, or `tokens`: rows with positions
-    folded in) split `rows` into (1 outside a layout)."""
-    layout = current_layout()
-    if layout is None:
-        return 1
-    axes = layout.activation_spec((rows_axis,), (rows,))[0] or ()
-    return math.prod(layout.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
-
-
 def chunk_length(tokens_per_device: int, rows: int) -> int:
     """Positions per chunk so that a chunk holds about `tokens_per_device` tokens on each device: the rows are split
     over the traced program's `batch` mesh axes (`hfjax.models.program`), so each device holds rows / parts of them."""
-    return max(8, tokens_per_device * _row_parts(rows) // max(rows, 1))
+    return max(8, tokens_per_device * split_parts("batch", rows) // max(rows, 1))
 
 
 def _to_chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -117,7 +106,8 @@ class _Head:
     softcap: float | None
     chunk: int
     entropy: bool
-    rows_axis: str = "batch"  # the logical axis of the rows: `tokens` where the positions are folded into them
+    rows_axis: str  # the logical axis of the rows: `tokens` where the positions are folded into them
+    parts: int  # how many device groups that axis splits the rows into (read in the forward, under the layout)
 
 
 def _forward(
@@ -174,7 +164,7 @@ def _token_stats_fwd(
 def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, None]:
     hidden, kernel, compute, labels, stats = residuals
     columns = jnp.arange(kernel.shape[0])
-    parts = _row_parts(hidden.shape[0], head.rows_axis)
+    parts = head.parts
     per_part = (head.rows_axis, "vocab", "embed")  # a [parts, vocab, embed] gradient part on each device group's rows
 
     def body(grad_kernel: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
@@ -234,7 +224,8 @@ def token_logprobs(
         hidden = constrain(hidden.reshape(rows * parts, length // parts, hidden.shape[2]), (TOKENS, None, None))
         labels = constrain(labels.reshape(rows * parts, length // parts), (TOKENS, None))
     chunk = max(1, min(chunk, hidden.shape[1]))
-    head = _Head(vocab_size, temperature, softcap, chunk, with_entropy, "batch" if parts == 1 else TOKENS)
+    rows_axis = "batch" if parts == 1 else TOKENS
+    head = _Head(vocab_size, temperature, softcap, chunk, with_entropy, rows_axis, split_parts(rows_axis, len(hidden)))
     out = _token_stats(hidden, kernel, labels.astype(jnp.int32), head)
     out = [constrain(o.reshape(rows, length), ("batch", "length")) for o in out]
     return out[0], out[1] if with_entropy else None

@@ -92,14 +92,26 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
 
 
+def split_axes(logical: str, size: int) -> tuple[str, ...]:
+    """The mesh axes that the traced program's layout splits a dimension of `size` along activation axis `logical`
+    over (`Layout.activation_spec`); none outside a layout of several devices."""
+    layout = _LAYOUT.get()
+    if layout is None or layout.size == 1:
+        return ()
+    entry = layout.activation_spec((logical,), (size,))[0] or ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def split_parts(logical: str, size: int) -> int:
+    """How many parts `split_axes(logical, size)` cut that dimension into (1 outside a layout)."""
+    layout = _LAYOUT.get()
+    return math.prod(layout.axis_size(a) for a in split_axes(logical, size)) if layout is not None else 1
+
+
 def length_parts(length: int) -> int:
     """How many parts the traced program's layout splits `length` positions of a row into (its `length` rule: the
     `sequence` mesh axis); 1 outside a layout or where the axis does not divide `length`."""
-    layout = _LAYOUT.get()
-    if layout is None or layout.size == 1:
-        return 1
-    entry = layout.activation_spec(("length",), (length,))[0] or ()
-    return math.prod(layout.axis_size(a) for a in ((entry,) if isinstance(entry, str) else entry))
+    return split_parts("length", length)
 
 
 def constrain_weight(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
@@ -124,8 +136,8 @@ def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     row_axes = tuple(a for a in rules.get("batch", ()) if a not in embed_axes and layout.axis_size(a) > 1)
     if not embed_axes or ids.shape[0] % math.prod(layout.axis_size(a) for a in row_axes):
         return jnp.take(table, ids, axis=0)
-    positions = (layout.activation_spec(("length",), ids.shape[1:2])[0],) if ids.ndim > 1 else ()
-    split = {a for entry in positions if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    split = split_axes("length", ids.shape[1]) if ids.ndim > 1 else ()
+    positions = (spec_entry(split),) if ids.ndim > 1 else ()
     rows = spec_entry(row_axes)
     ids = jax.lax.with_sharding_constraint(ids, NamedSharding(layout.mesh, PartitionSpec(rows, *positions)))
     out = jnp.take(table, ids, axis=0)
