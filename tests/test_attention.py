@@ -23,17 +23,15 @@ from support.attention_cases import (
 
 from hfjax.models import attention, attention_pallas
 from hfjax.models.attention import (
-    attend_blocks,
     attention_mask,
     causal_attention,
     choose_implementation,
     cudnn_attention,
     cudnn_supported,
-    decode_attention,
-    decode_mask,
     dot_product_attention,
     resolve_implementation,
 )
+from hfjax.models.decode_attention import attend_blocks, decode_attention, decode_mask
 
 
 # ------------------------------------------------------------------------------------------------------- selection
@@ -189,7 +187,7 @@ def test_soft_capped_scores_match_numpy_and_every_implementation_falls_back_to_t
     """Gemma 2's score soft cap: the xla attention against float64 numpy; the kernels have no cap, so asking for
     them with one runs xla (the same values, and a logged reason), in full attention and in decode."""
     softcap = 0.5  # scores of these inputs reach ~2: the cap changes them
-    attention._fall_back.cache_clear()  # each reason is logged once per process
+    attention.fall_back.cache_clear()  # each reason is logged once per process
     q, k, v = qkv_inputs(0, 3, t, 4, 2, 8, jnp.float32)
     valid = left_padded(t, [t, t - 4, 3])
     index = jnp.arange(t)

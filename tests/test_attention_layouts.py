@@ -28,15 +28,8 @@ from support.tiny_models import TINY, random_model
 
 from hfjax.algos import logprobs_from_logits
 from hfjax.models import attention_pallas, save_hf
-from hfjax.models.attention import (
-    attend_blocks,
-    attention_mask,
-    causal_attention,
-    decode_attention,
-    decode_mask,
-    dot_product_attention,
-    resolve_implementation,
-)
+from hfjax.models.attention import attention_mask, causal_attention, dot_product_attention, resolve_implementation
+from hfjax.models.decode_attention import attend_blocks, decode_attention, decode_mask
 from hfjax.models.program import program_layout
 from hfjax.optim import OptimConfig, TrainState, make_optimizer
 from hfjax.parallel import Layout

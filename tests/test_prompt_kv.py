@@ -22,7 +22,7 @@ from support.tiny_models import TINY, compiled_forward, random_model
 from hfjax.config.roles import AgentConfig, RolloutConfig
 from hfjax.envs.examples import calculator
 from hfjax.models import attention_pallas
-from hfjax.models.attention import decode_attention
+from hfjax.models.decode_attention import decode_attention
 from hfjax.parallel import Layout
 from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
 from hfjax.rollout.prompt_pool import PromptPool, PromptPoolFull

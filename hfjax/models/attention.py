@@ -1,6 +1,5 @@
-"""The model's attention: `causal_attention` (training and log-prob forwards, prompt prefill) and `decode_attention`
-(one query per slot over the blocked KV cache of `hfjax.rollout.cached_forward`), each with implementations chosen by
-backend.
+"""The model's attention: `causal_attention` (training and log-prob forwards, prompt prefill) with implementations
+chosen by backend; the decode step's attention over the blocked KV cache is `hfjax.models.decode_attention`.
 
 Both are grouped-query attention (query head h reads kv head h // (heads // kv_heads)) with scores and softmax in
 float32. A query at position i sees the keys at positions j <= i that are real and, with a sliding `window`, have
@@ -48,6 +47,7 @@ from hfjax.models.program import (
     program_device_count,
     program_platform,
     program_platform_version,
+    split_axes,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def scale_scores(scores: jax.Array, head_dim: int, softcap: float | None) -> jax
 
 
 @functools.cache
-def _fall_back(requested: str, reason: str) -> None:
+def fall_back(requested: str, reason: str) -> None:
     logger.warning("attention: %s runs as xla: %s", requested, reason)
 
 
@@ -209,7 +209,7 @@ def _cudnn_head_dim_limit(head_dim: int) -> int:
         return 128
     if "cuda" not in str(getattr(jax.local_devices()[0].client, "platform_version", "")):
         if head_dim > 128:
-            _fall_back("cudnn", "jax allows heads over 128 only when this process runs on a Hopper GPU itself")
+            fall_back("cudnn", "jax allows heads over 128 only when this process runs on a Hopper GPU itself")
         return 128
     return 256
 
@@ -275,7 +275,7 @@ def causal_attention(
         raise ValueError("causal_attention needs valid, lengths or mask")
     name = resolve_implementation(implementation)
     if softcap is not None and name != "xla":
-        _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its kernels")
+        fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its kernels")
         name = "xla"
     parts = length_parts(q.shape[1])
     if parts > 1:
@@ -285,19 +285,16 @@ def causal_attention(
         if name in PALLAS:
             from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
-            layout = current_layout()
-            entry = layout.activation_spec(("length",), (q.shape[1],))[0]
             kernel = functools.partial(
                 attention_pallas.splash_split_positions_attention, window=window, parts=parts,
-                axes=(entry,) if isinstance(entry, str) else tuple(entry), interpret=name == "pallas_interpret",
+                axes=split_axes("length", q.shape[1]), interpret=name == "pallas_interpret",
             )  # fmt: skip
-            out = attention_pallas.per_shard(
-                kernel, (q, k, v, valid, valid), attention_pallas.SPLIT_CAUSAL_AXES, layout
-            )
+            operands = (q, k, v, valid, valid)
+            out = attention_pallas.per_shard(kernel, operands, attention_pallas.SPLIT_CAUSAL_AXES, current_layout())
             if out is not None:
                 return out
         elif name != "xla":
-            _fall_back(name, "the sequence mesh axis splits the positions; the cuDNN kernel takes whole rows")
+            fall_back(name, "the sequence mesh axis splits the positions; the cuDNN kernel takes whole rows")
         mask = mask if mask is not None else attention_mask(valid, index, index, window)
         return split_positions_attention(q, k, v, mask, softcap)
     if name == "cudnn":
@@ -324,176 +321,3 @@ def causal_attention(
             return out
     mask = mask if mask is not None else attention_mask(valid, index, index, window)
     return dot_product_attention(q, k, v, mask, softcap=softcap)
-
-
-def decode_key_positions(
-    own_positions: int, prompt_lengths: jax.Array | None = None, prompt_positions: int = 0
-) -> tuple[jax.Array, jax.Array]:
-    """The absolute positions [slots, prompt_positions + own_positions] of the keys of decode blocks laid out as a
-    slot's shared-prompt blocks (`prompt_positions` of them, key j at position j, real below `prompt_lengths` [slots])
-    then its own blocks (key i at position prompt length + i), and which of them are real (a bool of that shape).
-    Without `prompt_lengths` there are no prompt blocks: own key i is at position i."""
-    own = jnp.arange(own_positions, dtype=jnp.int32)[None, :]
-    if prompt_lengths is None:
-        return own, jnp.ones_like(own, dtype=bool)
-    prompt = jnp.arange(prompt_positions, dtype=jnp.int32)[None, :]
-    lengths = prompt_lengths.astype(jnp.int32)[:, None]
-    positions = jnp.concatenate([jnp.broadcast_to(prompt, (len(lengths), prompt_positions)), lengths + own], axis=1)
-    real = jnp.concatenate([prompt < lengths, jnp.ones((len(lengths), own_positions), bool)], axis=1)
-    return positions, real
-
-
-def visible_keys(
-    query_positions: jax.Array, key_positions: jax.Array, real: jax.Array, window: int | None
-) -> jax.Array:
-    """Boolean [rows, queries, keys]: which keys (absolute `key_positions` [rows or 1, keys], `real` likewise) each
-    query at `query_positions` [rows, queries] sees: real keys at or before it, within `window` when set."""
-    keys, queries = key_positions[:, None, :], query_positions[:, :, None]
-    allowed = real[:, None, :] & (keys <= queries)
-    if window is not None:
-        allowed &= queries - keys < window
-    return allowed
-
-
-def decode_mask(
-    lengths: jax.Array,
-    positions: int,
-    window: int | None,
-    *,
-    prompt_lengths: jax.Array | None = None,
-    prompt_positions: int = 0,
-) -> jax.Array:
-    """Boolean [slots, prompt_positions + positions]: the keys a query at position `lengths` [slots] sees among its
-    shared-prompt blocks and its own blocks (`decode_key_positions`)."""
-    key_positions, real = decode_key_positions(positions, prompt_lengths, prompt_positions)
-    return visible_keys(lengths[:, None], key_positions, real, window)[:, 0]
-
-
-def attend_blocks(
-    q: jax.Array,
-    key_blocks: Sequence[jax.Array],
-    value_blocks: Sequence[jax.Array],
-    allowed: jax.Array,
-    softcap: float | None = None,
-) -> jax.Array:
-    """The xla decode: grouped-query attention of one query per slot over its cache blocks, scores in float32:
-    q [S, 1, heads, d], key blocks [S, kv_heads, d, B], value blocks [S, kv_heads, B, d], allowed [S, blocks x B]
-    -> [S, 1, heads, d]."""
-    slots, _, heads, d = q.shape
-    kv_heads = key_blocks[0].shape[1]
-    q = q.reshape(slots, kv_heads, heads // kv_heads, d)
-    scores = [jnp.einsum("skgd,skdt->skgt", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
-    scores = scale_scores(jnp.concatenate(scores, axis=-1), d, softcap)
-    scores = jnp.where(allowed[:, None, None, :], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
-    block = value_blocks[0].shape[2]
-    parts = [
-        jnp.einsum("skgt,sktd->skgd", probs[..., i * block : (i + 1) * block], v) for i, v in enumerate(value_blocks)
-    ]
-    return functools.reduce(jnp.add, parts).reshape(slots, 1, heads, d)
-
-
-def extend_blocks_attention(
-    q: jax.Array,
-    key_blocks: Sequence[jax.Array],
-    value_blocks: Sequence[jax.Array],
-    starts: jax.Array,
-    window: int | None = None,
-    *,
-    prompt_lengths: jax.Array | None = None,
-    prompt_blocks: int = 0,
-    softcap: float | None = None,
-) -> jax.Array:
-    """`extend_attention` over decode-layout cache blocks that already hold the new keys: queries q [R, T, heads, d]
-    at positions `starts` [R] + 0..T-1; key blocks [R, kv_heads, d, B], value blocks [R, kv_heads, B, d]: the first
-    `prompt_blocks` are the rows' shared-prompt blocks (real below `prompt_lengths` [R]), the others their own blocks
-    (`decode_key_positions`; without prompt lengths block i holds positions i*B..); each query sees the positions up
-    to its own (within `window`). Scores in float32."""
-    rows, length, heads, d = q.shape
-    kv_heads, block = key_blocks[0].shape[1], key_blocks[0].shape[-1]
-    q = q.reshape(rows, length, kv_heads, heads // kv_heads, d)
-    scores = [jnp.einsum("rtkgd,rkdb->rkgtb", q, k, preferred_element_type=jnp.float32) for k in key_blocks]
-    scores = scale_scores(jnp.concatenate(scores, axis=-1), d, softcap)
-    query_index = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
-    own_positions = block * (len(key_blocks) - prompt_blocks)
-    key_index, real = decode_key_positions(own_positions, prompt_lengths, block * prompt_blocks)
-    allowed = visible_keys(query_index, key_index, real, window)
-    scores = jnp.where(allowed[:, None, None], scores, MASKED_SCORE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(value_blocks[0].dtype)
-    parts = [
-        jnp.einsum("rkgtb,rkbd->rtkgd", probs[..., i * block : (i + 1) * block], v) for i, v in enumerate(value_blocks)
-    ]
-    return functools.reduce(jnp.add, parts).reshape(rows, length, heads, d)
-
-
-def decode_kernel(softcap: float | None = None, implementation: str | None = None) -> str | None:
-    """The Pallas kernel that `decode_attention` runs for `implementation` (`resolve_implementation`), or None where
-    it runs xla (with `softcap`, which the kernel lacks)."""
-    name = resolve_implementation(implementation)
-    if name not in PALLAS:
-        return None
-    if softcap is not None:
-        _fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its decode kernel")
-        return None
-    return name
-
-
-def gather_prompt_blocks(pool: jax.Array, table: jax.Array) -> list[jax.Array]:
-    """The prompt blocks [S, ...] of every slot (`table` [S, n], slots in the order of the pool's parts) from a
-    layer's `pool` [parts, pool blocks, ...]: n arrays, one per table column, each a block of the decode layout.
-    Vmapped over the parts, so a part reads only its own pool (a parts-sharded pool is gathered shard by shard)."""
-    parts, slots = pool.shape[0], table.shape[0]
-    local = table.reshape(parts, slots // parts, table.shape[1])
-    take = jax.vmap(lambda part_pool, ids: part_pool[ids])
-    return [take(pool, local[..., j]).reshape(slots, *pool.shape[2:]) for j in range(table.shape[1])]
-
-
-def decode_attention(
-    q: jax.Array,
-    key_blocks: Sequence[jax.Array],
-    value_blocks: Sequence[jax.Array],
-    lengths: jax.Array,
-    window: int | None = None,
-    *,
-    prompt_lengths: jax.Array | None = None,
-    prompt_blocks: int = 0,
-    prompt_pool: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    softcap: float | None = None,
-    implementation: str | None = None,
-) -> jax.Array:
-    """One query per slot at position `lengths` [S] over the slot's cache blocks: q [S, 1, heads, d]; key blocks
-    [S, kv_heads, d, B]; value blocks [S, kv_heads, B, d] -> [S, 1, heads, d]. The first `prompt_blocks` blocks are
-    the slot's shared-prompt blocks (prompt block j holds positions j*B.., real below `prompt_lengths` [S]), the
-    others its own (own block i holds positions prompt length + i*B..; without prompt lengths, i*B..). A slot sees
-    the real positions <= its length (and within `window`). With `prompt_pool` (a layer's pool keys, pool values and
-    the slots' prompt table, `gather_prompt_blocks`) the blocks given are the own ones and the prompt blocks are the
-    table's: the Pallas kernel reads them in the pool, the xla path gathers them. Under an `program_layout` of
-    several devices the Pallas kernel runs per shard (xla where the operands do not split by the layout); with
-    `softcap` it runs as xla."""
-    name = decode_kernel(softcap, implementation)
-    if name is not None:
-        from hfjax.models import attention_pallas  # Pallas loads only when it runs
-
-        def kernel(q, keys, values, lengths, prompt_lengths, pool_keys, pool_values, table) -> jax.Array:
-            pool = None if table is None else (pool_keys, pool_values, table)  # the operands split by DECODE_AXES
-            return attention_pallas.decode_attention(
-                q, keys, values, lengths, window, prompt_lengths, prompt_blocks=prompt_blocks, pool=pool,
-                interpret=name == "pallas_interpret",
-            )  # fmt: skip
-
-        starts = jnp.zeros_like(lengths) if prompt_lengths is None else prompt_lengths
-        operands = (q, tuple(key_blocks), tuple(value_blocks), lengths, starts, *(prompt_pool or (None,) * 3))
-        out = attention_pallas.per_shard(kernel, operands, attention_pallas.DECODE_AXES, current_layout())
-        if out is not None:
-            return out
-    if prompt_pool is not None:
-        pool_keys, pool_values, table = prompt_pool
-        prompt_blocks = table.shape[1]
-        key_blocks = (*gather_prompt_blocks(pool_keys, table), *key_blocks)
-        value_blocks = (*gather_prompt_blocks(pool_values, table), *value_blocks)
-    block = key_blocks[0].shape[-1]
-    own_positions = block * (len(key_blocks) - prompt_blocks)
-    allowed = decode_mask(
-        lengths, own_positions, window, prompt_lengths=prompt_lengths, prompt_positions=block * prompt_blocks
-    )
-    return attend_blocks(q, key_blocks, value_blocks, allowed, softcap)

@@ -26,12 +26,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.attention import (
-    causal_attention,
+from hfjax.models.attention import causal_attention, extend_attention
+from hfjax.models.decode_attention import (
     decode_attention,
     decode_kernel,
     decode_mask,
-    extend_attention,
     extend_blocks_attention,
     gather_prompt_blocks,
 )

@@ -39,19 +39,12 @@ from jax.sharding import Mesh, NamedSharding
 
 from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.attention import configured_implementation
-from hfjax.models.moe import record_routes, set_expert_capacity, stacked_routes
-from hfjax.models.program import constrain, program_layout, setting_key
+from hfjax.models.moe import set_expert_capacity
+from hfjax.models.program import program_layout, setting_key
 from hfjax.models.transformer import CausalLM
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cache_layout import CacheLayout, batch_sharded
-from hfjax.rollout.cached_forward import (
-    Prefix,
-    PromptBlocks,
-    decode_forward,
-    extend_forward,
-    extend_slots_forward,
-    prefill_forward,
-)
+from hfjax.rollout.engine_steps import EngineSteps
 from hfjax.rollout.extend_shapes import ExtendShapes, pad_extend
 from hfjax.rollout.interface import (
     ALL_FILTERS,
@@ -60,9 +53,8 @@ from hfjax.rollout.interface import (
     ResultTokens,
     prefill_buckets,
 )
-from hfjax.rollout.pooled_attention import PoolReaders
-from hfjax.rollout.prompt_pool import Placement, PromptPool, write_prompts
-from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams, sample_key, sample_tokens
+from hfjax.rollout.prompt_pool import Placement, PromptPool
+from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
 
 # The jitted steps of recent engines by their settings (model structure and config, dtype, layout, slots, lengths,
 # the attention setting): an engine of equal settings (the next run's rollout worker in this process) reuses them.
@@ -72,19 +64,7 @@ _PROGRAMS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 _TRACES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("hfjax_engine_traces", default=None)
 
 
-def _split_rows(*arrays: jax.Array) -> list[jax.Array]:
-    """The arrays (traced under the engine's layout) with their rows, dimension 0, split over the batch mesh axes
-    where they divide: each part of the batch axes then computes its own rows of a prefill, whatever the inputs'
-    placement (host arrays arrive replicated)."""
-    return [constrain(x, ("batch",) + (None,) * (x.ndim - 1)) for x in arrays]
-
-
-def _sample_rng(keys: jax.Array, samples: jax.Array) -> jax.Array:
-    """The random key of sample `samples[i]` of a prompt whose base key is `keys[i]` (raw key data)."""
-    return jax.vmap(lambda k, i: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), i)))(keys, samples)
-
-
-class JaxEngine:
+class JaxEngine(EngineSteps):
     """Generation for an hfjax `CausalLM` (concrete or abstract: only its structure is used) over `layout`. Past
     `max_extend_programs` compiled `extend` shapes, an extend pads up to a compiled shape that holds it, and compiles
     only where none does (`hfjax.rollout.extend_shapes`). With `record_experts`, a mixture of experts' routes come
@@ -415,10 +395,6 @@ class JaxEngine:
         """The pool blocks of an insert of prefill rows padded to `width` (`PromptPool.placement`)."""
         return self.pool.placement(lengths, slots, rows, -(-width // self.block), self.prompt_blocks)
 
-    # ----------------------------------------------------------------------------------------------- traced
-    def _model(self, params: Any) -> CausalLM:
-        return nnx.merge(self.graphdef, params, self._rest)
-
     @staticmethod
     def _sampling_arrays(sampling: SamplingParams, requests: np.ndarray) -> tuple[np.ndarray, ...]:
         rows = len(requests)
@@ -429,119 +405,3 @@ class JaxEngine:
             np.full(rows, sampling.top_k, np.int32),
             np.full(rows, sampling.top_p, np.float32),
         )
-
-    def _prefill_fn(self, params, tokens, lengths, seeds, requests, temperature, top_k, top_p, *, kind):
-        tokens, lengths, *sampling = _split_rows(tokens, lengths, seeds, requests, temperature, top_k, top_p)
-        cache = prefill_forward(self._model(params), tokens, lengths)
-        return self._prefix_and_first(cache, *sampling, kind)
-
-    def _prefill_extend_fn(self, params, existing: Prefix, tokens, lengths, seeds, requests, temp, top_k, top_p, *,
-                           kind):  # fmt: skip
-        tokens, lengths, starts, *sampling = _split_rows(
-            tokens, lengths, existing.lengths, seeds, requests, temp, top_k, top_p
-        )
-        pad = ((0, 0), (0, tokens.shape[1]), (0, 0), (0, 0))
-        keys = tuple(_split_rows(*(jnp.pad(k, pad) for k in existing.keys)))
-        values = tuple(_split_rows(*(jnp.pad(v, pad) for v in existing.values)))
-        cache = extend_forward(self._model(params), tokens, starts, lengths, keys, values)
-        return self._prefix_and_first(cache, *sampling, kind)
-
-    @staticmethod
-    def _prefix_and_first(cache: Prefix, seeds, requests, temperature, top_k, top_p, kind):
-        """The prefix of `cache` with each row's base key, and sample 0's first token (drawn as `insert` draws it)."""
-        keys = sample_key(seeds, requests, jnp.zeros_like(requests))
-        prefix = PrefillResult(cache, keys, temperature, top_k, top_p)
-        zeros = jnp.zeros_like(requests)
-        first = sample_tokens(cache.last_logits, _sample_rng(keys, zeros), zeros, temperature, top_k, top_p, kind)
-        return prefix, ResultTokens(*first)
-
-    def _insert_fn(self, prefix: PrefillResult, state: DecodeState, slots, rows, samples, placement: Placement, *,
-                   kind):  # fmt: skip
-        rng = _sample_rng(prefix.keys[rows], samples)
-        zeros = jnp.zeros_like(slots)
-        temperature, top_k, top_p = prefix.temperature[rows], prefix.top_k[rows], prefix.top_p[rows]
-        first = sample_tokens(prefix.cache.last_logits[rows], rng, zeros, temperature, top_k, top_p, kind)
-        pool_keys, pool_values = write_prompts(
-            state.pool_keys, state.pool_values, prefix.cache.keys, prefix.cache.values, placement, self.block
-        )
-
-        def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
-            return current.at[slots].set(value, mode="drop")
-
-        state = state._replace(
-            pool_keys=tuple(pool_keys),
-            pool_values=tuple(pool_values),
-            prompt_table=set_slots(state.prompt_table, placement.tables),
-            prompt_lengths=set_slots(state.prompt_lengths, prefix.cache.lengths[rows]),
-            pool_readers=placement.readers,
-            pool_columns=placement.columns,
-            prompt_ranks=placement.ranks,
-            lengths=set_slots(state.lengths, prefix.cache.lengths[rows]),
-            tokens=set_slots(state.tokens, first[0]),
-            rng=set_slots(state.rng, rng),
-            steps=set_slots(state.steps, jnp.ones_like(slots)),
-            temperature=set_slots(state.temperature, temperature),
-            top_k=set_slots(state.top_k, top_k),
-            top_p=set_slots(state.top_p, top_p),
-        )
-        return state, ResultTokens(*first)
-
-    @staticmethod
-    def _prompt(state: DecodeState, blocks: int) -> PromptBlocks:
-        """The state's prompt pool with each slot's first `blocks` prompt blocks."""
-        table = state.prompt_table[:, :blocks]
-        return PromptBlocks(state.pool_keys, state.pool_values, table, state.prompt_lengths)
-
-    def _generate_fn(self, params, state: DecodeState, *, kind, live, prompt_live=None, prompt_readers=1):
-        model = self._model(params)
-        live_keys, live_values = tuple(k[:live] for k in state.keys), tuple(v[:live] for v in state.values)
-        readers = PoolReaders(state.pool_readers[..., :prompt_readers], state.pool_columns, state.prompt_ranks)
-        prompt = self._prompt(state, self.prompt_blocks if prompt_live is None else prompt_live)._replace(
-            readers=readers
-        )
-        with record_routes() as routes:
-            logits, keys, values = decode_forward(model, state.tokens, state.lengths, live_keys, live_values, prompt)
-        keys = tuple(new + old[live:] for new, old in zip(keys, state.keys, strict=True))
-        values = tuple(new + old[live:] for new, old in zip(values, state.values, strict=True))
-        tokens, logprobs = sample_tokens(
-            logits, state.rng, state.steps, state.temperature, state.top_k, state.top_p, kind
-        )
-        state = state._replace(
-            keys=keys, values=values, lengths=state.lengths + 1, tokens=tokens, steps=state.steps + 1
-        )
-        experts = stacked_routes(routes, self.config.num_experts)[:, 0] if self.record_experts else None
-        return state, ResultTokens(tokens, logprobs, experts)
-
-    def _extend_fn(self, params, state: DecodeState, slots, tokens, counts, starts, steps, *, kind, live):
-        rows = jnp.minimum(slots, self._slots - 1)  # padding rows (slot out of range) read the last slot, write none
-        with record_routes() as routes:
-            logits, keys, values = extend_slots_forward(
-                self._model(params), tokens, starts, counts, slots, state.keys, state.values, live,
-                self._prompt(state, self.prompt_blocks),
-            )  # fmt: skip
-        steps = jnp.where(steps < 0, state.steps[rows], steps)
-        first = sample_tokens(
-            logits, state.rng[rows], steps, state.temperature[rows], state.top_k[rows], state.top_p[rows], kind
-        )
-
-        def set_slots(current: jax.Array, value: jax.Array) -> jax.Array:
-            return current.at[slots].set(value, mode="drop")
-
-        state = state._replace(
-            keys=keys,
-            values=values,
-            lengths=set_slots(state.lengths, starts + counts),
-            tokens=set_slots(state.tokens, first[0]),
-            steps=set_slots(state.steps, steps + 1),
-        )
-        experts = stacked_routes(routes, self.config.num_experts) if self.record_experts else None
-        return state, ResultTokens(*first, experts)
-
-    def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
-                           samples, placement, *, kind):  # fmt: skip
-        with record_routes() as routes:
-            prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
-        state, first = self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)
-        if not self.record_experts:
-            return state, first
-        return state, first._replace(experts=stacked_routes(routes, self.config.num_experts)[rows])
