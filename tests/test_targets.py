@@ -24,7 +24,7 @@ from support.tiny_models import TINY
 from hfjax.cli.main import main
 from hfjax.compiled import report, targets
 from hfjax.compiled.failures import MESSAGE_CHARS, PROGRAM_KINDS, classify, knob, program_kind
-from hfjax.compiled.programs import ProgramTrace, measure
+from hfjax.compiled.programs import ProgramMemory, ProgramTrace, measure
 from hfjax.compiled.targets import GIB, INSTALL_HINT, Target, TargetError, parse_target, target_devices
 from hfjax.config.rl import load_rl_config
 from hfjax.models.presets import NAMED_CONFIGS
@@ -384,6 +384,24 @@ def test_a_program_that_fails_to_trace_keeps_its_error() -> None:
         measure(failing)
 
 
+def test_an_update_over_its_memory_is_told_to_rematerialise_first() -> None:
+    """The compile check's remat recommendation: an actor update over 90% of the chip with `remat: none` (or `dots`)
+    names `actor.remat: full` first; with `full` already set it names the micro-batch and the layout instead; other
+    programs over the limit keep their own knobs."""
+    target = parse_target("v5e:2x4")
+    over = ProgramMemory("actor", "loss+grad", int(target.usable_bytes), 0, 0, 0, 0, 0.0, 0.0)
+    small = ProgramMemory("rollout", "decode 8 slots", 1 << 20, 0, 0, 0, 0, 0.0, 0.0)
+    for setting in ("none", "dots"):
+        (line,) = report.fits([over, small], target, {"actor": setting, "critic": "none"})
+        assert line.startswith("does not fit: actor loss+grad needs 15.75 GiB of 14.18 GiB")
+        assert f"try actor.remat: full (it is '{setting}') first, then actor.micro_batch_size" in line
+    (line,) = report.fits([over], target, {"actor": "full", "critic": "none"})
+    assert "remat" not in line and "try actor.micro_batch_size, more fsdp (or a sequence axis" in line
+    decode = ProgramMemory("rollout", "decode 8 slots", int(target.usable_bytes), 0, 0, 0, 0, 0.0, 0.0)
+    (line,) = report.fits([decode], target, {"actor": "none", "critic": "none"})
+    assert "try fewer rollout.slots" in line and "remat" not in line
+
+
 def test_every_knob_names_config_keys_that_exist() -> None:
     """Each dotted key a knob names (`actor.micro_batch_size`, `reward.cost_model.layout`) is a key of the config."""
     cfg = load_rl_config({"actor": {"model_path": "unused"}, "algorithm": {"name": "ppo"}})
@@ -392,7 +410,8 @@ def test_every_knob_names_config_keys_that_exist() -> None:
               "rollout": ("prefill 8 x 16", "decode 8 slots"), "reward": scores, "cost": scores}  # fmt: skip
     assert {program_kind(p) for programs in groups.values() for p in programs} == set(PROGRAM_KINDS)
     classes = ("scoped VMEM", "VMEM", "out of memory", "shape", "RuntimeError")
-    texts = {knob(c, g, p) for c in classes for g, programs in groups.items() for p in programs}
+    remats = (None, "none", "dots", "full")
+    texts = {knob(c, g, p, r) for c in classes for g, programs in groups.items() for p in programs for r in remats}
     keys = {k for text in texts for k in re.findall(r"\b(?:actor|critic|rollout|data|reward)(?:\.[a-z_]+)+", text)}
     assert {"actor.remat", "rollout.slots", "reward.cost_model.micro_batch_size"} <= keys
     for key in keys:

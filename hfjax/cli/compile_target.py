@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     target = parse_target(args.target)  # before any config work: a bad name is the first error
     from hfjax.cli.runner import debugging
-    from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak
+    from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak, remat_settings
     from hfjax.config.rl import load_rl_config
 
     if debugging(getattr(args, "debug", False)):  # the tracebacks of programs that fail to compile
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     programs, failed = compile_run(cfg, target, programs=args.programs)
     predicted, predicted_error = predicted_peak(cfg, target)
     print(format_report(programs, target, predicted, predicted_error, failed))
-    problems = fits(programs, target)
+    problems = fits(programs, target, remat_settings(cfg))
     for line in problems:
         print(line)
     if args.json:

@@ -50,9 +50,11 @@ class ProgramFailure:
     knob: str
 
     @classmethod
-    def of(cls, group: str, program: str, error: BaseException) -> ProgramFailure:
+    def of(cls, group: str, program: str, error: BaseException, remat: str | None = None) -> ProgramFailure:
+        """`error` of `group`'s `program` as its row; `remat`: the group's rematerialisation setting, where it has
+        one (the knob of an update that runs out of memory starts with it)."""
         error_class, message = classify(error)
-        return cls(group, program, error_class, message, knob(error_class, group, program))
+        return cls(group, program, error_class, message, knob(error_class, group, program, remat))
 
     def line(self) -> str:
         """One line: the program, the error class and the knob to turn."""
@@ -100,9 +102,11 @@ def program_kind(program: str) -> str:
     return next((kind for kind in PROGRAM_KINDS if program.startswith(kind)), "")
 
 
-def knob(error_class: str, group: str, program: str) -> str:
-    """What to change in the config (or the environment) so that the program compiles, by the class of its error and
-    its kind."""
+def knob(error_class: str, group: str, program: str, remat: str | None = None) -> str:
+    """What to change in the config (or the environment) so that the program compiles or fits, by the class of its
+    error ("out of memory" also for a program that compiles over the limit) and its kind. `remat`: the group's
+    `remat` setting where known; an update that runs out of memory without `full` is told to turn it first (it keeps
+    only each layer's input for the backward: the cheapest cut in memory, about a third more FLOPs)."""
     kind = program_kind(program)
     layout = LAYOUT_KEYS.get(group, f"{group}'s layout")
     batch = MICRO_BATCH_KEYS.get(group, f"{group}'s micro_batch_size")
@@ -113,9 +117,13 @@ def knob(error_class: str, group: str, program: str) -> str:
             return f"{ATTENTION_XLA}, or a shorter data.max_prompt_length"
         return f"{ATTENTION_XLA}, or shorter rows (data.max_prompt_length, rollout.response_length)"
     if error_class == "out of memory":
+        if kind == "loss+grad":
+            split = f"more fsdp (or a sequence axis for long rows) in {layout}"
+            if remat in (None, "full"):
+                return f"{batch}, {split}" + ("" if remat else f", or {group}.remat: full")
+            return f"{group}.remat: full (it is {remat!r}) first, then {batch} or {split}"
         return {
-            "loss+grad": f"{batch}, {group}.remat: full, or more fsdp in {layout}",
-            "optimizer step": f"more fsdp in {layout}",
+            "optimizer step": f"more fsdp in {layout}, or rollout.offload_optimizer",
             "prefill": "fewer rollout.slots (the largest prefill call) or a shorter data.max_prompt_length",
             "decode": "fewer rollout.slots, a shorter rollout.response_length, rollout.prompt_cache_tokens, or more "
             "tensor in rollout.gen_layout",

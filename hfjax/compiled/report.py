@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from hfjax.automap.cluster import GIB, ClusterSpec
 from hfjax.automap.cost import InfeasibleError
 from hfjax.automap.run_config import predict_run, run_models
-from hfjax.compiled.failures import ProgramFailure
+from hfjax.compiled.failures import ProgramFailure, knob
 from hfjax.compiled.programs import (
     ProgramMemory,
     actor_programs,
@@ -45,15 +45,6 @@ from hfjax.typed_config import ConfigError
 logger = logging.getLogger(__name__)
 
 FIT_FRACTION = 0.9
-KNOBS = {  # what shrinks each program
-    "loss+grad": "{role}.micro_batch_size (or actor.train_layout: more fsdp/tensor)",
-    "optimizer step": "{role} layout (more fsdp), or rollout.offload_optimizer",
-    "log probs": "actor.micro_batch_size",
-    "ref log probs": "actor.micro_batch_size",
-    "values": "critic.micro_batch_size",
-    "prefill": "rollout.slots (the largest prefill call) or data.max_prompt_length",
-    "decode": "rollout.slots (the KV cache) or rollout.gen_layout (more tensor)",
-}
 
 
 def model_shape(path: str, field: str) -> ModelConfig:
@@ -155,9 +146,16 @@ class CompiledRun(NamedTuple):
     failed: list[ProgramFailure]
 
 
-def _failure(group: str, program: str, error: Exception, progress: Callable[[str], None]) -> ProgramFailure:
+def remat_settings(cfg: RLConfig) -> dict[str, str]:
+    """Each trained group's `remat` setting (the knob of an update over its memory starts with it)."""
+    return {"actor": cfg.actor.remat, "critic": cfg.critic.remat}
+
+
+def _failure(
+    group: str, program: str, error: Exception, progress: Callable[[str], None], remat: dict[str, str]
+) -> ProgramFailure:
     """`error`, raised while tracing or compiling a program, as its row; the traceback goes to the debug log."""
-    failure = ProgramFailure.of(group, program, error)
+    failure = ProgramFailure.of(group, program, error, remat.get(group))
     logger.debug("%s %s failed to compile", group, program, exc_info=error)
     progress(f"failed {group}: {program} ({failure.error_class})")
     return failure
@@ -173,7 +171,7 @@ def compile_run(
     that fails to trace or compile is a `ProgramFailure`, and the others are still compiled; a role whose programs
     cannot be built at all is one failure named "programs"."""
     roles = run_roles(cfg, target_devices(target))
-    out, failed, skipped = [], [], []
+    out, failed, skipped, remat = [], [], [], remat_settings(cfg)
     with warnings.catch_warnings():
         # in a process that also runs JAX (`hfjax sweep --target`), the persistent compilation cache is on: an entry
         # of a compile-only device cannot be loaded back, JAX warns and compiles afresh
@@ -185,7 +183,7 @@ def compile_run(
                 try:
                     trace = next(traces, None)
                 except Exception as error:  # building the role's models or batches: its remaining programs
-                    failed.append(_failure(role.name, "programs", error, progress))
+                    failed.append(_failure(role.name, "programs", error, progress, remat))
                     break
                 if trace is None:
                     break
@@ -196,7 +194,7 @@ def compile_run(
                 try:
                     out.append(measure(trace))
                 except Exception as error:
-                    failed.append(_failure(trace.group, trace.program, error, progress))
+                    failed.append(_failure(trace.group, trace.program, error, progress, remat))
                     continue
                 progress(f"compiled {trace.group}: {trace.program} ({out[-1].compile_seconds:.1f} s)")
     if not out and not failed:
@@ -209,7 +207,7 @@ def compiled_memory(cfg: RLConfig, target: Target) -> dict[str, Any]:
     largest program peak in bytes per device (0 where none compiled), whether every program compiles and fits, and
     the lines of those that do not."""
     run = compile_run(cfg, target, progress=lambda _: None)
-    problems = [f"{f.line()} ({f.message})" for f in run.failed] + fits(run.programs, target)
+    problems = [f"{f.line()} ({f.message})" for f in run.failed] + fits(run.programs, target, remat_settings(cfg))
     return {"target": target.name, "peak_bytes": max((p.peak for p in run.programs), default=0), "fits": not problems,
             "problems": problems}  # fmt: skip
 
@@ -225,16 +223,17 @@ def predicted_peak(cfg: RLConfig, target: Target) -> tuple[float | None, str | N
         return None, str(error)
 
 
-def fits(programs: list[ProgramMemory], target: Target) -> list[str]:
-    """One line per program whose peak exceeds `FIT_FRACTION` of the target's usable memory, naming the knob."""
+def fits(programs: list[ProgramMemory], target: Target, remat: dict[str, str] | None = None) -> list[str]:
+    """One line per program whose peak exceeds `FIT_FRACTION` of the target's usable memory, naming the knob (`remat`:
+    each trained group's setting, `remat_settings`)."""
     limit = FIT_FRACTION * target.usable_bytes
     problems = []
     for p in programs:
         if p.peak > limit:
-            knob = next((v for k, v in KNOBS.items() if p.program.startswith(k)), "the layout").format(role=p.group)
+            turn = knob("out of memory", p.group, p.program, (remat or {}).get(p.group))
             problems.append(
                 f"does not fit: {p.group} {p.program} needs {p.peak / GIB:.2f} GiB of {limit / GIB:.2f} GiB "
-                f"({FIT_FRACTION:.0%} of {target.usable_bytes / GIB:.2f} GiB usable per device): lower {knob}"
+                f"({FIT_FRACTION:.0%} of {target.usable_bytes / GIB:.2f} GiB usable per device): try {turn}"
             )
     return problems
 
