@@ -37,6 +37,8 @@ TARGETS = {  # each shipped config and the hardware its header names
     "qwen3-30b-a3b-grpo-tpu-v5p-32": "v5p:2x2x4",
     "qwen3-30b-a3b-grpo-lora-8gpu": "h100x8",
     "long/qwen2.5-1.5b-grpo-32k-tpu-v5e-8": "v5e:2x4",
+    "long/llama-3.1-8b-grpo-lora-16k-tpu-v5e-8": "v5e:2x4",
+    "long/llama-3.1-8b-grpo-32k-tpu-v5p-8": "v5p:2x2x1",
 }
 TINY = (  # one config at small shapes: the same programs, compiled in seconds
     "qwen2.5-0.5b-grpo-tpu-v5e-8",

@@ -30,7 +30,7 @@ OUT="$(mktemp -d -t hfjax-compile-configs-XXXX)"
   exit "$failed"
 ) > "$OUT/table.txt" 2>&1 &
 CONFIGS=$!
-"$VENV/bin/python" -m pytest -q -m compile_target tests/test_targets.py tests/test_remat.py tests/test_sweep.py "$@"  # no PyTorch here
+"$VENV/bin/python" -m pytest -q -m compile_target tests/test_targets.py tests/test_remat.py tests/test_sweep.py tests/test_scaling.py "$@"  # no PyTorch here
 status=0
 wait "$CONFIGS" || status=$?
 cat "$OUT/table.txt"

@@ -4,21 +4,27 @@ decode step of a small model (4 layers, 8 heads, a 32k vocabulary) on 8 fake dev
 one device's FLOPs, and under `data=2,fsdp=4` the collectives are
 the weights' (gathers of parameters, reductions of gradients), never an activation's or the logits'. The engine's
 largest prefill under `data=4` does about 1/4 of one device's FLOPs on each device (each data shard prefills its
-own rows)."""
+own rows). Marked `compile_target` (the compile-target phase of CI, libtpu): the same holds for the update of the
+shipped Qwen2.5-0.5B v5e-8 config at its real width, vocabulary and row length, compiled for v5e chips."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 import re
+from collections.abc import Iterator
 
 import jax
 import pytest
+from support.settings import REPO
 
 import hfjax.models.transformer as transformer
 from hfjax.compiled.programs import AbstractModel, actor_programs, bytes_per_device, engine_programs
 from hfjax.config.rl import load_rl_config
 from hfjax.models.config import ModelConfig
+from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.parallel import Layout
 
 SHAPE = ModelConfig(
@@ -60,13 +66,20 @@ def compiled_programs(name: str) -> dict[str, jax.stages.Compiled]:
     program would fold the backward's recomputed logits into the forward's, which a partitioned program does not)."""
     train, gen = LAYOUTS[name]
     cfg = _rl_config()
-    chunk_length = transformer.chunk_length
-    local = 32 // Layout.from_config(train).axis_size("sequence")  # a device's positions: the same two chunks
-    transformer.chunk_length = lambda tokens, rows: local
-    try:
+    with chunks_of(32 // Layout.from_config(train).axis_size("sequence")):  # a device's positions: the same two chunks
         traces = actor_programs(cfg, SHAPE, Layout.from_config(train), Layout.from_config(gen))
         return {t.program.split(" ")[0] if t.program.startswith("decode") else t.program: t.traced.lower().compile()
                 for t in traces if t.program.startswith(PROGRAMS)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def chunks_of(positions: int) -> Iterator[None]:
+    """The chunked LM head takes `positions` positions per chunk whatever the rows per device, so that programs under
+    two layouts run their chunk loops the same number of times (cost analysis counts a loop's body once)."""
+    chunk_length = transformer.chunk_length
+    transformer.chunk_length = lambda tokens, rows: positions
+    try:
+        yield
     finally:
         transformer.chunk_length = chunk_length
 
@@ -163,3 +176,33 @@ def test_prefill_split_over_data_axis():
     one = _prefill_flops({"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]})
     four = _prefill_flops({"mesh": {"data": 4}, "rules": "dp_tp_gen", "devices": [0, 1, 2, 3]})
     assert four <= 1.15 * one / 4, f"prefill under data=4: {four:.3e} FLOPs per device, one device {one:.3e}"
+
+
+def _tpu_update_flops(target: str, train: dict, gen: dict) -> float:
+    """Per-chip FLOPs of the actor's loss-and-gradient of the shipped Qwen2.5-0.5B v5e-8 GRPO config (its width,
+    vocabulary, 1,536-token rows, bfloat16 compute; two of its 24 layers, micro-batches of 8 rows), compiled for a
+    TPU target with libtpu: the partitioner and the kernels of the chip, not the CPU's."""
+    from hfjax.compiled import parse_target, target_devices
+
+    cfg = load_rl_config(str(REPO / "configs/gsm8k/qwen2.5-0.5b-grpo-tpu-v5e-8.yaml"), ["actor.micro_batch_size=8"])
+    qwen = NAMED_CONFIGS["qwen2.5-0.5b"]
+    shape = dataclasses.replace(qwen, num_layers=2, sliding_windows=qwen.sliding_windows and qwen.sliding_windows[:2])
+    devices = target_devices(parse_target(target))
+    train_layout, gen_layout = (Layout.from_config(c).on_devices(devices) for c in (train, gen))
+    # the TPU kernels' own precision (conftest asks for the highest); six chunks of the head under both layouts
+    with jax.default_matmul_precision("default"), chunks_of(256):
+        update = next(t for t in actor_programs(cfg, shape, train_layout, gen_layout) if t.program == "loss+grad")
+        return flops(update.traced.lower().compile())
+
+
+@pytest.mark.compile_target
+def test_fsdp_splits_the_update_eight_ways_on_a_tpu_v5e_8():
+    """At real shapes, compiled for TPU: under `fsdp: 8` each v5e chip does at most 1.15/8 of the FLOPs one chip
+    does for the same micro-batch (the rows split, the weights are gathered, nothing is computed twice)."""
+    one = _tpu_update_flops(
+        "v5e:1x1", {"mesh": {"fsdp": 1}, "rules": "fsdp"}, {"mesh": {"data": 1}, "rules": "dp_tp_gen"}
+    )
+    eight = _tpu_update_flops(
+        "v5e:2x4", {"mesh": {"fsdp": 8}, "rules": "fsdp"}, {"mesh": {"data": 8}, "rules": "dp_tp_gen"}
+    )
+    assert eight <= 1.15 * one / 8, f"loss+grad under fsdp=8 on v5e: {eight:.3e} FLOPs per chip, one chip {one:.3e}"
