@@ -45,6 +45,7 @@ def test_auto_picks_the_clusters_accelerator_and_a_missing_one_is_an_error():
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a whole driver process training a step on Ray: about a minute of the default suite's 10
 def test_controller_jax_stays_on_cpu_when_the_driver_environment_names_an_accelerator(
     ray_cluster, tmp_path, one_device_xla_flags
 ):
