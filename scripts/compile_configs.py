@@ -5,10 +5,12 @@ of usable memory).
 Needs the `compile` extra (libtpu and the CUDA compiler plugin; the GPU configs' cuDNN attention also needs the
 `nvidia-cudnn-cu12` wheel). Each config runs in its own process (libtpu and the CUDA plugin hold their state per
 process). `--tiny` compiles one config at small shapes; `--only NAME` picks configs by substring. `--guard` compiles
-at full size only the programs of the configs with the least room (`GUARDED`) and also fails where the cost model's
-peak is more than `COST_MODEL_TOLERANCE` off the compiler's peak of those programs. CI runs `--tiny`, then `--guard`.
+at full size only the programs of the configs with the least room (`GUARDED`), scheduled at their leanest on TPU
+(`hfjax compile --lean`: what each program needs, not what libtpu's default schedule fills when memory is free), and
+also fails where the cost model's peak is more than `COST_MODEL_TOLERANCE` off the compiler's peak of those programs.
+CI runs `--tiny`, then `--guard`.
 
-    python scripts/compile_configs.py [--tiny | --guard] [--only v5e] [--out runs/compile_configs]
+    python scripts/compile_configs.py [--tiny | --guard] [--lean] [--only v5e] [--out runs/compile_configs]
 """
 
 from __future__ import annotations
@@ -46,23 +48,28 @@ TINY = (  # one config at small shapes: the same programs, compiled in seconds
 )
 
 
-# The shipped configs whose step peak is closest to the limit (docs/hardware.md) and the programs that carry it: the
-# update and the largest prefill call. `--guard` compiles these alone, at full size.
+# The shipped configs whose step peak is closest to the limit (docs/hardware.md), the two dense v5e-8 ones and an
+# 8-GPU one, and the programs that carry it: the update and the largest prefill call. `--guard` compiles these alone,
+# at full size.
 GUARDED = {
     "qwen2.5-0.5b-grpo-tpu-v5e-8": ("actor loss+grad", "rollout prefill"),
     "llama-3.2-1b-grpo-tpu-v5e-8": ("actor loss+grad", "rollout prefill"),
+    "qwen2.5-1.5b-grpo-8gpu": ("actor loss+grad", "rollout prefill"),
 }
 COST_MODEL_TOLERANCE = 0.15  # `--guard`: the cost model's peak within this fraction of the compiled programs' peak
 
 
-def compile_one(name: str, target: str, overrides: list[str], out: Path, programs: tuple[str, ...] = ()) -> dict:
-    """Runs `hfjax compile` on one config (`programs`: only those) in its own process; returns its JSON report plus
-    wall time and status."""
+def compile_one(
+    name: str, target: str, overrides: list[str], out: Path, programs: tuple[str, ...] = (), lean: bool = False
+) -> dict:
+    """Runs `hfjax compile` on one config (`programs`: only those; `lean`: TPU programs scheduled at their leanest)
+    in its own process; returns its JSON report plus wall time and status."""
     report = out / f"{name.replace('/', '-')}.json"
     config = ROOT / "configs" / f"{name if '/' in name else 'gsm8k/' + name}.yaml"  # gsm8k/ unless named
     command = [sys.executable, "-m", "hfjax.cli.main", "compile", str(config)]
     command += [*overrides, "--target", target, "--json", str(report)]
     command += ["--programs", *programs] if programs else []
+    command += ["--lean"] if lean and not target.startswith(("h100", "a100")) else []
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - started
@@ -101,6 +108,7 @@ def main() -> int:
     mode.add_argument("--tiny", action="store_true", help="one config at small shapes (CI)")
     mode.add_argument("--guard", action="store_true", help="the programs with the least room, at full size (CI)")
     parser.add_argument("--only", help="compile the configs whose name contains this")
+    parser.add_argument("--lean", action="store_true", help="TPU configs: `hfjax compile --lean` (--guard: always)")
     parser.add_argument("--out", default="runs/compile_configs")
     args = parser.parse_args()
     out = Path(args.out)
@@ -112,7 +120,7 @@ def main() -> int:
         jobs = [(name, TARGETS[name], [], programs) for name, programs in chosen.items() if (args.only or "") in name]
     rows = []
     for name, target, overrides, programs in jobs:
-        row = compile_one(name, target, overrides, out, programs)
+        row = compile_one(name, target, overrides, out, programs, lean=args.lean or args.guard)
         rows.append(row)
         status = "; ".join(problems(row, args.guard)) or "fits"
         gap = cost_model_gap(row) if "error" not in row else None

@@ -275,14 +275,15 @@ def test_generation_seconds_and_transition_bytes_by_hand():
     assert got == pytest.approx(expected, rel=1e-12)
     assert "exceeds" in model.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=0.9 * kv_seq)
     # with the engine's slots (6, over 4 replicas): every slot's cache, 2 per device, whatever the batch; the largest
-    # prefill call (4 rows, 1 per device) adds a copy of the cache, its prompts' keys and values, a layer's
-    # activations; the budget must hold the cache and that prefill, else the reason names the slots
+    # prefill call (4 rows, 1 per device) adds one layer's keys and values of its prompts and what a layer's forward
+    # holds at once (the cache is written in place); the budget must hold the cache and that prefill, else the
+    # reason names the slots
     slots = CostModel(cluster, dataflow("remax"), dataclasses.replace(w, kv_slots=6))
-    layer = 14 * d + (10 * d + 8 * 128) / 2
-    peak = 2 * kv_seq + 2 * kv_seq + P * (kv_token + layer)
+    layer = 8 * d + 6 * 128 / 2
+    peak = 2 * kv_seq + P * (kv_token / L + layer)
     got = slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=peak * 1.001)
     assert got["kv_bytes"] == 2 * kv_seq and got["waves"] == math.ceil(batch / 2)
-    assert got["prefill_bytes"] == pytest.approx(2 * kv_seq + P * (kv_token + layer), rel=1e-12)
+    assert got["prefill_bytes"] == pytest.approx(P * (kv_token / L + layer), rel=1e-12)
     assert "rollout.slots=6" in slots.generate(shape, Sizes(2, 2, 2), Sizes(4, 1, 2), kv_budget=peak * 0.999)
     # a device 1000x slower at matmuls: decode is compute-bound
     slow = dataclasses.replace(cluster, profile=dataclasses.replace(p, matmul_flops=p.matmul_flops / 1000))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -94,6 +95,21 @@ def test_missing_plugin_names_pip_command(name: str, monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     with pytest.raises(TargetError, match=f"compiling for '{name}' needs .*: {re.escape(INSTALL_HINT)}"):
         target_devices(parse_target(name))
+
+
+def test_the_lean_schedule_is_a_libtpu_flag_chosen_before_libtpu_loads(monkeypatch, capsys) -> None:
+    """`hfjax compile --lean` adds libtpu's scheduler limit to LIBTPU_INIT_ARGS (once, beside the user's flags) before
+    a TPU target loads libtpu; once one has, and for a GPU target, it is refused with a line naming the option."""
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_jf_dump_to=/tmp/x")
+    monkeypatch.setattr(targets._tpu_devices, "cache_info", lambda: functools._CacheInfo(0, 0, None, 0))
+    targets.schedule_lean()
+    targets.schedule_lean()
+    assert os.environ["LIBTPU_INIT_ARGS"].split() == ["--xla_jf_dump_to=/tmp/x", targets.LEAN_SCHEDULE_FLAG]
+    monkeypatch.setattr(targets._tpu_devices, "cache_info", lambda: functools._CacheInfo(0, 1, None, 1))
+    with pytest.raises(TargetError, match="before the first TPU target is loaded"):
+        targets.schedule_lean()
+    assert main(["compile", str(REPO / "configs/gsm8k/qwen2.5-0.5b-grpo-1gpu.yaml"), "--target", "h100", "--lean"]) == 2
+    assert "--lean: a TPU target's option (libtpu's scheduler), got 'h100'" in capsys.readouterr().err
 
 
 def _compile_matmul(devices: list[jax.Device]) -> jax.stages.Compiled:

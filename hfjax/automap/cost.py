@@ -232,7 +232,7 @@ class CostModel(MemoryTerms):
         if w.kv_slots is not None:  # the engine allocates every slot's cache whatever the batch
             slots = math.ceil(w.kv_slots / gen.batch_parts)
             cache = slots * kv_seq
-            prefill_peak = self.prefill_bytes(shape, gen, cache)
+            prefill_peak = self.prefill_bytes(shape, gen)
             if kv_budget is not None and cache + prefill_peak > kv_budget:
                 return (
                     f"actor generation {gen.describe()}: the KV cache of rollout.slots={w.kv_slots} "

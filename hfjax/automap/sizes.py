@@ -73,3 +73,10 @@ def layer_activation_bytes(width: int, mlp_width: float, tensor: int) -> float:
     float32 copies (12 d), the residual (2 d), and split over `tensor`: normed input, q/k/v, rotated q/k and the
     attention output (10 d), and the MLP's gate, up, activation and product (8 m)."""
     return 14 * width + (10 * width + 8 * mlp_width) / tensor
+
+
+def layer_inference_bytes(width: int, mlp_width: float, tensor: int) -> float:
+    """Bytes per token alive at once in one decoder layer of a forward that keeps nothing for a backward (bf16
+    compute): the residual, the normed input and their float32 norm temporaries (8 d), and split over `tensor` the
+    MLP's gate, up and product (6 m)."""
+    return 8 * width + 6 * mlp_width / tensor

@@ -28,6 +28,12 @@ def add_parser(sub: Any) -> None:
         help='compile only the programs whose "group program" name starts with one of these, e.g. "actor loss+grad" '
         '"rollout prefill" (the step peak is then theirs)',
     )
+    compile_.add_argument(
+        "--lean",
+        action="store_true",
+        help="TPU targets: schedule each program at its leanest (libtpu's scheduler then prefetches nothing ahead "
+        "of need): the memory a program needs rather than what the default schedule fills when it has room",
+    )
     compile_.set_defaults(run=run)
 
 
@@ -35,6 +41,12 @@ def run(args: argparse.Namespace) -> int:
     from hfjax.compiled import parse_target
 
     target = parse_target(args.target)  # before any config work: a bad name is the first error
+    if args.lean:
+        from hfjax.compiled.targets import TargetError, schedule_lean
+
+        if target.platform != "tpu":
+            raise TargetError(f"--lean: a TPU target's option (libtpu's scheduler), got {target.name!r}")
+        schedule_lean()
     from hfjax.cli.runner import debugging
     from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak, remat_settings
     from hfjax.config.rl import load_rl_config
@@ -44,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_rl_config(args.config, args.overrides)
     programs, failed = compile_run(cfg, target, programs=args.programs)
     predicted, predicted_error = predicted_peak(cfg, target)
+    if args.lean:
+        print("scheduled lean: each program's memory is what it needs, with nothing scheduled ahead of need")
     print(format_report(programs, target, predicted, predicted_error, failed))
     problems = fits(programs, target, remat_settings(cfg))
     for line in problems:
@@ -54,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "target": target.name,
+                    "schedule": "lean" if args.lean else "default",
                     "only": list(args.programs),
                     "programs": rows,
                     "failed": [dataclasses.asdict(f) for f in failed],

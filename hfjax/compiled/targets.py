@@ -144,6 +144,23 @@ def _gpu_fraction() -> float:
     return fraction
 
 
+# libtpu's scheduler keeps at most this percent of a chip's memory for what it schedules ahead of need: weight
+# gathers prefetched layers early, collective-matmul output buffers allocated at the start of a backward. By default it
+# fills the room a program leaves (a Llama-3.2-1B update under fsdp 8: 10.31 GiB compiled, 5.32 with this flag)
+LEAN_SCHEDULE_FLAG = "--xla_tpu_scheduler_percent_shared_memory_limit=1"
+
+
+def schedule_lean() -> None:
+    """Makes libtpu, when it loads in this process, schedule every program at its leanest (`LEAN_SCHEDULE_FLAG`):
+    the memory a program needs, not what the default schedule fills when it has room. Raises TargetError once a TPU
+    target has loaded libtpu (its flags are read once)."""
+    if _tpu_devices.cache_info().currsize:
+        raise TargetError("the lean TPU schedule must be chosen before the first TPU target is loaded in a process")
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    if LEAN_SCHEDULE_FLAG not in flags.split():
+        os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {LEAN_SCHEDULE_FLAG}".strip()
+
+
 def target_devices(target: Target) -> list[jax.Device]:
     """The compile-only devices of `target` (the same objects on every call, so meshes over them compare equal).
     Raises TargetError, with the pip command to run, where the target's plugin is not installed."""
