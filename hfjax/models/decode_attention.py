@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.attention import PALLAS, fall_back, resolve_implementation, scale_scores
+from hfjax.models.attention import PALLAS, configured_implementation, fall_back, resolve_implementation, scale_scores
 from hfjax.models.config import MASKED_SCORE
 from hfjax.models.program import current_layout
 
@@ -116,14 +116,27 @@ def extend_blocks_attention(
     return functools.reduce(jnp.add, parts).reshape(rows, length, heads, d)
 
 
-def decode_kernel(softcap: float | None = None, implementation: str | None = None) -> str | None:
+# Heads narrower than this run the TPU decode step as xla when the kernel was not asked for by name: a chip keeps a
+# value block [.., positions, head_dim] with head_dim under 128 lanes positions-minor, the kernel reads it row-major,
+# so XLA relaid out every cache block, every layer, every step (Llama-3.2-1B, head_dim 64, v5e-8 with 384 slots: the
+# step's temporaries 2.76 GiB with the kernel, 0.07 as xla, compiled lean)
+KERNEL_MIN_HEAD_DIM = 128
+
+
+def decode_kernel(
+    softcap: float | None = None, head_dim: int = KERNEL_MIN_HEAD_DIM, implementation: str | None = None
+) -> str | None:
     """The Pallas kernel that `decode_attention` runs for `implementation` (`resolve_implementation`), or None where
-    it runs xla (with `softcap`, which the kernel lacks)."""
+    it runs xla: with `softcap`, which the kernel lacks, and, unless the kernel is named (`implementation` or
+    `HFJAX_ATTENTION`), for heads narrower than `KERNEL_MIN_HEAD_DIM`."""
     name = resolve_implementation(implementation)
     if name not in PALLAS:
         return None
     if softcap is not None:
         fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its decode kernel")
+        return None
+    chosen = implementation is None and configured_implementation() == "auto"
+    if chosen and head_dim < KERNEL_MIN_HEAD_DIM:
         return None
     return name
 
@@ -160,7 +173,7 @@ def decode_attention(
     table's: the Pallas kernel reads them in the pool, the xla path gathers them. Under an `program_layout` of
     several devices the Pallas kernel runs per shard (xla where the operands do not split by the layout); with
     `softcap` it runs as xla."""
-    name = decode_kernel(softcap, implementation)
+    name = decode_kernel(softcap, q.shape[-1], implementation)
     if name is not None:
         from hfjax.models import attention_pallas  # Pallas loads only when it runs
 

@@ -234,7 +234,7 @@ def decode_forward(
             new_keys.append(kb)
             new_values.append(vb)
             columns = prompt.table.shape[1]
-            if prompt.readers is not None and columns and decode_kernel(layer.softcap) is None:
+            if prompt.readers is not None and columns and decode_kernel(layer.softcap, q.shape[-1]) is None:
                 allowed = decode_mask(
                     lengths, block * len(kb), layer.window, prompt_lengths=prompt.lengths,
                     prompt_positions=block * columns,
