@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from hfjax.compiled.targets import parse_target
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {  # each shipped config and the hardware its header names
     "qwen2.5-0.5b-grpo-tpu-v5e-8": "v5e:2x4",
@@ -69,7 +71,7 @@ def compile_one(
     command = [sys.executable, "-m", "hfjax.cli.main", "compile", str(config)]
     command += [*overrides, "--target", target, "--json", str(report)]
     command += ["--programs", *programs] if programs else []
-    command += ["--lean"] if lean and not target.startswith(("h100", "a100")) else []
+    command += ["--lean"] if lean and parse_target(target).platform == "tpu" else []  # a libtpu option
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     seconds = time.perf_counter() - started

@@ -119,9 +119,9 @@ def knob(error_class: str, group: str, program: str, remat: str | None = None) -
     if error_class == "out of memory":
         if kind == "loss+grad":
             split = f"more fsdp (or a sequence axis for long rows) in {layout}"
-            if remat in (None, "full"):
-                return f"{batch}, {split}" + ("" if remat else f", or {group}.remat: full")
-            return f"{group}.remat: full (it is {remat!r}) first, then {batch} or {split}"
+            if remat in ("none", "dots"):
+                return f"{group}.remat: full (it is {remat!r}) first, then {batch} or {split}"
+            return f"{batch}, {split}" + ("" if remat == "full" else f", or {group}.remat: full")
         return {
             "optimizer step": f"more fsdp in {layout}, or rollout.offload_optimizer",
             "prefill": "fewer rollout.slots (the largest prefill call) or a shorter data.max_prompt_length",
