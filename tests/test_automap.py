@@ -876,26 +876,31 @@ def _sequence_workload() -> Workload:
 
 
 @pytest.mark.parametrize("remat", [True, False])
-@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "splash"])
-def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(remat, kernel):
+@pytest.mark.parametrize("path", ["xla", "splash", "cudnn"])
+def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(remat, path):
     """Training and log-prob activations per device with the same batch parts (fsdp 4) without and with a sequence
     axis of 2: each device holds half of every row's positions, so the per-token terms (the layer's activations, the
     layer inputs kept under recomputation, the LM head's chunk of logits) halve; the split attention adds, per layer,
     the gathered keys and values of the whole rows and, on the xla path, its float32 probabilities and their bf16
-    copy for the device's 32 queries against all 64 keys of each row (the splash kernels per shard hold none)."""
-    options = CostOptions(remat=remat, split_attention_kernel=kernel)
+    copy for the device's 32 queries against all 64 keys of each row, on the cuDNN path a bf16 mask of them (and
+    its gradient in a training pass); the splash kernels per shard hold none."""
+    options = CostOptions(remat=remat, split_attention=path)
     model = CostModel(ClusterSpec.builtin("h100", 1, 8), dataflow("grpo"), _sequence_workload(), options)
     shape, one, two = model_shape(TINY, "causal_lm"), Sizes(1, 4, 1), Sizes(1, 4, 1, sequence=2)
     m, L, S, R, d = 2, 2, 64, 40, 64
     token = 14 * d + 10 * d + 8 * 128  # a token's layer activations in bf16 (d = 64, MLP 128, no tensor axis)
     logits = 256 * 4  # a token's float32 logits
     keys_values = 2 * m * S * 2 * 16 * 2  # 2 kv heads of 16, bf16
-    attention = keys_values + (0 if kernel else (4 + 2) * m * 4 * 32 * S)  # 4 heads, 32 queries a row
+    scores = {"xla": (4 + 2) * m * 4 * 32 * S, "splash": 0, "cudnn": 2 * m * 32 * S}  # 4 heads, 32 queries a row
+    attention = keys_values + scores[path]
+    train_attention = attention + (scores[path] if path == "cudnn" else 0)  # the mask's gradient
 
     def by_hand(n: int) -> tuple[float, float]:
-        layer = m * S / n * token + (attention if n > 1 else 0.0)
-        stash = m * S / n * d * 2 * L if remat else L * layer
-        return stash + layer + 2 * logits * m * R / n, layer + logits * m * R / n
+        layer = m * S / n * token
+        train_layer = layer + (train_attention if n > 1 else 0.0)
+        layer += attention if n > 1 else 0.0
+        stash = m * S / n * d * 2 * L if remat else L * train_layer
+        return stash + train_layer + 2 * logits * m * R / n, layer + logits * m * R / n
 
     train, infer = by_hand(1)
     assert model.activation_bytes(shape, one, 16, True, "actor") == pytest.approx(train, rel=1e-12)
@@ -906,7 +911,7 @@ def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(r
     assert model.split_attention_bytes(shape, two, m) == attention and model.split_attention_bytes(shape, one, m) == 0
     # the rest is exactly half of what one device's whole rows need
     kept = 1 if remat else L + 1  # layers whose attention a training pass holds at once
-    assert model.activation_bytes(shape, two, 16, True, "actor") - kept * attention == pytest.approx(train / 2)
+    assert model.activation_bytes(shape, two, 16, True, "actor") - kept * train_attention == pytest.approx(train / 2)
     assert model.activation_bytes(shape, two, 16, False, "actor") - attention == pytest.approx(infer / 2)
     # parameters and optimizer state: split over fsdp x sequence, as over fsdp 8
     eight = model.role_cost("actor", shape, Sizes(1, 8, 1)).memory
@@ -916,8 +921,8 @@ def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(r
     assert model.split_attention_bytes(capped, two, m) == keys_values + (4 + 2) * m * 4 * 32 * S
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "splash"])
-def test_a_sequence_axis_prices_attention_products_and_its_key_value_collectives_by_hand(kernel):
+@pytest.mark.parametrize("path", ["xla", "splash", "cudnn"])
+def test_a_sequence_axis_prices_attention_products_and_its_key_value_collectives_by_hand(path):
     """Training and log-prob seconds under fsdp 2 x sequence 2 x tensor 2 on 2 hosts of 4: each device computes half
     of every row's positions, their queries' products against all S keys on the xla path (no causal half) or, with
     the splash kernels per shard, the last shard's 3/4 of them (its queries see the keys up to the row's end); the
@@ -926,7 +931,7 @@ def test_a_sequence_axis_prices_attention_products_and_its_key_value_collectives
     recomputed forward, and reduce-scatters their gradients in the backward."""
     rng = np.random.default_rng()
     cluster, w = random_cluster(rng), random_workload(rng)
-    model = CostModel(cluster, dataflow("ppo"), w, CostOptions(split_attention_kernel=kernel))
+    model = CostModel(cluster, dataflow("ppo"), w, CostOptions(split_attention=path))
     shape, sizes = model_shape(TINY, "causal_lm"), Sizes(1, 2, 2, sequence=2)
     p = cluster.profile
     F, intra, inter = (
@@ -936,7 +941,7 @@ def test_a_sequence_axis_prices_attention_products_and_its_key_value_collectives
     lat, L, d, S = p.collective_latency_s, 2, 64, w.prompt_len + w.response_len
     norms = (2 * L + 1) * d
     mm = TINY.num_params - 256 * d
-    attn = 4 * L * 4 * 16 * S * (3 / 4 if kernel else 1)  # every key, or the last shard's
+    attn = 4 * L * 4 * 16 * S * (3 / 4 if path == "splash" else 1)  # every key, or the last shard's
     shard = (TINY.num_params - norms) // 8 + norms // 4  # fsdp x sequence x tensor; norms over fsdp x sequence
     kv = 2 * S * 2 * 16 * 2 / 2  # a row's keys and values, bf16, over tensor 2
     local = math.ceil(math.ceil(w.global_batch_prompts * 2 / 2) / 2)
@@ -975,7 +980,7 @@ def test_the_memory_check_prices_a_run_with_a_sequence_axis():
     assert roles["actor"].detail["train_sp"] > 0 and roles["ref"].detail["infer_sp"] > 0
     actor = NAMED_CONFIGS["qwen2.5-1.5b"]
     check_memory(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device_memory_gib=80)), actor)
-    small = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device_memory_gib=16))
+    small = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, device_memory_gib=12))
     with pytest.raises(ConfigError, match=r"memory: actor\+ref on 8 devices needs .*actor d1\.f4\.s2\.t1: .*train_act"):
         check_memory(small, actor)
 

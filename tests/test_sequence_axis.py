@@ -8,6 +8,7 @@ FLOPs per device fall with the axis size (the positions really split, nothing is
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -143,14 +144,22 @@ def test_a_generation_layout_with_a_sequence_axis_is_refused(tmp_path):
         load_rl_config(config)
 
 
+@pytest.mark.parametrize("kernel", ["splash", "cudnn_translation"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_splash_kernels_per_position_shard_match_the_reference(window):
+def test_kernels_per_position_shard_match_the_reference(window, kernel):
     """Under `fsdp: 2, sequence: 2, tensor: 2` the splash kernels (interpret mode) run per shard with each device's
-    positions against every key (one kernel per query offset): outputs and the gradients of q, k and v equal xla
+    positions against every key (one kernel per query offset), and so do the cuDNN arguments (the device's offset
+    in a mask; run by jax's XLA attention, as no GPU is here): outputs and the gradients of q, k and v equal xla
     attention over whole rows on one device, with left padding and packed rows."""
     from support.attention_cases import assert_close, output_and_grads, qkv_inputs
 
-    from hfjax.models.attention import attention_mask, causal_attention, dot_product_attention
+    from hfjax.models import attention_pallas
+    from hfjax.models.attention import (
+        attention_mask,
+        causal_attention,
+        cudnn_split_positions_attention,
+        dot_product_attention,
+    )
 
     layout = Layout.from_config(LAYOUTS["fsdp2_sequence2_tensor2"])
     t = 24
@@ -164,7 +173,14 @@ def test_splash_kernels_per_position_shard_match_the_reference(window):
 
     def attend(q, k, v):
         with program_layout(layout):
-            return causal_attention(q, k, v, valid=valid, window=window, implementation="pallas_interpret")
+            if kernel == "splash":
+                return causal_attention(q, k, v, valid=valid, window=window, implementation="pallas_interpret")
+            split = functools.partial(
+                cudnn_split_positions_attention, window=window, axes=("sequence",), implementation="xla"
+            )
+            return attention_pallas.per_shard(
+                split, (q, k, v, valid, valid), attention_pallas.SPLIT_CAUSAL_AXES, layout
+            )
 
     out, grads = output_and_grads(attend, q, k, v, valid > 0)
     want, want_grads = output_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask), q, k, v, valid > 0)
@@ -173,4 +189,4 @@ def test_splash_kernels_per_position_shard_match_the_reference(window):
     for got, expected in zip(grads, want_grads, strict=True):
         assert_close(got, expected, np.ones(real.shape, bool), jnp.float32)
     jaxpr = str(jax.make_jaxpr(attend)(q, k, v))
-    assert "pallas_call" in jaxpr and "shard_map" in jaxpr
+    assert ("pallas_call" in jaxpr) == (kernel == "splash") and "shard_map" in jaxpr

@@ -8,9 +8,9 @@ data-parallel rank, N the `sequence` size (1 without the axis: it splits each ro
 m S / N tokens of a micro-batch), F achievable FLOP/s per device (at the width d/t each device's matmuls produce
 under t-way tensor parallelism: `DeviceProfile.flops_at`):
 - training, per token (6 + 2r) P + (3 + r) A FLOPs (r = 1 with full recomputation; A the attention's, over S/2 keys
-  a query, the causal half; under a sequence axis over all S where it runs as xla, whose split products skip no key,
-  or S (2N - 1) / 2N with the splash kernels per position shard, the last shard's: `attention_flops`), split over
-  the group's devices; per micro-batch FSDP all-gathers the tensor-shard of the parameters twice and
+  a query, the causal half; under a sequence axis over all S where it runs as xla or cuDNN, whose split products
+  skip no key, or S (2N - 1) / 2N with the splash kernels per position shard, the last shard's: `attention_flops`),
+  split over the group's devices; per micro-batch FSDP all-gathers the tensor-shard of the parameters twice and
   reduce-scatters gradients once over the fsdp x sequence devices that split the weights (overlapped with compute),
   data-parallel ranks all-reduce gradients once per optimizer step, and tensor parallelism all-reduces activations
   (m S d / N) 4 + 2r times per layer (on the critical path);
@@ -150,12 +150,12 @@ class CostModel(MemoryTerms):
 
     def attention_flops(self, shape: ModelShape, sizes: Sizes) -> float:
         """Forward attention FLOPs per token of the slowest device: over the causal half of a row's keys (S/2);
-        under a sequence axis of N, over all S on the xla path (its split products skip no key), and with the
+        under a sequence axis of N, over all S on the xla and cuDNN paths (their products skip no key), and with the
         splash kernels per position shard over S (2N - 1) / 2N (the last shard's queries, which see the most keys)."""
         S, n = self.workload.seq_len, sizes.sequence
         if n == 1:
             return shape.attention_flops(S / 2)
-        return shape.attention_flops(S * (2 * n - 1) / (2 * n) if self.split_attention_kernel(shape) else S)
+        return shape.attention_flops(S * (2 * n - 1) / (2 * n) if self.split_attention(shape) == "splash" else S)
 
     def weight_gathers(self, sizes: Sizes) -> tuple[int, int]:
         """(devices, span) of the FSDP collectives: the fsdp x sequence devices that split the weights, spanning

@@ -18,11 +18,13 @@ axis of N (N = 1 without one) splitting each row's S positions, so that a device
   the TPU compiler's 9.23 at its leanest schedule, 11.98 at its default one);
 - with N > 1, per layer also what the split attention holds (`split_attention_bytes`): the keys and values of the
   whole rows gathered over the axis, 2 m S (k / t) e c bytes for k kv heads of size e and c the compute dtype's
-  size, and, where it runs as xla (`split_positions_attention`: GPU, whose cuDNN kernel takes whole rows, and CPU;
-  and any model with score soft-capping), the float32 probabilities of the device's queries against all S keys and
-  their copy in the compute dtype, (4 + c) m (h / t) (S / N) S bytes for h query heads. The splash kernels per
-  position shard (TPU: `CostOptions.split_attention_kernel`) hold no score block. Without the axis no scores are
-  counted: the kernels of whole rows (cuDNN, splash) hold none (the xla attention of XLA:CPU does);
+  size, and then by the path it runs (`CostOptions.split_attention`): the splash kernels per position shard (TPU)
+  nothing more; cuDNN per position shard (GPU, in a 2-byte dtype, heads up to 128 wide) the mask of the device's
+  queries against all S keys that jax hands it as a bias in the compute dtype, c m (S / N) S bytes, twice in a
+  training pass (its gradient); xla (`split_positions_attention`: CPU, any other case, and any model with score
+  soft-capping) the float32 probabilities of the device's queries against all S keys and their copy in the compute
+  dtype, (4 + c) m (h / t) (S / N) S bytes for h query heads. Without the axis no scores are counted: the kernels
+  of whole rows (cuDNN, splash) hold none (the xla attention of XLA:CPU does);
 - a training pass keeps every layer's activations, or with recomputation only each layer's input (T d c bytes a
   layer), beside the one layer it computes; a log-prob pass holds one layer;
 - one chunk of the LM head's float32 logits, min(m R / N, LOGITS_CHUNK_TOKENS) response tokens (R of a row) a
@@ -38,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Literal
 
 from hfjax.automap.dataflow import Dataflow, ModelShape, Workload
 from hfjax.automap.sizes import (
@@ -84,10 +87,11 @@ class CostOptions:
     # the actor's optimizer state (and a master that generation casts) waits in host memory while it generates
     # (`rollout.offload_optimizer`)
     offload_optimizer: bool = False
-    # under a sequence axis attention runs as the splash kernels per position shard (TPU; `run_cost_options` sets it
-    # for `trainer.device: tpu`): no score block, and each device's kernel skips the keys past its queries; else as
-    # xla (GPU, CPU): a float32 score block per layer, and products over every key
-    split_attention_kernel: bool = False
+    # how attention runs under a sequence axis (`run_cost_options` sets it from `trainer.device`): "splash", the
+    # Pallas kernels per position shard (TPU): no score block, each device's kernel skips the keys past its queries;
+    # "cudnn", per position shard (GPU): products over every key and a bias of the queries against every key; "xla"
+    # (CPU): products over every key and a float32 score block per layer
+    split_attention: Literal["xla", "splash", "cudnn"] = "xla"
 
 
 class MemoryTerms:
@@ -111,23 +115,33 @@ class MemoryTerms:
         opt = self.options
         return None if role == "actor" and opt.router_replay else opt.expert_capacity_factor
 
-    def split_attention_kernel(self, shape: ModelShape) -> bool:
-        """Whether attention under a sequence axis runs as the splash kernels per position shard
-        (`CostOptions.split_attention_kernel`), not as xla: never with score soft-capping, which only xla does."""
-        return self.options.split_attention_kernel and shape.config.attn_softcap is None
+    def split_attention(self, shape: ModelShape) -> str:
+        """How attention under a sequence axis runs for `shape` (`CostOptions.split_attention`): as xla with score
+        soft-capping, which only xla does, and on the cuDNN path where cuDNN does not take the model (a 4-byte
+        compute dtype, heads wider than 128 or not a multiple of 8, as `hfjax.models.attention.cudnn_supported`)."""
+        path, cfg = self.options.split_attention, shape.config
+        if cfg.attn_softcap is not None:
+            return "xla"
+        if path == "cudnn" and (self.options.param_bytes != 2 or cfg.head_dim > 128 or cfg.head_dim % 8):
+            return "xla"
+        return path
 
-    def split_attention_bytes(self, shape: ModelShape, sizes: Sizes, rows: int) -> float:
+    def split_attention_bytes(self, shape: ModelShape, sizes: Sizes, rows: int, training: bool = False) -> float:
         """Bytes per device that one layer's attention holds for `rows` rows per rank whose positions a `sequence`
-        axis splits: the keys and values gathered over the axis and, on the xla path, the float32 probabilities of
-        the device's queries against every key and their copy in the compute dtype (0 without the axis)."""
+        axis splits (0 without the axis): the keys and values gathered over the axis and what its path holds of the
+        device's queries against every key (the module docstring gives the terms)."""
         n = sizes.sequence
         if n == 1:
             return 0.0
         cfg, c, S, t = shape.config, self.options.param_bytes, self.workload.seq_len, sizes.tensor
         keys_values = 2 * rows * S * cfg.num_kv_heads / t * cfg.head_dim * c
-        if self.split_attention_kernel(shape):
+        queries_keys = rows * (S / n) * S
+        path = self.split_attention(shape)
+        if path == "splash":
             return keys_values
-        return keys_values + (4 + c) * rows * cfg.num_heads / t * (S / n) * S
+        if path == "cudnn":
+            return keys_values + (2 if training else 1) * c * queries_keys
+        return keys_values + (4 + c) * queries_keys * cfg.num_heads / t
 
     def activation_bytes(self, shape: ModelShape, sizes: Sizes, seqs: int, training: bool, role: str) -> float:
         """Activation bytes per device of a training or log-prob pass over `seqs` sequences (the module docstring
@@ -137,7 +151,7 @@ class MemoryTerms:
         tokens = m * w.seq_len / sizes.sequence  # the device's positions of its rows
         width = mlp_width(cfg, self.capacity_factor(role))
         layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor)
-        layer += self.split_attention_bytes(shape, sizes, m)
+        layer += self.split_attention_bytes(shape, sizes, m, training)
         # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits)
         chunk = min(m * w.response_len / sizes.sequence, LOGITS_CHUNK_TOKENS)
         logits = chunk * cfg.padded_vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0

@@ -60,8 +60,8 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 def run_cost_options(cfg: RLConfig) -> CostOptions:
     """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
     `remat` setting, its LoRA adapters (and the critic's) and where its base lives, its experts' capacity factor,
-    whether its optimizer state leaves the device while it generates, and whether attention under a sequence axis
-    runs as the splash kernels (`trainer.device: tpu`, unless `HFJAX_ATTENTION` picks another implementation)."""
+    whether its optimizer state leaves the device while it generates, and how attention under a sequence axis runs
+    (`split_attention_path`)."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
@@ -74,8 +74,19 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         expert_capacity_factor=cfg.actor.expert_capacity_factor,
         router_replay=cfg.actor.router_replay,
         offload_optimizer=cfg.rollout.offload_optimizer,
-        split_attention_kernel=cfg.trainer.device == "tpu" and configured_implementation() in ("auto", "pallas_tpu"),
+        split_attention=split_attention_path(cfg.trainer.device, configured_implementation()),
     )
+
+
+def split_attention_path(device: str, implementation: str) -> str:
+    """How attention runs under a sequence axis on `device` (`trainer.device`) with `implementation`
+    (`HFJAX_ATTENTION`): the splash kernels per position shard on a TPU, cuDNN per position shard on a GPU, else xla
+    (`CostOptions.split_attention`)."""
+    if device == "tpu" and implementation in ("auto", "pallas_tpu"):
+        return "splash"
+    if device == "gpu" and implementation in ("auto", "cudnn"):
+        return "cudnn"
+    return "xla"
 
 
 REMAT_CHOICES = ("none", "full")  # what the cost model prices (`dots` it does not tell apart from `none`)

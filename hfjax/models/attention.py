@@ -10,7 +10,8 @@ real rows never see padding, so padding rows cannot reach them.
 Implementations (`IMPLEMENTATIONS`):
 - `xla`: plain XLA (the reference, and the default on CPU).
 - `cudnn`: cuDNN flash attention through `jax.nn.dot_product_attention`, where `cudnn_supported` (bf16/fp16, head
-  dims, GQA); elsewhere xla. Decode has no cuDNN kernel here: it runs xla.
+  dims, GQA); elsewhere xla. Under a sequence axis it runs per position shard (`cudnn_split_positions_attention`).
+  Decode has no cuDNN kernel here: it runs xla.
 - `pallas_tpu`: the Pallas TPU kernels of `hfjax.models.attention_pallas` (splash attention, a decode kernel).
 - `pallas_interpret`: the same kernels in Pallas interpret mode, on any backend (what CPU tests run).
 - `auto`: `choose_implementation` for the program's platform (`hfjax.models.program.program_platform`: the devices
@@ -148,6 +149,35 @@ def split_positions_attention(
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, heads, d)
 
 
+def cudnn_split_positions_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_valid: jax.Array,
+    valid: jax.Array,
+    window: int | None,
+    *,
+    axes: tuple[str, ...],
+    implementation: str = "cudnn",
+) -> jax.Array:
+    """cuDNN flash attention of one device's share of the positions (inside a `shard_map` whose mesh axes `axes`
+    split them): q [b, t / N, heads, d] and `q_valid` [b, t / N] (segment ids) this device's positions, k, v
+    [b, t, kv_heads, d] and `valid` [b, t] every position. cuDNN's causal mask is aligned at position 0 and cannot
+    take the queries' offset, so causality at the device's offset, the window and the segments are one boolean mask
+    [b, 1, t / N, t] that jax hands cuDNN as a bias (in the compute dtype, beside its gradient in a backward): every
+    key block is computed (the last shard, which sets the pace, needs nearly all of them anyway) and no float32
+    score block is held. `implementation="xla"` runs the same arguments through jax's XLA attention (CPU tests)."""
+    local = q.shape[1]
+    queries = jax.lax.axis_index(axes) * local + jnp.arange(local, dtype=jnp.int32)
+    keys = jnp.arange(k.shape[1], dtype=jnp.int32)
+    allowed = keys[None, :] <= queries[:, None]
+    if window is not None:
+        allowed &= queries[:, None] - keys[None, :] < window
+    # as `cudnn_attention`: a padding query sees padding keys, so that no row is empty
+    allowed = allowed[None] & (q_valid[:, :, None] == valid[:, None, :])
+    return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None], implementation=implementation)
+
+
 def extend_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array, window: int | None = None, softcap: float | None = None
 ) -> jax.Array:
@@ -249,6 +279,28 @@ def cudnn_attention(
     )
 
 
+def _split_positions_kernel(
+    name: str, q: jax.Array, k: jax.Array, window: int | None, parts: int
+) -> functools.partial | None:
+    """The per-shard kernel of `name` for attention whose positions a sequence axis splits into `parts` (inside
+    `attention_pallas.per_shard`), or None where it runs as xla (`split_positions_attention`): xla itself, and cuDNN
+    at shapes or dtypes it does not take (as without the axis)."""
+    axes = split_axes("length", q.shape[1])
+    if name in PALLAS:
+        from hfjax.models import attention_pallas  # Pallas loads only when it runs
+
+        return functools.partial(
+            attention_pallas.splash_split_positions_attention, window=window, parts=parts, axes=axes,
+            interpret=name == "pallas_interpret",
+        )  # fmt: skip
+    if name != "cudnn":
+        return None
+    local = (q.shape[0], q.shape[1] // parts, *q.shape[2:])
+    if not cudnn_supported(local, k.shape, q.dtype, with_mask=True, head_dim_limit=_cudnn_head_dim_limit(q.shape[-1])):
+        return None
+    return functools.partial(cudnn_split_positions_attention, window=window, axes=axes)
+
+
 def causal_attention(
     q: jax.Array,
     k: jax.Array,
@@ -282,19 +334,14 @@ def causal_attention(
         index = jnp.arange(q.shape[1], dtype=jnp.int32)
         if valid is None:
             valid = index[None, :] < lengths[:, None] if lengths is not None else jnp.diagonal(mask, axis1=1, axis2=2)
-        if name in PALLAS:
+        kernel = _split_positions_kernel(name, q, k, window, parts)
+        if kernel is not None:
             from hfjax.models import attention_pallas  # Pallas loads only when it runs
 
-            kernel = functools.partial(
-                attention_pallas.splash_split_positions_attention, window=window, parts=parts,
-                axes=split_axes("length", q.shape[1]), interpret=name == "pallas_interpret",
-            )  # fmt: skip
             operands = (q, k, v, valid, valid)
             out = attention_pallas.per_shard(kernel, operands, attention_pallas.SPLIT_CAUSAL_AXES, current_layout())
             if out is not None:
                 return out
-        elif name != "xla":
-            fall_back(name, "the sequence mesh axis splits the positions; the cuDNN kernel takes whole rows")
         mask = mask if mask is not None else attention_mask(valid, index, index, window)
         return split_positions_attention(q, k, v, mask, softcap)
     if name == "cudnn":

@@ -141,11 +141,15 @@ def decode_kernel(
     return name
 
 
-def gather_prompt_blocks(pool: jax.Array, table: jax.Array) -> list[jax.Array]:
+def gather_prompt_blocks(pool: jax.Array, table: jax.Array, rows: jax.Array | None = None) -> list[jax.Array]:
     """The prompt blocks [S, ...] of every slot (`table` [S, n], slots in the order of the pool's parts) from a
     layer's `pool` [parts, pool blocks, ...]: n arrays, one per table column, each a block of the decode layout.
-    Vmapped over the parts, so a part reads only its own pool (a parts-sharded pool is gathered shard by shard)."""
+    Vmapped over the parts, so a part reads only its own pool (a parts-sharded pool is gathered shard by shard).
+    With `rows` [R] (slot indices) only those slots' blocks, [R, ...] each: a copy of R slots, not of all S."""
     parts, slots = pool.shape[0], table.shape[0]
+    if rows is not None:
+        part, ids = rows // (slots // parts), table[rows]
+        return [pool[part, ids[:, j]] for j in range(table.shape[1])]
     local = table.reshape(parts, slots // parts, table.shape[1])
     take = jax.vmap(lambda part_pool, ids: part_pool[ids])
     return [take(pool, local[..., j]).reshape(slots, *pool.shape[2:]) for j in range(table.shape[1])]

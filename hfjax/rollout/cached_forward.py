@@ -16,7 +16,7 @@ only the new tokens run through the model, attending over the cached history, so
 re-prefill of everything before it.
 Cost of a decode step: every parameter is read once (2 FLOPs per parameter per slot) plus the KV cache blocks in use
 (slots x positions x kv heads x head_dim x 2 per layer; both the XLA attention and the Pallas kernel read the
-prompt pool in place; `extend_slots_forward` gathers each slot's prompt blocks).
+prompt pool in place; `extend_slots_forward` copies the prompt and own blocks of the slots it extends, not of all).
 """
 
 from __future__ import annotations
@@ -158,12 +158,12 @@ def extend_slots_forward(
             vb = [_write_block(cache_values[index][i], v, slots, own - i * block, 2) for i in range(live)]
             new_keys.append((*kb, *cache_keys[index][live:]))
             new_values.append((*vb, *cache_values[index][live:]))
-            pk = gather_prompt_blocks(prompt.keys[index], prompt.table)
-            pv = gather_prompt_blocks(prompt.values[index], prompt.table)
+            pk = gather_prompt_blocks(prompt.keys[index], prompt.table, rows)
+            pv = gather_prompt_blocks(prompt.values[index], prompt.table, rows)
             return extend_blocks_attention(
                 q,
-                [b[rows] for b in (*pk, *kb)],
-                [b[rows] for b in (*pv, *vb)],
+                [*pk, *(b[rows] for b in kb)],
+                [*pv, *(b[rows] for b in vb)],
                 starts,
                 layer.window,
                 prompt_lengths=prompt_lengths,
