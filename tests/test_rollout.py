@@ -266,6 +266,21 @@ def test_greedy_token_is_the_first_maximum():
     np.testing.assert_array_equal(np.asarray(tokens), np.argmax(logits, axis=-1))
 
 
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_decode_programs_stay_bounded_at_any_trajectory_length(platform):
+    """A decode step compiles once per (own blocks, prompt blocks) in use (and sampler kind, reader width): the
+    block grows with the cache instead of the block count, so from 192 to 131,072 positions a slot's own blocks and
+    its prompt blocks number at most MAX_KV_BLOCKS + 1 together, and the step's programs at most 4 x 5 whatever the
+    length (the shipped 1k + 15k and 1k + 31k configs included)."""
+    from hfjax.rollout.interface import MAX_KV_BLOCKS, kv_block_size
+
+    for prompt, response in [(64, 128), (512, 1024), (1024, 7168), (1024, 15360), (1024, 31744), (4096, 126976)]:
+        block = kv_block_size(prompt + response, platform)
+        own, prompt_blocks = -(-response // block), -(-prompt // block)
+        assert block % (128 if platform == "tpu" else 16) == 0
+        assert own + prompt_blocks <= MAX_KV_BLOCKS + 1 and own * prompt_blocks <= 20, (prompt, response, block)
+
+
 def test_prefill_buckets_leave_at_most_a_third_of_a_padded_prompt_as_padding():
     assert prefill_buckets(64) == (16, 24, 32, 48, 64)
     assert prefill_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
