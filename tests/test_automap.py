@@ -312,8 +312,10 @@ def test_memory_by_hand_and_rejection_reason():
     m_inf = math.ceil(w.global_batch_prompts * 2 / 4)
     m_inf = math.ceil(m_inf / math.ceil(m_inf / 3))
     layer, logits = 14 * 64 + (10 * 64 + 8 * 128) / 2, 256 * 4 / 2  # logits: one chunk of response tokens
+    head = 256 * 64 / 2  # the LM head's elements a device holds whole along the width (vocabulary over tensor 2)
     train_act = m_train * S * (64 * 2 * 2 + layer) + 2 * logits * min(m_train * w.response_len, LOGITS_CHUNK_TOKENS)
-    infer_act = m_inf * S * layer + logits * min(m_inf * w.response_len, LOGITS_CHUNK_TOKENS)
+    train_act += (4 + 2) * head  # its gathered bf16 kernel and float32 kernel-gradient accumulator
+    infer_act = m_inf * S * layer + logits * min(m_inf * w.response_len, LOGITS_CHUNK_TOKENS) + 2 * head
     cost = model.role_cost("actor", shape, sizes)
     assert cost.static_bytes == shard * (4 + 8)  # float32 master weights + Adam's two float32 moments
     # float32 gradients, twice from the second micro-batch on: the micro-batch's own beside the accumulator
@@ -895,12 +897,15 @@ def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(r
     attention = keys_values + scores[path]
     train_attention = attention + (scores[path] if path == "cudnn" else 0)  # the mask's gradient
 
+    head = 256 * d  # the LM head's kernel, whole along the width on each device (no tensor axis)
+
     def by_hand(n: int) -> tuple[float, float]:
         layer = m * S / n * token
         train_layer = layer + (train_attention if n > 1 else 0.0)
         layer += attention if n > 1 else 0.0
         stash = m * S / n * d * 2 * L if remat else L * train_layer
-        return stash + train_layer + 2 * logits * m * R / n, layer + logits * m * R / n
+        # the gathered bf16 head and, in training, its float32 gradient accumulator: not split by the axis
+        return stash + train_layer + 2 * logits * m * R / n + 6 * head, layer + logits * m * R / n + 2 * head
 
     train, infer = by_hand(1)
     assert model.activation_bytes(shape, one, 16, True, "actor") == pytest.approx(train, rel=1e-12)
@@ -911,8 +916,10 @@ def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(r
     assert model.split_attention_bytes(shape, two, m) == attention and model.split_attention_bytes(shape, one, m) == 0
     # the rest is exactly half of what one device's whole rows need
     kept = 1 if remat else L + 1  # layers whose attention a training pass holds at once
-    assert model.activation_bytes(shape, two, 16, True, "actor") - kept * train_attention == pytest.approx(train / 2)
-    assert model.activation_bytes(shape, two, 16, False, "actor") - attention == pytest.approx(infer / 2)
+    halved = model.activation_bytes(shape, two, 16, True, "actor") - kept * train_attention - 6 * head
+    assert halved == pytest.approx((train - 6 * head) / 2)
+    halved = model.activation_bytes(shape, two, 16, False, "actor") - attention - 2 * head
+    assert halved == pytest.approx((infer - 2 * head) / 2)
     # parameters and optimizer state: split over fsdp x sequence, as over fsdp 8
     eight = model.role_cost("actor", shape, Sizes(1, 8, 1)).memory
     assert all(model.role_cost("actor", shape, two).memory[k] == eight[k] for k in ("params", "optimizer"))

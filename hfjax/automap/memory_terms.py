@@ -13,9 +13,9 @@ splits the weights with `fsdp`.
 Activations of a pass over micro-batches of m rows per data-parallel rank (`activation_bytes`), with a `sequence`
 axis of N (N = 1 without one) splitting each row's S positions, so that a device holds T = m S / N tokens:
 - per decoder layer, T tokens of what hfjax's layer keeps for its backward in bf16 (`layer_activation_bytes`: 14 d +
-  (10 d + 8 m_w) / t bytes a token, d the width, m_w the MLP width, t the tensor size: the float32 norms, q/k/v,
-  rotary, attention and the four SwiGLU tensors; Qwen2.5-0.5B's v5e-8 update: 10.49 GiB against
-  the TPU compiler's 9.23 at its leanest schedule, 11.98 at its default one);
+  (10 d + 2 k m_w) / t bytes a token, d the width, m_w the MLP width, t the tensor size: the float32 norms, q/k/v,
+  rotary, attention and k of the four SwiGLU tensors, as the platform's compiler keeps them,
+  `CostOptions.mlp_tensors`: 2 on a GPU, 3 on a TPU, 4 on CPU, measured in `sizes.MLP_TENSORS_KEPT`);
 - with N > 1, per layer also what the split attention holds (`split_attention_bytes`): the keys and values of the
   whole rows gathered over the axis, 2 m S (k / t) e c bytes for k kv heads of size e and c the compute dtype's
   size, and then by the path it runs (`CostOptions.split_attention`): the splash kernels per position shard (TPU)
@@ -28,7 +28,9 @@ axis of N (N = 1 without one) splitting each row's S positions, so that a device
 - a training pass keeps every layer's activations, or with recomputation only each layer's input (T d c bytes a
   layer), beside the one layer it computes; a log-prob pass holds one layer;
 - one chunk of the LM head's float32 logits, min(m R / N, LOGITS_CHUNK_TOKENS) response tokens (R of a row) a
-  device, twice in a training pass (the logits and their gradient).
+  device, twice in a training pass (the logits and their gradient), and the head's whole-vocabulary buffers
+  (`hfjax.models.lm_head`): its kernel gathered in the compute dtype, c V E / t bytes for V the padded vocabulary
+  and E the width, and in a training pass also the float32 kernel-gradient each device accumulates, 4 V E / t.
 A mixture of experts' buffers (its MLP FLOPs and activations: `ModelShape.matmul_params_at`, `mlp_width`) hold
 `factor x k / experts` of a row per expert under a capacity factor in the passes that route themselves (the
 reference's, and the actor's without routing replay), and the whole row per expert in the dropless ones: generation,
@@ -45,6 +47,7 @@ from typing import Literal
 from hfjax.automap.dataflow import Dataflow, ModelShape, Workload
 from hfjax.automap.sizes import (
     GEN_RULES,
+    MLP_TENSORS_KEPT,
     TRAIN_RULES,
     Sizes,
     layer_activation_bytes,
@@ -92,6 +95,9 @@ class CostOptions:
     # "cudnn", per position shard (GPU): products over every key and a bias of the queries against every key; "xla"
     # (CPU): products over every key and a float32 score block per layer
     split_attention: Literal["xla", "splash", "cudnn"] = "xla"
+    # MLP-width tensors a decoder layer keeps for its backward (`sizes.MLP_TENSORS_KEPT` by platform; CPU's by
+    # default)
+    mlp_tensors: int = MLP_TENSORS_KEPT["cpu"]
 
 
 class MemoryTerms:
@@ -150,15 +156,17 @@ class MemoryTerms:
         _, m = self._passes(seqs, sizes)
         tokens = m * w.seq_len / sizes.sequence  # the device's positions of its rows
         width = mlp_width(cfg, self.capacity_factor(role))
-        layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor)
+        layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor, opt.mlp_tensors)
         layer += self.split_attention_bytes(shape, sizes, m, training)
-        # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits)
+        # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits),
+        # beside its kernel gathered whole along the width and, in training, its float32 kernel-gradient accumulator
+        head, vocab_width = shape.head == "causal_lm", cfg.padded_vocab_size * cfg.hidden_size / sizes.tensor
         chunk = min(m * w.response_len / sizes.sequence, LOGITS_CHUNK_TOKENS)
-        logits = chunk * cfg.padded_vocab_size * 4 / sizes.tensor if shape.head == "causal_lm" else 0.0
+        logits = chunk * cfg.padded_vocab_size * 4 / sizes.tensor if head else 0.0
         if not training:
-            return layer + logits
+            return layer + logits + (opt.param_bytes * vocab_width if head else 0.0)
         stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers
-        return stash + layer + 2 * logits
+        return stash + layer + 2 * logits + ((4 + opt.param_bytes) * vocab_width if head else 0.0)
 
     def gen_extra_bytes(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
         """Parameter bytes per device that generation adds: the whole generation shard when it is a cast copy of

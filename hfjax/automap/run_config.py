@@ -24,6 +24,7 @@ from hfjax.automap import ClusterSpec, CostModel, CostOptions, Workload, dataflo
 from hfjax.automap.cost import DeviceMapping, Prediction
 from hfjax.automap.dataflow import Dataflow
 from hfjax.automap.search import Candidate
+from hfjax.automap.sizes import MLP_TENSORS_KEPT
 from hfjax.automap.trainer_runs import config_mapping, run_config, trainer_candidates, without_mapping
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.models.attention import configured_implementation
@@ -60,8 +61,8 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 def run_cost_options(cfg: RLConfig) -> CostOptions:
     """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
     `remat` setting, its LoRA adapters (and the critic's) and where its base lives, its experts' capacity factor,
-    whether its optimizer state leaves the device while it generates, and how attention under a sequence axis runs
-    (`split_attention_path`)."""
+    whether its optimizer state leaves the device while it generates, how attention under a sequence axis runs
+    (`split_attention_path`) and what its platform's compiler keeps of the MLP (`MLP_TENSORS_KEPT`)."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
@@ -75,6 +76,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         router_replay=cfg.actor.router_replay,
         offload_optimizer=cfg.rollout.offload_optimizer,
         split_attention=split_attention_path(cfg.trainer.device, configured_implementation()),
+        mlp_tensors=MLP_TENSORS_KEPT.get(cfg.trainer.device, MLP_TENSORS_KEPT["cpu"]),
     )
 
 
