@@ -241,7 +241,7 @@ def grpo_config(args: argparse.Namespace, ckpt: Path, workload: Path, response_l
 def cmd_grpo(args: argparse.Namespace) -> None:
     """Builds the checkpoint and prompts, then runs one attempt per response length (each in a fresh process, so
     that device memory starts empty) until one finishes; a failure other than running out of memory stops."""
-    from hfjax.compile_cache import enable_compilation_cache
+    from hfjax.xla_settings import enable_compilation_cache
 
     enable_compilation_cache()  # as the hfjax command line
     work = args.out.parent / "grpo"

@@ -6,7 +6,7 @@ import tempfile
 import pytest
 from support.settings import TEST_XLA_FLAGS
 
-from hfjax.compile_cache import enable_compilation_cache
+from hfjax.xla_settings import enable_compilation_cache
 
 # XLA's settings for tests (cheap compiles on 8 fake CPU devices; tests/support/settings.py says why): set before JAX
 # is imported; Ray workers and scripts started by tests inherit them (`ResourcePool.process_env`).

@@ -6,11 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hfjax.compile_cache import JAX_VARIABLES, MAX_BYTES, cache_directory, cache_environment
+from hfjax.xla_settings import JAX_VARIABLES, MAX_BYTES, cache_directory, cache_environment
 
 PROGRAM = """
 import json
-from hfjax.compile_cache import enable_compilation_cache
+from hfjax.xla_settings import enable_compilation_cache
 enable_compilation_cache()
 import jax, jax.numpy as jnp
 hits = []

@@ -1,4 +1,4 @@
-"""hfjax's model programs compile with its XLA:CPU options (`hfjax.compile_options`): XLA hands only dot products
+"""hfjax's model programs compile with its XLA:CPU options (`hfjax.xla_settings`): XLA hands only dot products
 to its YNNPACK library, no reductions (slower there than XLA's own loops); in forward programs each library call is a
 single dot. Checked on the compiled HLO of the engine's decode step and of the training gradient step; the same
 programs compiled with library reductions allowed do contain them, and the decode step compiled with the gradient
@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 from support.tiny_models import TINY, random_model
 
-from hfjax.compile_options import GRADIENT_COMPILER_OPTIONS
 from hfjax.optim.train_state import _Frozen, _loss_and_grad
 from hfjax.rollout import JaxEngine, SamplingParams
 from hfjax.rollout.sampling import SamplerKind
+from hfjax.xla_settings import GRADIENT_COMPILER_OPTIONS
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU library fusions")
 

@@ -1,7 +1,8 @@
 """The package's layering, read from the real imports: every import in `hfjax` (at module level or inside a
 function) goes to the same unit (a top-level module or subpackage of `hfjax`) or to a unit of a lower layer, and no
 chain of imports between modules comes back to where it started. `LAYERS` is where the order is written; the
-architecture doc (docs/architecture.md) describes it."""
+architecture doc (docs/architecture.md) describes it. A ceiling beside it: no module over `MAX_MODULE_LINES` lines,
+and at most `MAX_LOOSE_MODULES` modules loose at the package's top level."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hfjax"
 
 # Bottom to top: a unit imports only units of the layers below its own (never a sibling of its layer).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("protocol", "typed_config", "user_code", "compile_options", "compile_cache", "lazy_names"),
+    ("protocol", "typed_config", "user_code", "xla_settings", "lazy_names"),
     ("parallel",),
     ("models",),
     ("rollout", "data"),
@@ -24,6 +25,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("compiled",),
     ("cli",),
 )
+
+
+MAX_MODULE_LINES = 450  # past this a module has more than one job: split it
+MAX_LOOSE_MODULES = 5  # top-level modules outside any subpackage (`__init__` aside)
 
 
 def modules(package: Path) -> dict[str, Path]:
@@ -113,6 +118,38 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_every_import_goes_down_the_layers_and_none_closes_a_cycle() -> None:
     errors = layering_errors(PACKAGE, LAYERS)
     assert not errors, "\n".join(errors)
+
+
+def ceiling_errors(package: Path) -> list[str]:
+    """The modules of `package` over `MAX_MODULE_LINES` lines, and its loose top-level modules when there are more
+    than `MAX_LOOSE_MODULES`."""
+    errors = [
+        f"{path.relative_to(package.parent)}: {lines} lines (at most {MAX_MODULE_LINES})"
+        for path in sorted(package.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    loose = sorted(p.stem for p in package.glob("*.py") if p.name != "__init__.py")
+    if len(loose) > MAX_LOOSE_MODULES:
+        errors.append(f"{len(loose)} loose top-level modules (at most {MAX_LOOSE_MODULES}): {', '.join(loose)}")
+    return errors
+
+
+def test_no_module_is_over_the_ceiling_and_few_are_loose() -> None:
+    errors = ceiling_errors(PACKAGE)
+    assert not errors, "\n".join(errors)
+
+
+def test_the_ceiling_catches_a_long_module_and_too_many_loose_ones(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (package / "sub" / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    for i in range(MAX_LOOSE_MODULES):
+        (package / f"loose{i}.py").write_text("")
+    assert ceiling_errors(package) == [f"pkg/sub/long.py: {MAX_MODULE_LINES + 1} lines (at most {MAX_MODULE_LINES})"]
+    (package / "one_more.py").write_text("")
+    assert ceiling_errors(package)[1].startswith(f"{MAX_LOOSE_MODULES + 1} loose top-level modules")
 
 
 def test_a_planted_upward_import_a_sibling_import_and_a_cycle_are_caught(tmp_path: Path) -> None:

@@ -13,11 +13,11 @@ import numpy as np
 from flax import nnx
 from support.tiny_models import TINY, compiled_forward, random_model
 
-from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.hf import abstract_model
 from hfjax.optim.train_state import frozen, grad_program
 from hfjax.trainer.sft import SFT_OBJECTIVE, sft_loss
 from hfjax.trainer.supervised import ROW_WEIGHT
+from hfjax.xla_settings import FORWARD_COMPILER_OPTIONS
 
 MiB = 2**20
 

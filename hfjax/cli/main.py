@@ -23,7 +23,7 @@ from hfjax.cli import (
 )
 from hfjax.cli.packaged import config_path
 from hfjax.cli.runner import configure_logging, debugging, run_command, version
-from hfjax.compile_cache import enable_compilation_cache
+from hfjax.xla_settings import enable_compilation_cache
 
 DESCRIPTION = """`hfjax inspect` shows how a checkpoint's parameters shard under a layout (no weights are loaded);
 `hfjax layouts` lists the rule presets or compares layout pairs; `hfjax generate` samples responses; `hfjax train`

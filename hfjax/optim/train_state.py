@@ -33,11 +33,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from hfjax.compile_options import FORWARD_COMPILER_OPTIONS, GRADIENT_COMPILER_OPTIONS
 from hfjax.models.program import program_layout
 from hfjax.optim.optimizer import current_learning_rate
 from hfjax.parallel import Layout, LayoutError
 from hfjax.protocol import ROW_IN_LOSS
+from hfjax.xla_settings import FORWARD_COMPILER_OPTIONS, GRADIENT_COMPILER_OPTIONS
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 

@@ -37,7 +37,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.models.attention import configured_implementation
 from hfjax.models.moe import set_expert_capacity
 from hfjax.models.program import program_layout, setting_key
@@ -55,6 +54,7 @@ from hfjax.rollout.interface import (
 )
 from hfjax.rollout.prompt_pool import Placement, PromptPool
 from hfjax.rollout.sampling import SamplerKind, SamplingError, SamplingParams
+from hfjax.xla_settings import FORWARD_COMPILER_OPTIONS
 
 # The jitted steps of recent engines by their settings (model structure and config, dtype, layout, slots, lengths,
 # the attention setting): an engine of equal settings (the next run's rollout worker in this process) reuses them.

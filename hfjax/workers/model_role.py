@@ -18,7 +18,6 @@ import numpy as np
 from flax import nnx
 
 from hfjax.algos import mask_counts
-from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
 from hfjax.controller import Dispatch, Worker, register
 from hfjax.models import load_hf
 from hfjax.models.attention import configured_implementation
@@ -40,6 +39,7 @@ from hfjax.protocol import PADDING_ROWS, ROW_IN_LOSS, DataProto
 from hfjax.records.checkpoint import CheckpointManager, UnreadableStepError
 from hfjax.workers.packing import packed_micro_batches
 from hfjax.workers.sequences import trimmed_chunks
+from hfjax.xla_settings import FORWARD_COMPILER_OPTIONS
 
 
 def device_peak_bytes() -> float | None:

@@ -41,7 +41,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "tests")]
 from bench_common import parse_args, report, start_ray  # noqa: E402
 
-from hfjax.compile_cache import enable_compilation_cache  # noqa: E402
+from hfjax.xla_settings import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache()  # before JAX is imported
 

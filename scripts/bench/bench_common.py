@@ -29,7 +29,7 @@ def parse_args(parser: argparse.ArgumentParser, tiny: dict[str, Any]) -> argpars
     parser.add_argument("--tiny", action="store_true", help=TINY_HELP)
     args = parser.parse_args()
     if args.tiny:
-        from hfjax.compile_cache import enable_compilation_cache
+        from hfjax.xla_settings import enable_compilation_cache
 
         enable_compilation_cache()
         parser.set_defaults(**tiny)

@@ -37,7 +37,7 @@ def matmul_rate(rows: int, inner: int, outer: int, seconds: float = 1.0) -> floa
     import jax.numpy as jnp
     import numpy as np
 
-    from hfjax.compile_options import FORWARD_COMPILER_OPTIONS
+    from hfjax.xla_settings import FORWARD_COMPILER_OPTIONS
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((rows, inner), np.float32))
