@@ -903,7 +903,7 @@ def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(r
         layer = m * S / n * token
         train_layer = layer + (train_attention if n > 1 else 0.0)
         layer += attention if n > 1 else 0.0
-        stash = m * S / n * d * 2 * L if remat else L * train_layer
+        stash = m * S / n * d * 2 * L if remat else L * layer  # the stored layers hold no gradient
         # the gathered bf16 head and, in training, its float32 gradient accumulator: not split by the axis
         return stash + train_layer + 2 * logits * m * R / n + 6 * head, layer + logits * m * R / n + 2 * head
 
@@ -914,9 +914,10 @@ def test_a_sequence_axis_halves_the_activations_and_adds_its_attention_by_hand(r
     assert model.activation_bytes(shape, two, 16, True, "actor") == pytest.approx(train_2, rel=1e-12)
     assert model.activation_bytes(shape, two, 16, False, "actor") == pytest.approx(infer_2, rel=1e-12)
     assert model.split_attention_bytes(shape, two, m) == attention and model.split_attention_bytes(shape, one, m) == 0
+    assert model.split_attention_bytes(shape, two, m, backward=True) == train_attention
     # the rest is exactly half of what one device's whole rows need
-    kept = 1 if remat else L + 1  # layers whose attention a training pass holds at once
-    halved = model.activation_bytes(shape, two, 16, True, "actor") - kept * train_attention - 6 * head
+    kept = 0 if remat else L  # stored layers whose attention a training pass holds, beside the one in its backward
+    halved = model.activation_bytes(shape, two, 16, True, "actor") - kept * attention - train_attention - 6 * head
     assert halved == pytest.approx((train - 6 * head) / 2)
     halved = model.activation_bytes(shape, two, 16, False, "actor") - attention - 2 * head
     assert halved == pytest.approx((infer - 2 * head) / 2)

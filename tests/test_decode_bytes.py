@@ -68,5 +68,5 @@ def test_an_append_copies_only_the_prompt_blocks_of_its_rows():
 
     (few, few_pool), (many, many_pool) = temporaries(8), temporaries(64)
     assert many_pool >= 4 * few_pool
-    # gathering every slot's prompt blocks held a copy of the pool per layer: growth of at least the pool's bytes
+    # a copy of every slot's prompt blocks would grow by a layer's pool (an eighth of `many_pool` here) or more
     assert many - few <= 0.1 * many_pool, (few, many, many_pool)

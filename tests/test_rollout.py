@@ -268,10 +268,10 @@ def test_greedy_token_is_the_first_maximum():
 
 @pytest.mark.parametrize("platform", ["cpu", "tpu"])
 def test_decode_programs_stay_bounded_at_any_trajectory_length(platform):
-    """A decode step compiles once per (own blocks, prompt blocks) in use (and sampler kind, reader width): the
-    block grows with the cache instead of the block count, so from 192 to 131,072 positions a slot's own blocks and
-    its prompt blocks number at most MAX_KV_BLOCKS + 1 together, and the step's programs at most 4 x 5 whatever the
-    length (the shipped 1k + 15k and 1k + 31k configs included)."""
+    """A decode step compiles once per (own blocks, prompt blocks) in use (and sampler kind, reader width), so the
+    programs stay bounded when the block, not the block count, grows with the cache: from 192 to 131,072 positions
+    (the shipped 1k + 15k and 1k + 31k configs among them) `kv_block_size` gives blocks of the platform's multiple
+    and a slot's own and prompt blocks number at most MAX_KV_BLOCKS + 1 together (at most 4 x 5 pairs)."""
     from hfjax.rollout.interface import MAX_KV_BLOCKS, kv_block_size
 
     for prompt, response in [(64, 128), (512, 1024), (1024, 7168), (1024, 15360), (1024, 31744), (4096, 126976)]:

@@ -153,13 +153,13 @@ def test_kernels_per_position_shard_match_the_reference(window, kernel):
     attention over whole rows on one device, with left padding and packed rows."""
     from support.attention_cases import assert_close, output_and_grads, qkv_inputs
 
-    from hfjax.models import attention_pallas
     from hfjax.models.attention import (
         attention_mask,
         causal_attention,
         cudnn_split_positions_attention,
         dot_product_attention,
     )
+    from hfjax.models.per_shard import SPLIT_CAUSAL_AXES, per_shard
 
     layout = Layout.from_config(LAYOUTS["fsdp2_sequence2_tensor2"])
     t = 24
@@ -178,9 +178,7 @@ def test_kernels_per_position_shard_match_the_reference(window, kernel):
             split = functools.partial(
                 cudnn_split_positions_attention, window=window, axes=("sequence",), implementation="xla"
             )
-            return attention_pallas.per_shard(
-                split, (q, k, v, valid, valid), attention_pallas.SPLIT_CAUSAL_AXES, layout
-            )
+            return per_shard(split, (q, k, v, valid, valid), SPLIT_CAUSAL_AXES, layout)
 
     out, grads = output_and_grads(attend, q, k, v, valid > 0)
     want, want_grads = output_and_grads(lambda q, k, v: dot_product_attention(q, k, v, mask), q, k, v, valid > 0)
@@ -190,3 +188,25 @@ def test_kernels_per_position_shard_match_the_reference(window, kernel):
         assert_close(got, expected, np.ones(real.shape, bool), jnp.float32)
     jaxpr = str(jax.make_jaxpr(attend)(q, k, v))
     assert ("pallas_call" in jaxpr) == (kernel == "splash") and "shard_map" in jaxpr
+
+
+def test_the_split_kernel_is_chosen_by_implementation_dtype_and_shape():
+    """Under a sequence axis cuDNN runs per position shard where it takes the shard's shapes (bf16/fp16, heads up to
+    128 wide, an even number of positions a shard: its mask becomes a bias), splash on the Pallas names, and xla
+    (None) otherwise."""
+    from hfjax.models.attention import _split_positions_kernel, cudnn_split_positions_attention
+
+    layout = Layout.from_config(LAYOUTS["fsdp2_sequence2_tensor2"])
+
+    def chosen(name: str, t: int, d: int, dtype) -> object:
+        q, k = jnp.zeros((4, t, 4, d), dtype), jnp.zeros((4, t, 2, d), dtype)
+        with program_layout(layout):
+            kernel = _split_positions_kernel(name, q, k, None, 2)
+        return kernel and kernel.func
+
+    assert chosen("cudnn", 64, 128, jnp.bfloat16) is cudnn_split_positions_attention
+    assert chosen("cudnn", 64, 128, jnp.float32) is None  # cuDNN takes 2-byte dtypes only
+    assert chosen("cudnn", 64, 136, jnp.bfloat16) is None  # wider than 128 off a Hopper process
+    assert chosen("cudnn", 66, 128, jnp.bfloat16) is None  # 33 positions a shard: odd, no bias backward
+    assert chosen("xla", 64, 128, jnp.bfloat16) is None
+    assert chosen("pallas_interpret", 64, 128, jnp.bfloat16).__name__ == "splash_split_positions_attention"

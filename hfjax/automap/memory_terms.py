@@ -17,14 +17,14 @@ axis of N (N = 1 without one) splitting each row's S positions, so that a device
   rotary, attention and k of the four SwiGLU tensors, as the platform's compiler keeps them,
   `CostOptions.mlp_tensors`: 2 on a GPU, 3 on a TPU, 4 on CPU, measured in `sizes.MLP_TENSORS_KEPT`);
 - with N > 1, per layer also what the split attention holds (`split_attention_bytes`): the keys and values of the
-  whole rows gathered over the axis, 2 m S (k / t) e c bytes for k kv heads of size e and c the compute dtype's
-  size, and then by the path it runs (`CostOptions.split_attention`): the splash kernels per position shard (TPU)
-  nothing more; cuDNN per position shard (GPU, in a 2-byte dtype, heads up to 128 wide) the mask of the device's
-  queries against all S keys that jax hands it as a bias in the compute dtype, c m (S / N) S bytes, twice in a
-  training pass (its gradient); xla (`split_positions_attention`: CPU, any other case, and any model with score
+  whole rows gathered over the axis, 2 m S (k / t) e c bytes for k kv heads of size e and c the compute dtype's size,
+  and then by the path it runs (`CostOptions.split_attention`): the splash kernels per position shard (TPU) nothing
+  more; cuDNN per position shard (GPU, in a 2-byte dtype, heads up to 128 wide) the mask of the device's queries against
+  all S keys that jax hands it as a bias in the compute dtype, c m (S / N) S bytes, twice in the layer a training pass
+  back-propagates (its gradient); xla (`split_positions_attention`: CPU, any other case, and any model with score
   soft-capping) the float32 probabilities of the device's queries against all S keys and their copy in the compute
-  dtype, (4 + c) m (h / t) (S / N) S bytes for h query heads. Without the axis no scores are counted: the kernels
-  of whole rows (cuDNN, splash) hold none (the xla attention of XLA:CPU does);
+  dtype, (4 + c) m (h / t) (S / N) S bytes for h query heads. Without the axis no scores are counted: the kernels of
+  whole rows (cuDNN, splash) hold none (the xla attention of XLA:CPU does);
 - a training pass keeps every layer's activations, or with recomputation only each layer's input (T d c bytes a
   layer), beside the one layer it computes; a log-prob pass holds one layer;
 - one chunk of the LM head's float32 logits, min(m R / N, LOGITS_CHUNK_TOKENS) response tokens (R of a row) a
@@ -121,7 +121,7 @@ class MemoryTerms:
         opt = self.options
         return None if role == "actor" and opt.router_replay else opt.expert_capacity_factor
 
-    def split_attention(self, shape: ModelShape) -> str:
+    def split_attention(self, shape: ModelShape) -> Literal["xla", "splash", "cudnn"]:
         """How attention under a sequence axis runs for `shape` (`CostOptions.split_attention`): as xla with score
         soft-capping, which only xla does, and on the cuDNN path where cuDNN does not take the model (a 4-byte
         compute dtype, heads wider than 128 or not a multiple of 8, as `hfjax.models.attention.cudnn_supported`)."""
@@ -132,10 +132,11 @@ class MemoryTerms:
             return "xla"
         return path
 
-    def split_attention_bytes(self, shape: ModelShape, sizes: Sizes, rows: int, training: bool = False) -> float:
+    def split_attention_bytes(self, shape: ModelShape, sizes: Sizes, rows: int, backward: bool = False) -> float:
         """Bytes per device that one layer's attention holds for `rows` rows per rank whose positions a `sequence`
         axis splits (0 without the axis): the keys and values gathered over the axis and what its path holds of the
-        device's queries against every key (the module docstring gives the terms)."""
+        device's queries against every key, with `backward` also their gradients in the layer's backward (the
+        module docstring gives the terms)."""
         n = sizes.sequence
         if n == 1:
             return 0.0
@@ -146,7 +147,7 @@ class MemoryTerms:
         if path == "splash":
             return keys_values
         if path == "cudnn":
-            return keys_values + (2 if training else 1) * c * queries_keys
+            return keys_values + (2 if backward else 1) * c * queries_keys
         return keys_values + (4 + c) * queries_keys * cfg.num_heads / t
 
     def activation_bytes(self, shape: ModelShape, sizes: Sizes, seqs: int, training: bool, role: str) -> float:
@@ -157,7 +158,7 @@ class MemoryTerms:
         tokens = m * w.seq_len / sizes.sequence  # the device's positions of its rows
         width = mlp_width(cfg, self.capacity_factor(role))
         layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor, opt.mlp_tensors)
-        layer += self.split_attention_bytes(shape, sizes, m, training)
+        layer += self.split_attention_bytes(shape, sizes, m)  # what a layer holds for its backward
         # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits),
         # beside its kernel gathered whole along the width and, in training, its float32 kernel-gradient accumulator
         head, vocab_width = shape.head == "causal_lm", cfg.padded_vocab_size * cfg.hidden_size / sizes.tensor
@@ -166,7 +167,9 @@ class MemoryTerms:
         if not training:
             return layer + logits + (opt.param_bytes * vocab_width if head else 0.0)
         stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers
-        return stash + layer + 2 * logits + ((4 + opt.param_bytes) * vocab_width if head else 0.0)
+        # the one layer in its backward also holds its attention's gradients (cuDNN's bias gradient)
+        active = layer + self.split_attention_bytes(shape, sizes, m, True) - self.split_attention_bytes(shape, sizes, m)
+        return stash + active + 2 * logits + ((4 + opt.param_bytes) * vocab_width if head else 0.0)
 
     def gen_extra_bytes(self, shape: ModelShape, train: Sizes, gen: Sizes) -> float:
         """Parameter bytes per device that generation adds: the whole generation shard when it is a cast copy of

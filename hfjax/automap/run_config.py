@@ -83,7 +83,8 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
 def split_attention_path(device: str, implementation: str) -> str:
     """How attention runs under a sequence axis on `device` (`trainer.device`) with `implementation`
     (`HFJAX_ATTENTION`): the splash kernels per position shard on a TPU, cuDNN per position shard on a GPU, else xla
-    (`CostOptions.split_attention`)."""
+    (`CostOptions.split_attention`). `trainer.device: auto` is priced as CPU (xla, and CPU's `MLP_TENSORS_KEPT`):
+    the conservative case, as the cluster is not known before start."""
     if device == "tpu" and implementation in ("auto", "pallas_tpu"):
         return "splash"
     if device == "gpu" and implementation in ("auto", "cudnn"):

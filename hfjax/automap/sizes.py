@@ -76,7 +76,9 @@ def mlp_width(cfg: ModelConfig, capacity_factor: float | None) -> float:
 MLP_TENSORS_KEPT = {"gpu": 2, "tpu": 3, "cpu": 4}
 
 
-def layer_activation_bytes(width: int, mlp_width: float, tensor: int, mlp_tensors: int = 4) -> float:
+def layer_activation_bytes(
+    width: int, mlp_width: float, tensor: int, mlp_tensors: int = MLP_TENSORS_KEPT["cpu"]
+) -> float:
     """Bytes per token that one decoder layer keeps for its backward (bf16 compute): the two norms' inputs and their
     float32 copies (12 d), the residual (2 d), and split over `tensor`: normed input, q/k/v, rotated q/k and the
     attention output (10 d), and `mlp_tensors` of the MLP's gate, up, activation and product (2 m each; what the

@@ -24,8 +24,8 @@ the function is traced: a jitted function keeps the choice of its trace. Scores 
 
 Layout: code that owns a program's `hfjax.parallel.Layout` enters `program_layout(layout)` inside the traced
 function (the engine's steps, a model role's row functions, the training programs). A Pallas kernel traced under a
-layout of several devices then runs per shard in a `jax.shard_map` over the layout's mesh (`attention_pallas.
-per_shard`: batch rows over the batch mesh axes, query and kv heads over the tensor axis), or, where the operands do
+layout of several devices then runs per shard in a `jax.shard_map` over the layout's mesh (`hfjax.models.per_shard`:
+batch rows over the batch mesh axes, query and kv heads over the tensor axis), or, where the operands do
 not split so, as xla for that call. Outside any layout (a plain `model(...)` call) the kernels run unsplit.
 """
 
@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from hfjax.models.config import MASKED_SCORE
+from hfjax.models.per_shard import CAUSAL_AXES, SPLIT_CAUSAL_AXES, per_shard
 from hfjax.models.program import (
     constrain,
     current_layout,
@@ -283,7 +284,7 @@ def _split_positions_kernel(
     name: str, q: jax.Array, k: jax.Array, window: int | None, parts: int
 ) -> functools.partial | None:
     """The per-shard kernel of `name` for attention whose positions a sequence axis splits into `parts` (inside
-    `attention_pallas.per_shard`), or None where it runs as xla (`split_positions_attention`): xla itself, and cuDNN
+    `hfjax.models.per_shard`), or None where it runs as xla (`split_positions_attention`): xla itself, and cuDNN
     at shapes or dtypes it does not take (as without the axis)."""
     axes = split_axes("length", q.shape[1])
     if name in PALLAS:
@@ -320,9 +321,9 @@ def causal_attention(
     `mask`, which must then be `attention_mask(valid, index, index, window)` [b, t, t]. The xla implementation uses
     `mask` when given (one mask can serve every layer of a window) and builds it otherwise; the others use the
     structured form (pass `valid` with `mask` for packed segments: a diagonal holds no segment ids). Under an
-    `program_layout` of several devices a Pallas kernel runs per shard (xla where the operands do not split by the
-    layout). Scores are soft-capped when `softcap` is set (`scale_scores`): only xla does that, so the others fall
-    back to it (logged once)."""
+    `program_layout` of several devices a Pallas kernel, and cuDNN where a sequence axis splits the positions, runs
+    per shard (xla where the operands do not split by the layout). Scores are soft-capped when `softcap` is set
+    (`scale_scores`): only xla does that, so the others fall back to it (logged once)."""
     if valid is None and lengths is None and mask is None:
         raise ValueError("causal_attention needs valid, lengths or mask")
     name = resolve_implementation(implementation)
@@ -336,10 +337,7 @@ def causal_attention(
             valid = index[None, :] < lengths[:, None] if lengths is not None else jnp.diagonal(mask, axis1=1, axis2=2)
         kernel = _split_positions_kernel(name, q, k, window, parts)
         if kernel is not None:
-            from hfjax.models import attention_pallas  # Pallas loads only when it runs
-
-            operands = (q, k, v, valid, valid)
-            out = attention_pallas.per_shard(kernel, operands, attention_pallas.SPLIT_CAUSAL_AXES, current_layout())
+            out = per_shard(kernel, (q, k, v, valid, valid), SPLIT_CAUSAL_AXES, current_layout())
             if out is not None:
                 return out
         mask = mask if mask is not None else attention_mask(valid, index, index, window)
@@ -363,7 +361,7 @@ def causal_attention(
         kernel = functools.partial(
             attention_pallas.splash_causal_attention, window=window, interpret=name == "pallas_interpret"
         )
-        out = attention_pallas.per_shard(kernel, (q, k, v, valid), attention_pallas.CAUSAL_AXES, current_layout())
+        out = per_shard(kernel, (q, k, v, valid), CAUSAL_AXES, current_layout())
         if out is not None:
             return out
     mask = mask if mask is not None else attention_mask(valid, index, index, window)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from hfjax.models.attention import PALLAS, configured_implementation, fall_back, resolve_implementation, scale_scores
 from hfjax.models.config import MASKED_SCORE
+from hfjax.models.per_shard import DECODE_AXES, per_shard
 from hfjax.models.program import current_layout
 
 
@@ -145,7 +146,8 @@ def gather_prompt_blocks(pool: jax.Array, table: jax.Array, rows: jax.Array | No
     """The prompt blocks [S, ...] of every slot (`table` [S, n], slots in the order of the pool's parts) from a
     layer's `pool` [parts, pool blocks, ...]: n arrays, one per table column, each a block of the decode layout.
     Vmapped over the parts, so a part reads only its own pool (a parts-sharded pool is gathered shard by shard).
-    With `rows` [R] (slot indices) only those slots' blocks, [R, ...] each: a copy of R slots, not of all S."""
+    With `rows` [R] (slot indices) only those slots' blocks, [R, ...] each: a copy of R slots, not of all S, indexed
+    across the parts (over a parts-sharded pool the partitioner moves the rows' blocks between devices)."""
     parts, slots = pool.shape[0], table.shape[0]
     if rows is not None:
         part, ids = rows // (slots // parts), table[rows]
@@ -190,7 +192,7 @@ def decode_attention(
 
         starts = jnp.zeros_like(lengths) if prompt_lengths is None else prompt_lengths
         operands = (q, tuple(key_blocks), tuple(value_blocks), lengths, starts, *(prompt_pool or (None,) * 3))
-        out = attention_pallas.per_shard(kernel, operands, attention_pallas.DECODE_AXES, current_layout())
+        out = per_shard(kernel, operands, DECODE_AXES, current_layout())
         if out is not None:
             return out
     if prompt_pool is not None:
