@@ -188,19 +188,14 @@ def test_decode_kernel_compiles_for_tpu_at_any_block_size(block: int) -> None:
     assert compiled.memory_analysis().temp_size_in_bytes < 4 * 2**20
 
 
-@pytest.mark.compile_target
-def test_splash_attention_split_by_position_compiles_for_v5e() -> None:
-    """Attention's loss-and-gradient at 32,768 positions of Qwen2.5-1.5B's heads (12 query, 2 kv, 128 wide), the
-    positions split over `sequence: 4` and rows over `fsdp: 2` of a v5e-8: the splash kernels run per shard (one
-    per query offset) and compile with under 0.1 GiB of temporaries per chip (xla attention would hold a float32
-    [rows, heads, 8,192, 32,768] score block per device)."""
-    from jax.sharding import NamedSharding
-
+def _split_attention_gradient(target: str, implementation: str) -> jax.stages.Lowered:
+    """Attention's loss-and-gradient at 32,768 positions of Qwen2.5-1.5B's heads (12 query, 2 kv, 128 wide) on
+    `target`'s 8 devices, rows over `fsdp: 2` and positions over `sequence: 4`, lowered with `implementation`."""
     from hfjax.models.attention import causal_attention
     from hfjax.models.program import program_layout
     from hfjax.parallel import Layout
 
-    devices = target_devices(parse_target("v5e:2x4"))
+    devices = target_devices(parse_target(target))
     layout = Layout.from_config({"mesh": {"fsdp": 2, "sequence": 4}, "rules": "fsdp"}).on_devices(devices)
     positions = NamedSharding(layout.mesh, P("fsdp", "sequence"))
     t = 32768
@@ -210,11 +205,20 @@ def test_splash_attention_split_by_position_compiles_for_v5e() -> None:
 
     def loss(q, k, v, valid):
         with program_layout(layout):
-            out = causal_attention(q, k, v, valid=valid, implementation="pallas_tpu")
+            out = causal_attention(q, k, v, valid=valid, implementation=implementation)
         return out.astype(jnp.float32).sum()
 
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid)
+
+
+@pytest.mark.compile_target
+def test_splash_attention_split_by_position_compiles_for_v5e() -> None:
+    """Attention's loss-and-gradient at 32,768 positions of Qwen2.5-1.5B's heads (12 query, 2 kv, 128 wide), the
+    positions split over `sequence: 4` and rows over `fsdp: 2` of a v5e-8: the splash kernels run per shard (one
+    per query offset) and compile with under 0.1 GiB of temporaries per chip (xla attention would hold a float32
+    [rows, heads, 8,192, 32,768] score block per device)."""
     with jax.default_matmul_precision("default"):  # conftest's "highest" would reach splash's bf16 dots (Mosaic: no)
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid)
+        lowered = _split_attention_gradient("v5e:2x4", "pallas_tpu")
         assert "tpu_custom_call" in lowered.as_text()
         assert lowered.compile().memory_analysis().temp_size_in_bytes < 0.1 * 2**30
 
@@ -291,24 +295,7 @@ def test_cudnn_attention_split_by_position_compiles_for_h100x8() -> None:
     shard forward and backward, with under 1.25 GiB of temporaries per GPU (the bias of 8,192 queries x 32,768 keys
     and its gradient, 1 GiB in bf16: 1.08 GiB compiled); xla attention, which ran there before, compiles with 42 GiB
     (float32 [heads, 8,192, 32,768] scores, 12 GiB, and what their gradient needs)."""
-    from hfjax.models.attention import causal_attention
-    from hfjax.models.program import program_layout
-    from hfjax.parallel import Layout
-
-    devices = target_devices(parse_target("h100x8"))
-    layout = Layout.from_config({"mesh": {"fsdp": 2, "sequence": 4}, "rules": "fsdp"}).on_devices(devices)
-    positions = NamedSharding(layout.mesh, P("fsdp", "sequence"))
-    t = 32768
-    q = jax.ShapeDtypeStruct((2, t, 12, 128), jnp.bfloat16, sharding=positions)
-    kv = jax.ShapeDtypeStruct((2, t, 2, 128), jnp.bfloat16, sharding=positions)
-    valid = jax.ShapeDtypeStruct((2, t), jnp.int32, sharding=NamedSharding(layout.mesh, P("fsdp")))
-
-    def loss(q, k, v, valid):
-        with program_layout(layout):
-            out = causal_attention(q, k, v, valid=valid, implementation="cudnn")
-        return out.astype(jnp.float32).sum()
-
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, valid).compile()
+    compiled = _split_attention_gradient("h100x8", "cudnn").compile()
     kernels = set(re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', compiled.as_text()))
     assert any(k.endswith("Backward") for k in kernels) and any(not k.endswith("Backward") for k in kernels), kernels
     assert compiled.memory_analysis().temp_size_in_bytes < 1.25 * 2**30
