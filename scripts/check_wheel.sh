@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI's packaging check: builds the wheel, installs it with its declared dependencies (at the pinned versions) into a
 # clean virtualenv, runs `pip check`, and runs hfjax from a directory outside the checkout: --version, the shipped
-# quickstart config's --help, the layout presets, and `hfjax plot` of a finished run's metrics.
+# quickstart config's --help, the packaged GPU target files, the layout presets, and `hfjax plot` of a finished run's metrics.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
@@ -16,6 +16,13 @@ export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
 "$WORK/venv/bin/hfjax" --version
 "$WORK/venv/bin/hfjax" quickstart --help > /dev/null
 "$WORK/venv/bin/python" -c "from hfjax.cli.packaged import config_path; assert config_path('quickstart.yaml').is_file()"
+# the GPU targets' compiler descriptions that `hfjax compile --target h100` reads (package data: a move drops them)
+"$WORK/venv/bin/python" -c "
+from importlib import resources
+from hfjax.automap.compiled.targets import GPU_TARGETS
+for target in GPU_TARGETS.values():
+    assert resources.files('hfjax.automap.compiled').joinpath('gpu_targets', target.config_file).is_file(), target
+"
 "$WORK/venv/bin/hfjax" layouts > /dev/null
 # the quickstart's tokenizer with its chat template: the runtime dependencies a first run needs, without PyTorch
 "$WORK/venv/bin/python" -c "

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from hfjax.compiled.targets import parse_target
+from hfjax.automap.compiled.targets import parse_target
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {  # each shipped config and the hardware its header names

@@ -16,10 +16,10 @@ import pytest
 from safetensors.numpy import load_file
 from support.rl_setup import build_run_inputs, rl_config, write_varied_reward
 
-from hfjax.automap.trainer_runs import config_mapping
 from hfjax.config.rl import load_rl_config
 from hfjax.controller import WorkerError
 from hfjax.models.hf import param_plan, read_config
+from hfjax.predict.run_mapping import config_mapping
 from hfjax.trainer.dry_run import describe_run
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.rl import RLTrainer

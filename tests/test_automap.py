@@ -33,22 +33,9 @@ from hfjax.automap import (
     role_shapes,
     set_partitions,
 )
-from hfjax.automap.cluster import GIB
-from hfjax.automap.cost import RoleCost, stage_seconds
-from hfjax.automap.dataflow import STAGES, model_shape
-from hfjax.automap.run_config import run_cost_options, run_workload
+from hfjax.automap.compiled.programs import actor_programs, measure
 from hfjax.automap.search import allocations, device_counts, train_sizes
-from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, layout_of, mlp_width
-from hfjax.automap.trainer_runs import (
-    PLACEMENTS,
-    _sizes,
-    host_gen_sizes,
-    run_config,
-    trainer_candidates,
-    trainer_groups,
-    trainer_placement,
-)
-from hfjax.compiled.programs import actor_programs, measure
+from hfjax.automap.trainer_runs import host_gen_sizes, run_config, trainer_candidates, trainer_placement
 from hfjax.config.rl import load_rl_config
 from hfjax.controller.resource_pool import group_hosts
 from hfjax.models.config import ModelConfig
@@ -57,6 +44,12 @@ from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
 from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.parallel import HybridEngine, Layout, LayoutError
 from hfjax.parallel.layout import is_param_leaf
+from hfjax.predict.cluster import GIB
+from hfjax.predict.cost import RoleCost, stage_seconds
+from hfjax.predict.dataflow import STAGES, model_shape
+from hfjax.predict.run_config import run_cost_options, run_workload
+from hfjax.predict.run_mapping import PLACEMENTS, _sizes, trainer_groups
+from hfjax.predict.sizes import GEN_RULES, TRAIN_RULES, layout_of, mlp_width
 from hfjax.trainer.preflight import check_memory, predict_memory
 from hfjax.typed_config import ConfigError
 
@@ -570,9 +563,9 @@ def test_automap_on_two_hosts_writes_a_run_config_that_loads(tmp_path):
     layout checks."""
     from support.rl_setup import build_run_inputs, rl_config
 
-    from hfjax.automap.run_config import run_models, run_workload
     from hfjax.cli.main import main
     from hfjax.config.rl import load_rl_config
+    from hfjax.predict.run_config import run_models, run_workload
 
     inputs = build_run_inputs(tmp_path / "inputs")
     run = rl_config(inputs, tmp_path / "run", "ppo", trainer={"total_steps": 1, "devices": 8})
@@ -647,7 +640,7 @@ def test_a_disaggregated_run_is_priced_as_its_two_groups_in_turn():
 def test_trainer_candidates_search_uneven_splits_and_disaggregated_placements():
     """On one host of 8 devices, GRPO's candidates include every split of the host between a rollout group and a
     trainer group, and the chosen one becomes a run config with `trainer.group_devices` that maps back to itself."""
-    from hfjax.automap.trainer_runs import config_mapping
+    from hfjax.predict.run_mapping import config_mapping
 
     flow = dataflow("grpo")
     shapes = role_shapes(flow, {"actor": TINY, "ref": TINY})
@@ -695,7 +688,7 @@ def test_the_search_trades_micro_batch_and_remat_for_memory(tmp_path):
     micro-batches or remat, and every candidate it returns fits."""
     from support.rl_setup import build_run_inputs, rl_config
 
-    from hfjax.automap.run_config import run_candidates
+    from hfjax.automap.run_search import run_candidates
     from hfjax.config.rl import load_rl_config
 
     inputs = build_run_inputs(tmp_path / "inputs")
@@ -727,7 +720,7 @@ def test_automap_writes_the_first_mapping_its_check_passes(tmp_path, capsys):
     check drops the two best, and the written config is the third's, each drop printed with the check's reason."""
     from support.rl_setup import build_run_inputs, rl_config
 
-    from hfjax.automap.run_config import automap_run, run_candidates
+    from hfjax.automap.run_search import automap_run, run_candidates
     from hfjax.cli.main import main
     from hfjax.config.rl import load_rl_config
 

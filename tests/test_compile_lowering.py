@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from hfjax.compiled.programs import actor_programs, critic_programs
+from hfjax.automap.compiled.programs import actor_programs, critic_programs
 from hfjax.config.rl import load_rl_config
 from hfjax.models.decode_attention import KERNEL_MIN_HEAD_DIM
 from hfjax.models.hf import abstract_model

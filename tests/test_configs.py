@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 from hfjax.automap import ClusterSpec, CostModel, role_shapes
-from hfjax.automap.run_config import predict_run, run_cost_options, run_dataflow, run_models, run_workload
 from hfjax.cli.quickstart import QuickstartConfig
 from hfjax.config.rl import load_rl_config
 from hfjax.config.supervised import RMConfig, SFTConfig
@@ -19,6 +18,7 @@ from hfjax.models.hf import abstract_model
 from hfjax.models.presets import named_config
 from hfjax.parallel import Layout
 from hfjax.parallel.layout import is_param_leaf
+from hfjax.predict.run_config import predict_run, run_cost_options, run_dataflow, run_models, run_workload
 from hfjax.typed_config import load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -27,8 +27,8 @@ from hfjax.parallel import HybridEngine, Layout, hybrid_engine
 from hfjax.parallel.host_local import replica_positions, stationary_layout
 from hfjax.parallel.host_memory import to_memory_kind
 from hfjax.parallel.layout import LayoutError
-from hfjax.parallel.layout_compare import transition_bytes
 from hfjax.parallel.shard_math import containing_order
+from hfjax.predict.transition import transition_bytes
 
 WIDE = dict(vocab_size=128, num_attention_heads=8, num_key_value_heads=8, hidden_size=64, intermediate_size=96)
 CONTAINED_PAIRS = {

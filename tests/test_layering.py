@@ -20,9 +20,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rollout", "data"),
     ("envs", "controller", "algos", "rewards", "optim", "records"),
     ("config",),
-    ("workers", "automap"),
+    ("workers", "predict"),
     ("trainer",),
-    ("compiled",),
+    ("automap",),
     ("cli",),
 )
 

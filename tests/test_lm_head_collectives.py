@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import hfjax.models.lm_head as lm_head
-from hfjax.compiled.programs import actor_programs
+from hfjax.automap.compiled.programs import actor_programs
 from hfjax.config.rl import load_rl_config
 from hfjax.models.config import ModelConfig
 from hfjax.models.program import program_layout

@@ -26,8 +26,7 @@ from support.checkpoints import left_padded_batch, save_hf_model
 from support.rl_setup import build_run_inputs, rl_config
 from support.tiny_models import TINY, compiled_forward, random_model
 
-from hfjax.automap.dataflow import model_shape
-from hfjax.compiled.programs import AbstractModel, actor_programs, actor_resident, bytes_per_device, measure
+from hfjax.automap.compiled.programs import AbstractModel, actor_programs, actor_resident, bytes_per_device, measure
 from hfjax.config.rl import RLConfig, load_rl_config
 from hfjax.config.roles import ActorConfig
 from hfjax.models import load_hf, save_hf
@@ -48,6 +47,7 @@ from hfjax.models.peft_io import save_peft
 from hfjax.models.presets import named_config
 from hfjax.optim import TrainState
 from hfjax.parallel import Layout
+from hfjax.predict.dataflow import model_shape
 from hfjax.protocol import DataProto
 from hfjax.trainer.launch import export_run, run_rl
 from hfjax.trainer.preflight import predict_memory

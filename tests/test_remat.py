@@ -50,7 +50,7 @@ def test_full_remat_compiles_to_smaller_temporaries_on_a_tpu():
     """Compiled for one v5e chip (XLA:CPU's buffer assignment keeps the activations whatever the policy, so the
     saving shows only on a real target): at 8 x 256 tokens, 8 layers needed 322 MiB of temporaries keeping every
     activation and 41 MiB with `full` (4 layers here)."""
-    from hfjax.compiled import parse_target, target_devices
+    from hfjax.automap.compiled import parse_target, target_devices
     from hfjax.models.program import program_layout
     from hfjax.parallel import Layout
 

@@ -21,7 +21,7 @@ import pytest
 from support.settings import REPO
 
 import hfjax.models.transformer as transformer
-from hfjax.compiled.programs import AbstractModel, actor_programs, bytes_per_device, engine_programs
+from hfjax.automap.compiled.programs import AbstractModel, actor_programs, bytes_per_device, engine_programs
 from hfjax.config.rl import load_rl_config
 from hfjax.models.config import ModelConfig
 from hfjax.models.presets import NAMED_CONFIGS
@@ -182,7 +182,7 @@ def _tpu_update_flops(target: str, train: dict, gen: dict) -> float:
     """Per-chip FLOPs of the actor's loss-and-gradient of the shipped Qwen2.5-0.5B v5e-8 GRPO config (its width,
     vocabulary, 1,536-token rows, bfloat16 compute; two of its 24 layers, micro-batches of 8 rows), compiled for a
     TPU target with libtpu: the partitioner and the kernels of the chip, not the CPU's."""
-    from hfjax.compiled import parse_target, target_devices
+    from hfjax.automap.compiled import parse_target, target_devices
 
     cfg = load_rl_config(str(REPO / "configs/gsm8k/qwen2.5-0.5b-grpo-tpu-v5e-8.yaml"), ["actor.micro_batch_size=8"])
     qwen = NAMED_CONFIGS["qwen2.5-0.5b"]

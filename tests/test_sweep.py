@@ -20,15 +20,17 @@ from support.settings import user_env
 
 from hfjax.automap import BUILTIN, ClusterSpec, dataflow, role_shapes
 from hfjax.automap.calibrate import calibrate, iteration_spearman, log_error, measurements, predict, spearman
-from hfjax.automap.cluster import GIB
-from hfjax.automap.dataflow import STAGES
-from hfjax.automap.run_config import predict_run, run_candidates, run_models
-from hfjax.automap.trainer_runs import config_mapping, run_config
+from hfjax.automap.run_search import run_candidates
+from hfjax.automap.sweep import MEASURED_KEYS, auto_candidates, measured, read_candidates, stage_of
+from hfjax.automap.trainer_runs import run_config
 from hfjax.cli.main import main
 from hfjax.cli.quickstart import BaseModelSection, build_base_model
 from hfjax.config.rl import load_rl_config
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
-from hfjax.trainer.sweep import MEASURED_KEYS, auto_candidates, measured, read_candidates, stage_of
+from hfjax.predict.cluster import GIB
+from hfjax.predict.dataflow import STAGES
+from hfjax.predict.run_config import predict_run, run_models
+from hfjax.predict.run_mapping import config_mapping
 from hfjax.typed_config import to_dict
 
 

@@ -1,5 +1,5 @@
-"""hfjax.compiled.targets: parsing target names (no plugin needed), `hfjax compile`'s report of a program that fails
-to compile (on this machine's CPU devices standing in for the target's), and, marked `compile_target`, compiling a
+"""hfjax.automap.compiled.targets: parsing target names (no plugin needed), `hfjax compile`'s report of a program that
+fails to compile (on this machine's CPU devices standing in for the target's), and, marked `compile_target`, compiling a
 sharded program for compile-only TPU and GPU devices (needs `pip install "hfjax[compile]"`: libtpu and the CUDA
 plugin)."""
 
@@ -22,11 +22,11 @@ from jax.sharding import PartitionSpec as P
 from support.settings import REPO, run_command
 from support.tiny_models import TINY
 
+from hfjax.automap.compiled import report, targets
+from hfjax.automap.compiled.failures import MESSAGE_CHARS, PROGRAM_KINDS, classify, knob, program_kind
+from hfjax.automap.compiled.programs import ProgramMemory, ProgramTrace, measure
+from hfjax.automap.compiled.targets import GIB, INSTALL_HINT, Target, TargetError, parse_target, target_devices
 from hfjax.cli.main import main
-from hfjax.compiled import report, targets
-from hfjax.compiled.failures import MESSAGE_CHARS, PROGRAM_KINDS, classify, knob, program_kind
-from hfjax.compiled.programs import ProgramMemory, ProgramTrace, measure
-from hfjax.compiled.targets import GIB, INSTALL_HINT, Target, TargetError, parse_target, target_devices
 from hfjax.config.rl import load_rl_config
 from hfjax.models.presets import NAMED_CONFIGS
 
@@ -520,4 +520,4 @@ def test_a_program_that_fails_to_compile_is_one_line_of_the_report(tmp_path, mon
         assert main(["--debug", *args]) == 1
         assert "Traceback" in capsys.readouterr().err
     finally:
-        logging.getLogger("hfjax.compiled").setLevel(logging.NOTSET)
+        logging.getLogger("hfjax.automap.compiled").setLevel(logging.NOTSET)

@@ -1,12 +1,31 @@
-"""Auto-mapping (HybridFlow §6): choose the placement of every model role, its devices and its layouts from a cost
-model of the cluster, the algorithm's dataflow and the workload."""
+"""Choosing and checking layouts (HybridFlow §6's auto-mapping and what checks it): the search over placements and
+layouts priced by the cost model (`hfjax.predict`), its calibration from measured sweeps, compile-for-target
+(`hfjax.automap.compiled`: the compiler's figures), the measured sweep and the measured layout-pair comparison.
+The cost model's names are re-exported here for the auto-mapper's users."""
 
-from hfjax.automap.cluster import BUILTIN, ClusterSpec, DeviceProfile, calibrate_cpu, local_cpu
-from hfjax.automap.cost import CostModel, CostOptions, DeviceMapping, InfeasibleError, Prediction, RoleCost
-from hfjax.automap.dataflow import DATAFLOWS, PAPER_MODELS, Dataflow, ModelShape, Workload, dataflow, role_shapes
 from hfjax.automap.report import print_breakdown, print_candidates
 from hfjax.automap.search import Candidate, MappingSearch, SearchResult, automap, set_partitions
-from hfjax.automap.sizes import Sizes
+from hfjax.predict import (
+    BUILTIN,
+    DATAFLOWS,
+    PAPER_MODELS,
+    ClusterSpec,
+    CostModel,
+    CostOptions,
+    Dataflow,
+    DeviceMapping,
+    DeviceProfile,
+    InfeasibleError,
+    ModelShape,
+    Prediction,
+    RoleCost,
+    Sizes,
+    Workload,
+    calibrate_cpu,
+    dataflow,
+    local_cpu,
+    role_shapes,
+)
 
 __all__ = [
     "BUILTIN",

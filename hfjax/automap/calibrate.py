@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from hfjax.automap.cluster import GIB, ClusterSpec, DeviceProfile
-from hfjax.automap.cost import CostModel, DeviceMapping, InfeasibleError
-from hfjax.automap.dataflow import STAGES, Dataflow, ModelShape, role_shapes
-from hfjax.automap.run_config import run_cost_options, run_dataflow, run_models, run_workload
-from hfjax.automap.trainer_runs import config_mapping
 from hfjax.config.rl import load_rl_config
+from hfjax.predict.cluster import GIB, ClusterSpec, DeviceProfile
+from hfjax.predict.cost import CostModel, DeviceMapping, InfeasibleError
+from hfjax.predict.dataflow import STAGES, Dataflow, ModelShape, role_shapes
+from hfjax.predict.run_config import run_cost_options, run_dataflow, run_models, run_workload
+from hfjax.predict.run_mapping import config_mapping
 from hfjax.typed_config import ConfigError
 
 RATES = ("matmul_flops", "memory_bandwidth", "intra_host_bandwidth", "inter_host_bandwidth")  # scaled by a factor

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hfjax.automap.cluster import GIB
-from hfjax.automap.dataflow import STAGES
 from hfjax.automap.search import Candidate
+from hfjax.predict.cluster import GIB
+from hfjax.predict.dataflow import STAGES
 
 
 def _layouts(candidate: Candidate) -> str:

@@ -17,8 +17,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from hfjax.automap.cluster import ClusterSpec
-from hfjax.automap.cost import (
+from hfjax.parallel.layout import LayoutError
+from hfjax.predict.cluster import ClusterSpec
+from hfjax.predict.cost import (
     ROLLOUT,
     CostModel,
     CostOptions,
@@ -27,9 +28,8 @@ from hfjax.automap.cost import (
     RoleCost,
     stage_seconds,
 )
-from hfjax.automap.dataflow import ModelShape, Workload, dataflow, role_shapes
-from hfjax.automap.sizes import GEN_RULES, Sizes, gen_sizes, layout_of
-from hfjax.parallel.layout import LayoutError
+from hfjax.predict.dataflow import ModelShape, Workload, dataflow, role_shapes
+from hfjax.predict.sizes import GEN_RULES, Sizes, gen_sizes, layout_of
 
 Placement = tuple[tuple[str, ...], ...]
 

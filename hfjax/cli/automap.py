@@ -1,5 +1,5 @@
 """`hfjax automap --cluster C --config R`: the auto-mapper's best placements and layouts for an RL run
-(`hfjax.automap.run_config`); `hfjax automap --calibrate SWEEP.json --out C`: a cluster file whose profile is fitted
+(`hfjax.automap.run_search`); `hfjax automap --calibrate SWEEP.json --out C`: a cluster file whose profile is fitted
 to what `hfjax sweep` measured (`hfjax.automap.calibrate`)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         return calibrate_run(args.calibrate, args.out)
     if not args.cluster or not args.config:
         raise SystemExit("hfjax automap: --cluster and --config are required (or --calibrate SWEEP_JSON --out C.yaml)")
-    from hfjax.automap.run_config import automap_run
+    from hfjax.automap.run_search import automap_run
 
     check = _compiler_check(args.target, args.cluster) if args.target else None
     return automap_run(args.cluster, args.config, args.out, args.top, not args.keep_batch_settings, check)
@@ -66,9 +66,9 @@ def _compiler_check(name: str, cluster_path: str) -> Any:
     """A check of a mapped run config: compiled for the target `name`, None where every program fits, else the
     compiler's reasons. The target and the cluster are checked against each other before anything compiles."""
     from hfjax.automap import ClusterSpec
-    from hfjax.automap.cluster import GIB
-    from hfjax.compiled import parse_target, target_devices
-    from hfjax.compiled.report import compiled_memory
+    from hfjax.automap.compiled import parse_target, target_devices
+    from hfjax.automap.compiled.report import compiled_memory
+    from hfjax.predict.cluster import GIB
 
     target = parse_target(name)
     cluster = ClusterSpec.from_yaml(cluster_path)

@@ -38,21 +38,21 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hfjax.compiled import parse_target
+    from hfjax.automap.compiled import parse_target
 
     target = parse_target(args.target)  # before any config work: a bad name is the first error
     if args.lean:
-        from hfjax.compiled.targets import TargetError, schedule_lean
+        from hfjax.automap.compiled.targets import TargetError, schedule_lean
 
         if target.platform != "tpu":
             raise TargetError(f"--lean: a TPU target's option (libtpu's scheduler), got {target.name!r}")
         schedule_lean()
+    from hfjax.automap.compiled.report import compile_run, fits, format_report, predicted_peak, remat_settings
     from hfjax.cli.runner import debugging
-    from hfjax.compiled.report import compile_run, fits, format_report, predicted_peak, remat_settings
     from hfjax.config.rl import load_rl_config
 
     if debugging(getattr(args, "debug", False)):  # the tracebacks of programs that fail to compile
-        logging.getLogger("hfjax.compiled").setLevel(logging.DEBUG)
+        logging.getLogger("hfjax.automap.compiled").setLevel(logging.DEBUG)
     cfg = load_rl_config(args.config, args.overrides)
     programs, failed = compile_run(cfg, target, programs=args.programs)
     predicted, predicted_error = predicted_peak(cfg, target)

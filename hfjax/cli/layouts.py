@@ -1,5 +1,5 @@
 """`hfjax layouts`: the rule presets, or the train <-> generation transitions of layout pairs for a model
-(`hfjax.parallel.layout_compare`) as a console table and JSON."""
+(`hfjax.automap.layout_pairs`) as a console table and JSON."""
 
 from __future__ import annotations
 
@@ -79,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("hfjax layouts --pairs needs --model (a Hugging Face directory or a named size)")
     import yaml
 
+    from hfjax.automap.layout_pairs import compare_layouts
     from hfjax.models.lora import LoraParam
     from hfjax.optim.train_state import frozen_flags
-    from hfjax.parallel.layout_compare import compare_layouts
 
     with open(args.pairs) as f:
         pairs = (yaml.safe_load(f) or {}).get("pairs")

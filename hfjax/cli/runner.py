@@ -26,13 +26,13 @@ def version() -> str:
 def user_errors() -> tuple[type[BaseException], ...]:
     """hfjax's own errors: what the user must change (config, data, files, layouts, sampling, rewards, run directory,
     checkpoints) or what stopped a run (a worker that failed, died or hung; a run that cannot learn)."""
-    from hfjax.automap.cost import InfeasibleError
-    from hfjax.compiled.targets import TargetError
+    from hfjax.automap.compiled.targets import TargetError
     from hfjax.controller.worker_group import WorkerError
     from hfjax.data.records import DataError
     from hfjax.models.config import UnsupportedModelError
     from hfjax.models.safetensors_io import CheckpointError as ModelFileError
     from hfjax.parallel.layout import LayoutError
+    from hfjax.predict.cost import InfeasibleError
     from hfjax.records.checkpoint import CheckpointError
     from hfjax.records.plot import PlotError
     from hfjax.records.run_dir import DiskWriteError, RunDirLockedError

@@ -1,5 +1,5 @@
 """`hfjax sweep CONFIG --candidates FILE|auto`: train each candidate layout of an RL config for a few steps on this
-cluster and compare what it measured with what the cost model predicted (`hfjax.trainer.sweep`)."""
+cluster and compare what it measured with what the cost model predicted (`hfjax.automap.sweep`)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ def run(args: argparse.Namespace) -> int:
     import yaml
     from tqdm import tqdm
 
+    from hfjax.automap.sweep import auto_candidates, read_candidates, run_sweep
+    from hfjax.automap.sweep_report import print_sweep, write_sweep
     from hfjax.config.rl import RLConfig, load_rl_config
-    from hfjax.trainer.sweep import auto_candidates, read_candidates, run_sweep
-    from hfjax.trainer.sweep_report import print_sweep, write_sweep
     from hfjax.typed_config import to_dict
 
     raw = yaml.safe_load(Path(args.config).read_text()) or {}
@@ -64,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
         candidates = read_candidates(args.candidates, raw, args.overrides)
     compile_for = None
     if args.target:
+        from hfjax.automap.compiled import parse_target, target_devices
+        from hfjax.automap.compiled.report import compiled_memory
         from hfjax.cli.automap import check_target_devices
-        from hfjax.compiled import parse_target, target_devices
-        from hfjax.compiled.report import compiled_memory
 
         target = parse_target(args.target)  # a bad name, another device count or a missing plugin: before any run
         trainer = base["trainer"]

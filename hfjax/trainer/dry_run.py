@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import yaml
 
-from hfjax.automap.cluster import GIB
-from hfjax.automap.cost import InfeasibleError
 from hfjax.config.rl import RLConfig
 from hfjax.parallel.layout import Layout, LayoutError
+from hfjax.predict.cluster import GIB
+from hfjax.predict.cost import InfeasibleError
 from hfjax.trainer.preflight import device_memory, predict_memory
 from hfjax.typed_config import to_dict
 

@@ -1,7 +1,7 @@
 """Checks of a loaded config against what it points at, before Ray, any worker or any device memory: model
 directories, their `config.json` and their safetensors headers (every tensor present, of the model's shape, within
 its file; no tensor data read), LoRA targets against the models' modules, sequence lengths against the models'
-positions, the KV cache and the run's memory per device (the cost model's memory of `hfjax.automap.cost`) against the
+positions, the KV cache and the run's memory per device (the cost model's memory of `hfjax.predict.cost`) against the
 device's memory, the dataset files and rows (ground truth where a rule reward needs it), the tokenizer and the
 prompts' token lengths against `data.max_prompt_length` (`prompt_lengths`), and the reward function (file, import,
 name, signature). Each failure is one line naming the config field and what was expected.
@@ -22,9 +22,6 @@ from typing import Any
 
 import jax
 
-from hfjax.automap.cluster import GIB, ClusterSpec, DeviceProfile
-from hfjax.automap.cost import CostOptions, InfeasibleError, Prediction
-from hfjax.automap.run_config import predict_run
 from hfjax.config.rl import RLConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, RowRef, read_rows
@@ -34,6 +31,9 @@ from hfjax.models.hub import is_hub_id, resolve_model
 from hfjax.models.lora import check_lora_targets
 from hfjax.models.safetensors_io import CheckpointError
 from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
+from hfjax.predict.cluster import GIB, ClusterSpec, DeviceProfile
+from hfjax.predict.cost import CostOptions, InfeasibleError, Prediction
+from hfjax.predict.run_config import predict_run
 from hfjax.rewards import SCORERS, RewardError, load_reward_function
 from hfjax.trainer.prompt_lengths import check_prompt_lengths
 from hfjax.typed_config import ConfigError

@@ -145,11 +145,11 @@ def main() -> int:
 
     from hfjax.automap import CostModel, CostOptions, MappingSearch, dataflow, local_cpu, role_shapes
     from hfjax.automap.calibrate import spearman
-    from hfjax.automap.dataflow import STAGES
-    from hfjax.automap.run_config import run_models, run_workload
+    from hfjax.automap.sweep import SweepCandidate, sweep_one
     from hfjax.automap.trainer_runs import run_config, trainer_candidates
     from hfjax.config.rl import load_rl_config
-    from hfjax.trainer.sweep import SweepCandidate, sweep_one
+    from hfjax.predict.dataflow import STAGES
+    from hfjax.predict.run_config import run_models, run_workload
 
     inputs = build_inputs(work / "inputs", args)
     base = base_config(inputs, args)

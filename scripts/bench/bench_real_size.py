@@ -220,8 +220,8 @@ def cost_model_gib(cfg: Any) -> dict[str, Any]:
     preflight memory check adds it), in GiB; the reason instead where the model does not cover the run."""
     import psutil
 
-    from hfjax.automap.cost import InfeasibleError
     from hfjax.models.hf import read_config
+    from hfjax.predict.cost import InfeasibleError
     from hfjax.trainer.preflight import ITEMSIZE, kv_cache_bytes, predict_memory
 
     try:

@@ -30,10 +30,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import copy_times, parse_args, report
 
+from hfjax.automap.layout_pairs import compare_layouts
 from hfjax.cli.model_args import abstract_params_for
 from hfjax.models.lora import LoraParam
 from hfjax.optim.train_state import frozen_flags
-from hfjax.parallel.layout_compare import compare_layouts
 
 MIB = 2**20
 

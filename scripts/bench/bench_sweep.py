@@ -44,7 +44,7 @@ LAYOUTS = {
 
 
 def candidates(base: dict, names: list[str]) -> list:
-    from hfjax.trainer.sweep import SweepCandidate
+    from hfjax.automap.sweep import SweepCandidate
 
     out = []
     for name in names:
@@ -84,11 +84,11 @@ def main() -> None:
 
     from hfjax.automap import CostModel, local_cpu, role_shapes
     from hfjax.automap.calibrate import calibrate, format_rho, iteration_spearman, measurements, predict
-    from hfjax.automap.run_config import run_cost_options, run_dataflow, run_models, run_workload
+    from hfjax.automap.sweep import run_sweep
+    from hfjax.automap.sweep_report import print_sweep, write_sweep
     from hfjax.automap.trainer_runs import trainer_candidates
     from hfjax.config.rl import load_rl_config
-    from hfjax.trainer.sweep import run_sweep
-    from hfjax.trainer.sweep_report import print_sweep, write_sweep
+    from hfjax.predict.run_config import run_cost_options, run_dataflow, run_models, run_workload
 
     work = Path(tempfile.mkdtemp(prefix="hfjax-bench-sweep-"))
     workload = write_workload(ckpt, work / "workload.parquet", n=args.prompts)  # not the shared standard prompts

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.compiled.batches import micro_batch, sequence_batch, with_seed_column
+from hfjax.automap.compiled.batches import micro_batch, sequence_batch, with_seed_column
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model

@@ -1,6 +1,6 @@
-"""The abstract micro-batches of the compiled programs (`hfjax.compiled.programs`): the largest a run of the config
-feeds each trained role's programs, as `jax.ShapeDtypeStruct`s with their row shardings, columns as the workers
-build them (padded sequences, packed rows, recorded expert routes, the adapter dropout seed column)."""
+"""The abstract micro-batches of the compiled programs (`hfjax.automap.compiled.programs`): the largest a run of
+the config feeds each trained role's programs, as `jax.ShapeDtypeStruct`s with their row shardings, columns as the
+workers build them (padded sequences, packed rows, recorded expert routes, the adapter dropout seed column)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Compares (train layout, gen layout) pairs for one parameter tree: per-device bytes of each layout, bytes moved
-(from the shardings, beside the paper's Table 2 formula), redundancy, peak, and measured transition times.
-This is what `hfjax layouts --pairs` and `scripts/bench/bench_reshard.py` print."""
+"""Measured comparison of (train layout, gen layout) pairs for one parameter tree: per-device bytes of each layout,
+bytes moved (from the shardings, beside the paper's Table 2 formula, `hfjax.predict.transition`), redundancy, peak,
+and measured transition times. This is what `hfjax layouts --pairs` and `scripts/bench/bench_reshard.py` print."""
 
 from __future__ import annotations
 
@@ -13,26 +13,8 @@ import jax
 import numpy as np
 
 from hfjax.parallel.hybrid_engine import HybridEngine, block_count
-from hfjax.parallel.layout import Layout, is_param_leaf
-
-
-def table2_moved_bytes(total_bytes: int, train: Layout, gen: Layout) -> int:
-    """HybridFlow's per-device bytes moved, M/(f_g t_g) - M/(f t) (pipeline size 1; data replicates)."""
-    train_shards = train.axis_size("fsdp") * train.axis_size("tensor")
-    gen_shards = gen.axis_size("fsdp") * gen.axis_size("tensor")
-    return total_bytes // gen_shards - total_bytes // train_shards
-
-
-def transition_bytes(total_bytes: int, train: Layout, gen: Layout) -> tuple[int, int]:
-    """Per-device bytes a train -> gen transition receives, and that `to_train` must fetch back, for a model of
-    `total_bytes` whose weights fsdp shards on one dimension and tensor parallelism on the other (fsdp f, tensor t in
-    training; fsdp f_g, tensor t_g in generation), in the device order that keeps the most in place: each device keeps
-    M / (max(f, f_g) max(t, t_g)) of its training shard. Where f_g divides f and t_g divides t that is the whole
-    training shard: Table 2's M/(f_g t_g) - M/(f t) in and nothing back."""
-    f, t = train.axis_size("fsdp"), train.axis_size("tensor")
-    f_g, t_g = gen.axis_size("fsdp"), gen.axis_size("tensor")
-    kept = total_bytes // (max(f, f_g) * max(t, t_g))
-    return total_bytes // (f_g * t_g) - kept, total_bytes // (f * t) - kept
+from hfjax.parallel.layout import is_param_leaf
+from hfjax.predict.transition import table2_moved_bytes
 
 
 def per_parameter_moved_bytes(engine: HybridEngine) -> int:

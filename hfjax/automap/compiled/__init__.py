@@ -1,6 +1,6 @@
 """Compiling for hardware this machine does not have: compile-only devices of a named TPU or GPU target."""
 
-from hfjax.compiled.targets import (
+from hfjax.automap.compiled.targets import (
     GPU_TARGETS,
     INSTALL_HINT,
     TPU_GENERATIONS,

@@ -11,8 +11,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from hfjax.automap.dataflow import STAGES
-from hfjax.trainer.sweep import SweepResult, SweepRow
+from hfjax.automap.sweep import SweepResult, SweepRow
+from hfjax.predict.dataflow import STAGES
 
 GIB = 2**30
 

@@ -1,6 +1,6 @@
 """Cost model of one RL iteration (HybridFlow §6's simulators): seconds per role and stage, and memory per device.
 
-A role's layout is `Sizes(data, fsdp, tensor, expert, sequence)` (`hfjax.automap.sizes`) on its group's devices (mesh
+A role's layout is `Sizes(data, fsdp, tensor, expert, sequence)` (`hfjax.predict.sizes`) on its group's devices (mesh
 axes in the order data, fsdp, expert, sequence, tensor: tensor innermost, devices numbered host-major, so a group of
 `span` consecutive devices talks over NVLink/ICI when it fits a host).
 With P the matmul parameters, L layers, width d, S = prompt + response tokens, m sequences per micro-batch and
@@ -31,7 +31,7 @@ A ring collective over g devices costs (g-1)/g of the gathered bytes (twice for 
 bandwidth, plus a fixed latency per call. On a shared host (fake CPU devices: `DeviceProfile.shared_host`) a group
 of g of the host's n devices runs at n/g times the per-device rates (measured with all n busy), collectives add
 to compute instead of overlapping it, and the groups' stage seconds add up instead of taking their max.
-Memory per device (`hfjax.automap.memory_terms`, whose docstring gives the terms): the parameters, gradients and
+Memory per device (`hfjax.predict.memory_terms`, whose docstring gives the terms): the parameters, gradients and
 optimizer state of each role as its trainer holds them, the actor's generation copy and KV cache, and the
 activations of the training and log-prob passes (a sequence axis divides them by N, and adds what its attention
 holds).
@@ -43,12 +43,12 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from hfjax.automap.cluster import GIB, ClusterSpec
-from hfjax.automap.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
-from hfjax.automap.memory_terms import CostOptions, MemoryTerms
-from hfjax.automap.sizes import GEN_RULES, TRAIN_RULES, Sizes, layout_of
 from hfjax.models.lora import lora_parameter_count
-from hfjax.parallel.layout_compare import transition_bytes
+from hfjax.predict.cluster import GIB, ClusterSpec
+from hfjax.predict.dataflow import SCORING_ROLES, STAGES, Dataflow, ModelShape, Workload
+from hfjax.predict.memory_terms import CostOptions, MemoryTerms
+from hfjax.predict.sizes import GEN_RULES, TRAIN_RULES, Sizes, layout_of
+from hfjax.predict.transition import transition_bytes
 
 ROLLOUT = "rollout"  # the group of a disaggregated placement that only generates, with a copy of the actor's weights
 

@@ -55,7 +55,7 @@ TPU_GENERATIONS: dict[str, TpuGeneration] = {
 class GpuModel(NamedTuple):
     """A GPU that `target_devices` can compile for: its target config file and its memory."""
 
-    config_file: str  # in hfjax/compiled/gpu_targets/: a stream_executor.GpuTargetConfigProto in text format
+    config_file: str  # in hfjax/automap/compiled/gpu_targets/: a stream_executor.GpuTargetConfigProto in text format
     device_memory_bytes: int
 
 

@@ -1,12 +1,12 @@
-"""`hfjax compile CONFIG --target T`: compiles a run's programs for a target (`hfjax.compiled.targets`) at the config's
-shapes, and reports per program the compiler's bytes per device, what stays resident beside it, the peak against the
-device's usable memory, and the cost model's prediction of the group's peak beside it.
+"""`hfjax compile CONFIG --target T`: compiles a run's programs for a target (`hfjax.automap.compiled.targets`) at
+the config's shapes, and reports per program the compiler's bytes per device, what stays resident beside it, the
+peak against the device's usable memory, and the cost model's prediction of the group's peak beside it.
 
 A run fits when every program's peak is at most `FIT_FRACTION` of the usable memory (on a GPU, JAX's preallocated
 fraction). When one does not, the report names the program and the config knob that shrinks it. Each program is
 traced and compiled on its own: one that fails (the compiler out of memory, a Pallas kernel over its scoped VMEM, a
 shape error while tracing) is a row of the report with its error's class and the knob to turn
-(`hfjax.compiled.failures`), and the others are still compiled.
+(`hfjax.automap.compiled.failures`), and the others are still compiled.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from hfjax.automap.cluster import GIB, ClusterSpec
-from hfjax.automap.cost import InfeasibleError
-from hfjax.automap.run_config import predict_run, run_models
-from hfjax.compiled.failures import ProgramFailure, knob
-from hfjax.compiled.programs import (
+from hfjax.automap.compiled.failures import ProgramFailure, knob
+from hfjax.automap.compiled.programs import (
     ProgramMemory,
     actor_programs,
     actor_resident,
@@ -33,12 +30,15 @@ from hfjax.compiled.programs import (
     scorer_programs,
     scorer_resident,
 )
-from hfjax.compiled.targets import Target, target_devices
+from hfjax.automap.compiled.targets import Target, target_devices
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import read_config
 from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
 from hfjax.parallel.layout import Layout, LayoutError
+from hfjax.predict.cluster import GIB, ClusterSpec
+from hfjax.predict.cost import InfeasibleError
+from hfjax.predict.run_config import predict_run, run_models
 from hfjax.trainer.preflight import MEMORY_ONLY_PROFILE, with_default_gen_layout
 from hfjax.typed_config import ConfigError
 

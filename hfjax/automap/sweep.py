@@ -21,12 +21,14 @@ from typing import Any
 
 import yaml
 
-from hfjax.automap import ClusterSpec
 from hfjax.automap.calibrate import cluster_dict, spearman
-from hfjax.automap.dataflow import STAGES
-from hfjax.automap.run_config import predict_run, run_candidates
-from hfjax.automap.trainer_runs import run_config, without_mapping
+from hfjax.automap.run_search import run_candidates
+from hfjax.automap.trainer_runs import run_config
 from hfjax.config.rl import RLConfig, load_rl_config
+from hfjax.predict.cluster import ClusterSpec
+from hfjax.predict.dataflow import STAGES
+from hfjax.predict.run_config import predict_run
+from hfjax.predict.run_mapping import without_mapping
 from hfjax.trainer.launch import ray_session, run_rl
 from hfjax.typed_config import ConfigError, to_dict
 

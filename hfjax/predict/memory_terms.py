@@ -1,4 +1,4 @@
-"""Memory per device in the cost model (`hfjax.automap.cost`): its precision and memory assumptions (`CostOptions`)
+"""Memory per device in the cost model (`hfjax.predict.cost`): its precision and memory assumptions (`CostOptions`)
 and the terms (`MemoryTerms`, which `CostModel` extends), as hfjax's trainers hold them.
 
 A trained role keeps its master copy (`master_bytes`, float32 by default), Adam's two moments in float32 and
@@ -44,8 +44,10 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
-from hfjax.automap.dataflow import Dataflow, ModelShape, Workload
-from hfjax.automap.sizes import (
+from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
+from hfjax.models.lora import LoraConfig
+from hfjax.predict.dataflow import Dataflow, ModelShape, Workload
+from hfjax.predict.sizes import (
     GEN_RULES,
     MLP_TENSORS_KEPT,
     TRAIN_RULES,
@@ -55,8 +57,6 @@ from hfjax.automap.sizes import (
     layout_of,
     mlp_width,
 )
-from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
-from hfjax.models.lora import LoraConfig
 
 
 @dataclasses.dataclass(frozen=True)
