@@ -5,8 +5,6 @@ reward KL penalty is verl's mean over sequences of their token means."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 from support.rl_setup import build_run_inputs, rl_config
@@ -16,6 +14,7 @@ from hfjax.config.rl import load_rl_config
 from hfjax.controller import LocalWorkerGroup
 from hfjax.data.tokenize import position_ids
 from hfjax.protocol import DataProto
+from hfjax.trainer.roles import ControllerState, Scorer
 from hfjax.trainer.step import Step
 from hfjax.workers.actor import ActorRolloutRefWorker
 from hfjax.workers.critic import CriticWorker
@@ -166,7 +165,9 @@ def test_reward_kl_penalty_is_the_mean_over_sequences_of_their_token_means(input
     config["algorithm"].update(kl_ctrl="adaptive", kl_coef=init, target_kl=float(target), horizon=horizon)
     cfg = load_rl_config(config)
     assert cfg.algorithm.use_kl_in_reward and cfg.algorithm.kl_penalty == "kl"
-    trainer = SimpleNamespace(kl_ctrl=make_kl_controller("adaptive", kl_coef=init, target_kl=target, horizon=horizon))
+    state = ControllerState(
+        make_kl_controller("adaptive", kl_coef=init, target_kl=target, horizon=horizon), 0.0, Scorer(None)
+    )
     scores = rng.normal(size=mask.shape).astype(np.float32) * mask
     batch = DataProto.from_dict(
         {
@@ -176,11 +177,11 @@ def test_reward_kl_penalty_is_the_mean_over_sequences_of_their_token_means(input
             "ref_log_prob": ref.astype(np.float32),
         }
     )
-    step = Step(cfg, {}, batch, 0, trainer)
+    step = Step(cfg, {}, batch, 0, state)
     rewards = step._rewards("token_level_scores")
 
     np.testing.assert_allclose(rewards, scores - init * kl, rtol=1e-5, atol=1e-6)
     assert step.metrics["actor/reward_kl_penalty"] == pytest.approx(want, rel=1e-5)
     assert step.metrics["actor/reward_kl_penalty_coeff"] == init
     error = np.clip(want / target - 1, -0.2, 0.2)
-    assert trainer.kl_ctrl.value == pytest.approx(init * (1 + error * len(lengths) / horizon), rel=1e-6)
+    assert state.kl_ctrl.value == pytest.approx(init * (1 + error * len(lengths) / horizon), rel=1e-6)

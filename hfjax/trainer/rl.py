@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from hfjax.algos import make_kl_controller
 from hfjax.config.rl import RLConfig
 from hfjax.controller.liveness import WorkerHungError
 from hfjax.controller.worker_group import WorkerDiedError, WorkerError
@@ -28,14 +27,14 @@ from hfjax.protocol import DataProto
 from hfjax.records.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError, UnreadableStepError
 from hfjax.records.metrics import MetricsLogger
 from hfjax.records.run_dir import RunDirLock, disk_failure, save_run_config
-from hfjax.rewards.rule_reward import RuleReward
 from hfjax.trainer.health import RunHealth
 from hfjax.trainer.placement import spawn_roles
 from hfjax.trainer.preemption import Preempted, SigtermGuard, abandoned_message, saved_message, training_guard
 from hfjax.trainer.programs import program_for
 from hfjax.trainer.rl_metrics import data_metrics
+from hfjax.trainer.roles import ControllerState, Roles, group_names
 from hfjax.trainer.rollout_stream import RolloutStream
-from hfjax.trainer.step import Step, group_names
+from hfjax.trainer.step import Step
 from hfjax.trainer.timeline import Timeline, truncate
 from hfjax.typed_config import ConfigError, to_dict
 
@@ -66,7 +65,7 @@ class RLTrainer:
         """`lock`: the run directory's lock when the caller took it already (`run_rl` takes it first)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.roles: dict[str, Any] = {}
+        self.roles = Roles({})
         self.pools: list[Any] = []
         self.logger: MetricsLogger | None = None
         self.state_checkpoints: CheckpointManager | None = None
@@ -90,15 +89,8 @@ class RLTrainer:
             )
         self.loader = BatchLoader(self.train_data, data.train_batch_size, seed=data.seed, shuffle=data.shuffle)
         self.val_data = PromptDataset(data.val_files, self.tokenizer, **options) if data.val_files else None
-        reward = cfg.reward
-        self.rule_reward = RuleReward(self.tokenizer, reward.function, reward.on_error) if reward.use_rule else None
-        self.reward_errors = 0  # samples whose reward function failed (`reward.on_error: skip`) in this step
-        algo = cfg.algorithm
-        self.kl_ctrl = make_kl_controller(
-            algo.kl_ctrl, kl_coef=algo.kl_coef, target_kl=algo.target_kl, horizon=algo.horizon
-        )
-        self.lagrange = algo.lambda_init
-        self.program = program_for(algo)
+        self.state = ControllerState.from_config(cfg, self.tokenizer)
+        self.program = program_for(cfg.algorithm)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.state_checkpoints = CheckpointManager(self.checkpoint_dir / "trainer", max_to_keep=cfg.trainer.max_to_keep)
         saved = self.state_checkpoints.all_steps()
@@ -107,7 +99,8 @@ class RLTrainer:
                 f"trainer.resume=never but {self.state_checkpoints.directory} holds checkpoints {saved}; choose "
                 "another trainer.run_dir or set trainer.resume=auto"
             )
-        self.roles, self.pools = spawn_roles(cfg)
+        handles, self.pools = spawn_roles(cfg)
+        self.roles = Roles(handles, cfg.algorithm.source)
         self.role_info = {name: handle.init_model() for name, handle in self.roles.items()}
         self.gen_role = "rollout" if cfg.disaggregated else "actor"
         self.timeline = Timeline(self.run_dir / TIMELINE_FILE)
@@ -116,21 +109,6 @@ class RLTrainer:
         self.step = 0
         self.saved_step: int | None = None  # the newest complete checkpoint
         self.step_in_flight = 1
-
-    # ------------------------------------------------------------------------------------------------ rewards
-    def sequence_scores(self, data: DataProto) -> np.ndarray:
-        """One score per response: the rule reward plus the reward model's score, as configured, plus a multi-turn
-        trajectory's environment rewards."""
-        scores = np.zeros(len(data), np.float32)
-        if "env_rewards" in data.batch:
-            scores += data.batch["env_rewards"].sum(-1)
-        if self.rule_reward is not None:
-            out = self.rule_reward(data)
-            scores += out.batch["scores"]
-            self.reward_errors += int(out.meta_info.get("metrics", {}).get("reward/errors", 0))
-        if "reward_model" in self.roles:
-            scores += self.roles["reward_model"].compute_rm_score(data).batch["rm_scores"]
-        return scores
 
     # ------------------------------------------------------------------------------------------------ loop
     def _batches(self) -> Iterator[DataProto]:
@@ -180,24 +158,25 @@ class RLTrainer:
                 raise Preempted(self._save_on_preemption())
             self.step_in_flight = step + 1
             started, started_at = time.perf_counter(), self.timeline.now()
-            self.reward_errors = 0
+            self.state.scorer.reset()
             if stream is None:
-                state = Step(self.cfg, self.roles, self._prompts(batches, step), step, self, timeline=self.timeline)
+                prompts = self._prompts(batches, step)
+                current = Step(self.cfg, self.roles, prompts, step, self.state, timeline=self.timeline)
             else:
                 pending = stream.take(step)
-                state = Step(self.cfg, self.roles, pending.prompts, step, self, pending, self.timeline)
-            self.program(state)
+                current = Step(self.cfg, self.roles, pending.prompts, step, self.state, pending, self.timeline)
+            self.program(current)
             self.step = step + 1
             if stream is not None:
                 stream.sync(self.step)  # queued behind the generation already under way
-            metrics = {**state.metrics, **data_metrics(state.batch, self.cfg.uses_critic)}
+            metrics = {**current.metrics, **data_metrics(current.batch, self.cfg.uses_critic)}
             metrics["timing_s/step"] = time.perf_counter() - started
-            if self.rule_reward is not None:
-                metrics["reward/errors"] = float(self.reward_errors)
-            tokens = float(state.batch.batch["attention_mask"].sum())
+            if self.state.scorer.rule_reward is not None:
+                metrics["reward/errors"] = float(self.state.scorer.errors)
+            tokens = float(current.batch.batch["attention_mask"].sum())
             metrics["perf/total_num_tokens"] = tokens
             metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
-            metrics["perf/samples_per_s"] = len(state.batch) / metrics["timing_s/step"]
+            metrics["perf/samples_per_s"] = len(current.batch) / metrics["timing_s/step"]
             metrics.update(
                 self.timeline.step_metrics(step, started_at, self.timeline.now(), self.timeline_lanes(step=True))
             )
@@ -212,7 +191,7 @@ class RLTrainer:
                 self.save()
             self.logger.log(self.step, metrics)
             history.append(metrics)
-            self.health.observe(self.step, metrics, state.batch.batch["scores"])
+            self.health.observe(self.step, metrics, current.batch.batch["scores"])
             bar.set_postfix({"score": f"{metrics.get('critic/score/mean', 0):.3f}"})
         if stream is not None:
             stream.drain()
@@ -261,7 +240,7 @@ class RLTrainer:
                 DataProto(prompts.batch, prompts.non_tensor_batch, {"do_sample": False})
             )
             rows = DataProto(out.batch, prompts.non_tensor_batch, {})
-            scores.append(self.sequence_scores(rows))
+            scores.append(Step(self.cfg, self.roles, prompts, self.step, self.state).sequence_scores(rows))
             sources.extend(prompts.non_tensor_batch["data_source"])
         scores_all, sources_all = np.concatenate(scores), np.array(sources)
         return {f"val/test_score/{s}": float(scores_all[sources_all == s].mean()) for s in sorted(set(sources))}
@@ -293,11 +272,7 @@ class RLTrainer:
             self.roles[name].save_checkpoint(str(self.checkpoint_dir / name), self.step, keep)
         for name in self.trained_roles():
             self.roles[name].wait_for_checkpoint()
-        state = {
-            "loader": self.loader_states.get(self.step, self.loader.state_dict()),
-            "kl_ctrl": self.kl_ctrl.state_dict(),
-            "lagrange": self.lagrange,
-        }
+        state = {"loader": self.loader_states.get(self.step, self.loader.state_dict()), **self.state.state_dict()}
         self.state_checkpoints.save(self.step, {}, state)
         self.state_checkpoints.wait()
         self.saved_step = self.step
@@ -339,8 +314,7 @@ class RLTrainer:
             self.roles[name].discard_checkpoints_after(str(self.checkpoint_dir / name), step)
         self.state_checkpoints.discard_after(step)
         self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.lagrange = float(state["lagrange"])
+        self.state.load_state_dict(state)
         self.step = self.saved_step = step
         truncate(self.run_dir / TIMELINE_FILE, step - 1)
         log.info("resumed %s from step %d", self.run_dir, step)

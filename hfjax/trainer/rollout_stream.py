@@ -29,7 +29,7 @@ import numpy as np
 
 from hfjax.config.rl import RLConfig
 from hfjax.protocol import DataProto
-from hfjax.trainer.step import group_names, rollout_meta
+from hfjax.trainer.roles import Roles, group_names
 from hfjax.trainer.timeline import Timeline
 
 Point = tuple[int, int, int]  # (generation call, round, check) of a rollout process following a mailbox
@@ -169,6 +169,13 @@ def _values(meta: dict[str, Any], key: str) -> list[float]:
     return [float(v) for v in np.atleast_1d(value)] if value is not None else []
 
 
+def rollout_meta(cfg: RLConfig, step: int) -> dict[str, Any]:
+    """The sampling request of a step's rollout: `rollout.n` samples per prompt, seeded by the step (sample s of
+    prompt p draws with the key of (seed, p, s); partial rollouts' continuations with the same seed and negative
+    request ids, `hfjax.workers.partial_rollout.continuation_request`)."""
+    return {"n": cfg.rollout.n, "seed": cfg.rollout.seed + step}
+
+
 @dataclasses.dataclass
 class PendingRollout:
     """One step's generation under way: its prompts and request, the group call's future, the policy version its
@@ -224,7 +231,7 @@ class RolloutStream:
     def __init__(
         self,
         cfg: RLConfig,
-        roles: dict[str, Any],
+        roles: Roles,
         next_prompts: Callable[[int], DataProto],
         timeline: Timeline | None = None,
     ):
@@ -239,12 +246,12 @@ class RolloutStream:
         if cfg.async_.partial_rollout:
             import ray
 
-            self.mailbox = ray.remote(num_cpus=0)(WeightMailbox).remote(roles["rollout"].world_size)
-            roles["rollout"].follow(self.mailbox)
+            self.mailbox = ray.remote(num_cpus=0)(WeightMailbox).remote(roles.rollout.world_size)
+            roles.rollout.follow(self.mailbox)
 
     def sync(self, version: int) -> None:
         """Queues the trainer's current weights to the rollout group as policy `version` (returns at once)."""
-        shards = self.roles["actor"].weights_for_rollout()  # a future: the blocks stay in the cluster
+        shards = self.roles.actor.weights_for_rollout()  # a future: the blocks stay in the cluster
         if self.mailbox is not None:  # the rollout takes it when it looks, even part way through a generation
             self.mailbox.publish.remote(version, shards.parts)
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -21,11 +21,9 @@ from hfjax.config.rl import RLConfig
 from hfjax.envs.trajectory import batch_agent_metrics
 from hfjax.protocol import ROW_IN_LOSS, DataProto
 from hfjax.rewards.token_level import scores_to_token_level
+from hfjax.trainer.roles import ControllerState, Roles, group_names
+from hfjax.trainer.rollout_stream import PendingRollout, rollout_meta
 from hfjax.trainer.timeline import Timeline
-from hfjax.workers.actor import ActorRolloutRefWorker
-from hfjax.workers.critic import CriticWorker
-from hfjax.workers.reward_model import RewardModelWorker
-from hfjax.workers.rollout import RolloutWorker
 from hfjax.workers.sequences import ROUTED_EXPERTS
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
@@ -52,18 +50,6 @@ PUBLIC_API = (
 )
 
 
-def rollout_meta(cfg: RLConfig, step: int) -> dict[str, Any]:
-    """The sampling request of a step's rollout: `rollout.n` samples per prompt, seeded by the step (sample s of
-    prompt p draws with the key of (seed, p, s); partial rollouts' continuations with the same seed and negative
-    request ids, `hfjax.workers.partial_rollout.continuation_request`)."""
-    return {"n": cfg.rollout.n, "seed": cfg.rollout.seed + step}
-
-
-def group_names(cfg: RLConfig) -> dict[str, str]:
-    """Each role's timeline lane: the roles of its worker group joined by '+' (e.g. `actor+critic`)."""
-    return {role: "+".join(group) for group in cfg.worker_groups() for role in group}
-
-
 def _mean_metrics(meta: dict[str, Any]) -> dict[str, float]:
     """Worker metrics (a value, or a list of values from several ranks) as floats."""
     usage = ("worker_seconds", "device_peak_bytes")  # per call, gathered by `Step.absorb`
@@ -79,16 +65,19 @@ class Step:
     def __init__(
         self,
         cfg: RLConfig,
-        roles: dict[str, Any],
+        roles: Mapping[str, Any],
         batch: DataProto,
         step: int,
-        trainer: Any,
-        rollout: Any = None,
+        state: ControllerState,
+        rollout: PendingRollout | None = None,
         timeline: Timeline | None = None,
     ):
-        """`rollout`: the step's generation already under way on a rollout group (`PendingRollout`), else
-        `generate` runs it; `timeline`: where role calls are recorded (lanes named by `group_names`)."""
-        self.cfg, self.roles, self.step, self.trainer = cfg, roles, step, trainer
+        """`roles`: the run's role handles (`Roles`, or a mapping of them by role name); `state`: what the
+        controller carries between steps (KL controller, Lagrange multiplier, scorer); `rollout`: the step's
+        generation already under way on a rollout group, else `generate` runs it; `timeline`: where role calls are
+        recorded (lanes named by `group_names`)."""
+        self.cfg, self.step, self.state = cfg, step, state
+        self.roles = roles if isinstance(roles, Roles) else Roles(roles, cfg.algorithm.source)
         self.prompts = batch
         self.batch = batch
         self.rollout, self.timeline = rollout, timeline
@@ -109,18 +98,13 @@ class Step:
         return self.timeline.span(lane, name, self.step) if self.timeline is not None else contextlib.nullcontext()
 
     def _call(
-        self, role: str, method: Callable[[Any, DataProto], DataProto], data: DataProto
+        self, role: str, method: Callable[[DataProto], DataProto], data: DataProto
     ) -> tuple[DataProto, dict[str, float]]:
-        """`method` of the worker that runs `role` (e.g. `CriticWorker.update_critic`: named by the worker's own
-        function, so a reader goes from here to the code that runs), called on the role's group: its rows (without
-        `meta_info`, so that they union with the batch) and its metrics (`absorb`)."""
-        if role not in self.roles:
-            raise ValueError(
-                f"the program calls the {role} role, which this run does not start ({self.cfg.algorithm.source}); "
-                f"a program of your own lists the roles it calls besides the actor in its file's ROLES"
-            )
+        """`method`, a group method of `role`'s handle (e.g. `self.roles.actor.update_actor`, typed as the worker's
+        own method), called with `data` and recorded on the role's timeline lane: its rows (without `meta_info`, so
+        that they union with the batch) and its metrics (`absorb`). Every role call of a step goes through here."""
         with self.on_lane(self.lanes[role], method.__name__):
-            out = getattr(self.roles[role], method.__name__)(data)
+            out = method(data)
         return self.absorb(data, out)
 
     def absorb(self, data: DataProto, out: DataProto) -> tuple[DataProto, dict[str, float]]:
@@ -153,9 +137,9 @@ class Step:
     def _generate(self, prompts: DataProto, meta: dict[str, Any]) -> DataProto:
         request = DataProto(prompts.batch, prompts.non_tensor_batch, {**prompts.meta_info, **meta})
         if "rollout" in self.roles:  # generation on devices of its own
-            out, gen_metrics = self._call("rollout", RolloutWorker.generate_sequences, request)
+            out, gen_metrics = self._call("rollout", self.roles.rollout.generate_sequences, request)
         else:
-            out, gen_metrics = self._call("actor", ActorRolloutRefWorker.generate_sequences, request)
+            out, gen_metrics = self._call("actor", self.roles.actor.generate_sequences, request)
         self._gen_metrics(gen_metrics)
         return out
 
@@ -185,16 +169,26 @@ class Step:
             out = self._generate(self.prompts, {"do_sample": False})
             rows = self.prompts.select(non_tensor_batch_keys=list(self.prompts.non_tensor_batch))
             greedy = DataProto(out.batch, rows.non_tensor_batch, {})
-            scores = self.trainer.sequence_scores(greedy)
+            scores = self.sequence_scores(greedy)
         self.reward_baselines = np.repeat(scores, self.cfg.rollout.n)
 
     # --------------------------------------------------------------------------------------------- rewards
+    def sequence_scores(self, data: DataProto) -> np.ndarray:
+        """One score per response of `data`: the controller's (`Scorer`: environment and rule rewards, on the
+        timeline's controller lane) plus the reward model's when the run has one (a role call like any other)."""
+        with self.on_lane("controller", "reward"):
+            scores = self.state.scorer.controller_scores(data)
+        if "reward_model" in self.roles:
+            out, _ = self._call("reward_model", self.roles.score_model("reward_model").compute_rm_score, data)
+            scores = scores + out.batch["rm_scores"]
+        return scores
+
     def score(self) -> None:
         """The reward of each response (rule and/or reward model, plus a multi-turn trajectory's environment
         rewards): `scores` (rows,) and `token_level_scores` (the score on the last response token; environment
         rewards on the tokens they were given at, e.g. each turn's last token)."""
-        with self.timed("reward"), self.on_lane("controller", "reward"):
-            scores = self.trainer.sequence_scores(self.batch)
+        with self.timed("reward"):
+            scores = self.sequence_scores(self.batch)
         mask = self.batch.batch["response_mask"]
         env = self.batch.batch.get("env_rewards")
         self.batch.batch["scores"] = scores
@@ -206,7 +200,8 @@ class Step:
     def cost(self) -> None:
         """Safe-RLHF: the cost model's score as `costs` (rows,) and `token_level_costs` (role `cost_model`)."""
         with self.timed("cost"):
-            costs = self._call("cost_model", RewardModelWorker.compute_rm_score, self.batch)[0].batch["cost_scores"]
+            cost_model = self.roles.score_model("cost_model")
+            costs = self._call("cost_model", cost_model.compute_rm_score, self.batch)[0].batch["cost_scores"]
         self.batch.batch["costs"] = costs
         self.batch.batch["token_level_costs"] = scores_to_token_level(costs, self.batch.batch["response_mask"])
 
@@ -217,7 +212,7 @@ class Step:
         if self.cfg.reuses_update_log_probs:
             return
         with self.timed("old_log_prob"):
-            out, _ = self._call("actor", ActorRolloutRefWorker.compute_log_prob, self.batch)
+            out, _ = self._call("actor", self.roles.actor.compute_log_prob, self.batch)
         mask = self.batch.batch["response_mask"]
         self.metrics["actor/entropy_rollout"] = float(masked_mean(out.batch.pop("entropys"), mask))
         self.batch = self.batch.union(out)
@@ -227,14 +222,12 @@ class Step:
         if not self.cfg.uses_ref:
             return
         with self.timed("ref"):
-            self.batch = self.batch.union(
-                self._call("actor", ActorRolloutRefWorker.compute_ref_log_prob, self.batch)[0]
-            )
+            self.batch = self.batch.union(self._call("actor", self.roles.actor.compute_ref_log_prob, self.batch)[0])
 
     def values(self, role: str, key: str) -> None:
         """The value model `role` (`critic`, `cost_critic`) of every response token, stored as `key`."""
         with self.timed(f"values_{role}" if role != "critic" else "values"):
-            values = self._call(role, CriticWorker.compute_values, self.batch)[0].batch["values"]
+            values = self._call(role, self.roles.value_model(role).compute_values, self.batch)[0].batch["values"]
         self.batch.batch[key] = values
 
     # --------------------------------------------------------------------------------------------- advantages
@@ -250,9 +243,9 @@ class Step:
             np.asarray(kl_penalty(self.batch.batch["old_log_probs"], self.batch.batch["ref_log_prob"], algo.kl_penalty))
             * mask
         )
-        beta = self.trainer.kl_ctrl.value
+        beta = self.state.kl_ctrl.value
         current = float(masked_seq_mean(kl, mask))
-        self.trainer.kl_ctrl.update(current, len(mask))
+        self.state.kl_ctrl.update(current, len(mask))
         self.metrics.update({"actor/reward_kl_penalty": current, "actor/reward_kl_penalty_coeff": beta})
         return scores - beta * kl
 
@@ -331,7 +324,7 @@ class Step:
             adv_r, ret_r = self._gae_or_rule(estimator, rewards, self.batch.batch["values"])
             costs = self.batch.batch["token_level_costs"]
             adv_c, ret_c = self._gae_or_rule(estimator, costs, self.batch.batch["cost_values"])
-            lam = self.trainer.lagrange
+            lam = self.state.lagrange
         self.batch.batch["advantages"] = ((adv_r - lam * adv_c) / (1.0 + lam)).astype(np.float32)
         self.batch.batch["returns"], self.batch.batch["cost_returns"] = ret_r, ret_c
 
@@ -340,8 +333,8 @@ class Step:
         exceeds `algorithm.cost_limit`; logs `safe/lambda`, `safe/cost/mean`."""
         algo = self.cfg.algorithm
         mean_cost = float(np.mean(self.batch.batch["costs"]))
-        self.trainer.lagrange = max(0.0, self.trainer.lagrange + algo.lambda_lr * (mean_cost - algo.cost_limit))
-        self.metrics.update({"safe/lambda": self.trainer.lagrange, "safe/cost/mean": mean_cost})
+        self.state.lagrange = max(0.0, self.state.lagrange + algo.lambda_lr * (mean_cost - algo.cost_limit))
+        self.metrics.update({"safe/lambda": self.state.lagrange, "safe/cost/mean": mean_cost})
 
     # --------------------------------------------------------------------------------------------- updates
     def update_critic(self, role: str, values_key: str, returns_key: str) -> None:
@@ -350,7 +343,7 @@ class Step:
         data = self.batch.select(batch_keys=[*PROMPT_TENSORS, "responses", "response_mask"])
         data.batch["values"], data.batch["returns"] = self.batch.batch[values_key], self.batch.batch[returns_key]
         with self.timed("update_critic" if role == "critic" else f"update_{role}"):
-            _, metrics = self._call(role, CriticWorker.update_critic, data)
+            _, metrics = self._call(role, self.roles.value_model(role).update_critic, data)
         prefix = "critic/" if role == "critic" else f"{role}/"
         self.metrics.update({prefix + k.split("/", 1)[-1]: v for k, v in metrics.items()})
 
@@ -373,5 +366,5 @@ class Step:
             data.batch["response_mask"] = data.batch["response_mask"] * np.asarray(rows, bool)[:, None]
             data.batch[ROW_IN_LOSS] = np.asarray(rows, bool)
         with self.timed("update_actor"):
-            _, metrics = self._call("actor", ActorRolloutRefWorker.update_actor, data)
+            _, metrics = self._call("actor", self.roles.actor.update_actor, data)
         self.metrics.update(metrics)
