@@ -4,24 +4,31 @@ of usable memory).
 
 Needs the `compile` extra (libtpu and the CUDA compiler plugin; the GPU configs' cuDNN attention also needs the
 `nvidia-cudnn-cu12` wheel). Each config runs in its own process (libtpu and the CUDA plugin hold their state per
-process). `--tiny` compiles one config at small shapes; `--only NAME` picks configs by substring. `--guard` compiles
-at full size only the programs of the configs with the least room (`GUARDED`), scheduled at their leanest on TPU
-(`hfjax compile --lean`: what each program needs, not what libtpu's default schedule fills when memory is free), and
-also fails where the cost model's peak is more than `COST_MODEL_TOLERANCE` off the compiler's peak of those programs.
-CI runs `--tiny`, then `--guard`.
+process). `--tiny` compiles one config at small shapes; `--only NAME` picks configs by substring, `--skip NAME`
+leaves them out. `--guard` compiles at full size only the programs of the configs with the least room (`GUARDED`),
+scheduled at their leanest on TPU (`hfjax compile --lean`: what each program needs, not what libtpu's default
+schedule fills when memory is free), and also fails where the cost model's peak is more than `COST_MODEL_TOLERANCE`
+off the compiler's peak of those programs.
+CI runs `--tiny`, then `--guard`. `--markdown FILE` writes the rows as docs/hardware.md's compiled table, headed by
+the commit they were compiled at and the compiler packages' versions (every row of one run is of one commit).
 
-    python scripts/compile_configs.py [--tiny | --guard] [--lean] [--only v5e] [--out runs/compile_configs]
+    python scripts/compile_configs.py [--tiny | --guard] [--lean] [--only v5e] [--out runs/compile_configs] \
+        [--markdown runs/compile_configs/table.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
+from hfjax.automap.compiled.report import FIT_FRACTION
 from hfjax.automap.compiled.targets import parse_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +66,8 @@ GUARDED = {
     "qwen2.5-1.5b-grpo-8gpu": ("actor loss+grad", "rollout prefill"),
 }
 COST_MODEL_TOLERANCE = 0.15  # `--guard`: the cost model's peak within this fraction of the compiled programs' peak
+COMPILER_PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cudnn-cu12")
+GIB = 1024**3
 
 
 def compile_one(
@@ -104,6 +113,60 @@ def problems(row: dict, guard: bool) -> list[str]:
     return out
 
 
+def provenance() -> str:
+    """Where a table's rows come from: the commit (with `+local changes` when the tree differs from it), the date, the
+    machine's cores and the installed compiler packages' versions."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=ROOT
+    )
+    sha = commit.stdout.strip() or "unknown"
+    sha += " + local changes" if dirty.stdout.strip() else ""
+    versions = []
+    for package in COMPILER_PACKAGES:
+        try:
+            versions.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            continue
+    today = datetime.date.today().isoformat()
+    return f"commit {sha}, {today}, {os.cpu_count()} CPU cores; {', '.join(versions)}"
+
+
+def markdown_row(row: dict) -> str:
+    """One config's row of docs/hardware.md's compiled table."""
+    target = parse_target(row["target"])
+    limit = f"{FIT_FRACTION * target.usable_bytes / GIB:.2f}"
+    if "error" in row or not row["programs"]:
+        reason = row.get("error", "no program compiled").splitlines()[-1][:200].replace("|", "/")
+        return f"| {row['config']} | {row['target']} | | not compiled: {reason} | | | {limit} | | | {row['s']:.0f} |"
+    largest = max(row["programs"], key=lambda p: p["peak"])
+    predicted = row["cost_model_peak"]
+    gap = cost_model_gap(row)
+    cells = [
+        row["config"],
+        row["target"],
+        row["schedule"],
+        f"{largest['peak'] / GIB:.2f}" + (" (does not fit)" if row["problems"] else ""),
+        f"{largest['group']} {largest['program']}",
+        f"{largest['temporaries'] / GIB:.2f}",
+        limit,
+        "" if predicted is None else f"{predicted / GIB:.2f}",
+        "" if gap is None else f"{gap:+.0%}",
+        f"{row['s']:.0f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(rows: list[dict], source: str) -> str:
+    """docs/hardware.md's compiled table of `rows`, its first line naming `source` (`provenance()`)."""
+    header = (
+        "| config | target | schedule | step peak GiB (compiler) | largest program | its temporaries GiB | "
+        "limit GiB (90% usable) | cost model GiB (predicted) | cost model off by | compile s |"
+    )
+    lines = [f"Compiled at {source}:", "", header, "|" + "---|" * 10]
+    return "\n".join([*lines, *(markdown_row(row) for row in rows)]) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
@@ -112,6 +175,7 @@ def main() -> int:
     parser.add_argument("--only", help="compile the configs whose name contains this")
     parser.add_argument("--lean", action="store_true", help="TPU configs: `hfjax compile --lean` (--guard: always)")
     parser.add_argument("--out", default="runs/compile_configs")
+    parser.add_argument("--markdown", help="also write the rows as docs/hardware.md's table (with their commit) here")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +184,7 @@ def main() -> int:
     else:
         chosen = GUARDED if args.guard else dict.fromkeys(TARGETS, ())
         jobs = [(name, TARGETS[name], [], programs) for name, programs in chosen.items() if (args.only or "") in name]
-    rows = []
+    rows, source = [], provenance()  # the commit and packages before the first compile: every row is of them
     for name, target, overrides, programs in jobs:
         row = compile_one(name, target, overrides, out, programs, lean=args.lean or args.guard)
         rows.append(row)
@@ -128,8 +192,10 @@ def main() -> int:
         gap = cost_model_gap(row) if "error" not in row else None
         detail = row.get("summary", row.get("error", "")) + ("" if gap is None else f" ({gap:+.1%})")
         only = f" [{', '.join(programs)}]" if programs else ""
-        print(f"{name:<30} {target:<10} {status:<13} {detail}{only}  ({row['s']:.0f} s)")
-    (out / "compile_configs.json").write_text(json.dumps(rows, indent=1))
+        print(f"{name:<30} {target:<10} {status:<13} {detail}{only}  ({row['s']:.0f} s)", flush=True)
+        (out / "compile_configs.json").write_text(json.dumps(rows, indent=1))  # after each: a long run keeps its rows
+        if args.markdown:
+            Path(args.markdown).write_text(markdown_table(rows, source))
     return 1 if any(problems(row, args.guard) for row in rows) else 0
 
 

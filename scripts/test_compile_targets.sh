@@ -25,7 +25,8 @@ export JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1
 OUT="$(mktemp -d -t hfjax-compile-configs-XXXX)"
 (
   failed=0
-  "$VENV/bin/python" scripts/compile_configs.py --tiny --out "$OUT/tiny" || failed=1
+  "$VENV/bin/python" scripts/compile_configs.py --tiny --out "$OUT/tiny" --markdown "$OUT/tiny/table.md" || failed=1
+  grep -q "^Compiled at commit .* jax " "$OUT/tiny/table.md" || { echo "compile_configs.py --markdown: no provenance line" >&2; failed=1; }
   "$VENV/bin/python" scripts/compile_configs.py --guard --out "$OUT/guard" || failed=1
   exit "$failed"
 ) > "$OUT/table.txt" 2>&1 &
