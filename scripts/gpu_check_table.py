@@ -78,6 +78,7 @@ def cmd_env(args: argparse.Namespace) -> None:
             versions[name] = md.version(name)
     devices = jax.devices()
     info = {
+        "commit": _commit(),
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
         "device_kind": devices[0].device_kind,
@@ -92,6 +93,23 @@ def cmd_env(args: argparse.Namespace) -> None:
             f"JAX runs on {info['backend']!r}, expected {expected!r} (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')})"
         )
     write_json(args.out, info)
+
+
+def _commit() -> str:
+    """The checkout's commit (with `+ local changes` when its tracked files differ from it); a copy without git
+    history gives `GPU_CHECK_COMMIT` (set it where the tree was copied from), else "unknown"."""
+
+    def git(*command: str) -> str:
+        try:
+            done = subprocess.run(["git", *command], capture_output=True, text=True, cwd=ROOT, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    sha = git("rev-parse", "--short", "HEAD")
+    if not sha:
+        return os.environ.get("GPU_CHECK_COMMIT", "unknown")
+    return sha + (" + local changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _importable(module: str) -> bool:
@@ -400,8 +418,11 @@ def table_rows(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 def _items(check: str, result: dict[str, Any], env: dict[str, Any]) -> list[tuple]:
     """(item, result text[, failed]) of one check's result JSON."""
     if check == "env" and result:
-        return [("jax / device", f"jax {env['jax_version']}, {env['backend']} x{env['device_count']}: "
-                 f"{env['device_kind']}")]  # fmt: skip
+        versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items())
+        return [("commit", env.get("commit", "unknown")),
+                ("jax / device", f"jax {env['jax_version']}, {env['backend']} x{env['device_count']}: "
+                 f"{env['device_kind']}"),
+                ("packages", versions or "none found")]  # fmt: skip
     if check == "parity" and result:
         out = []
         for file, c in result["files"].items():

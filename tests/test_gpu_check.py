@@ -37,6 +37,9 @@ def test_tiny_gpu_check_reports_every_check_ok(tmp_path, one_device_xla_flags):
     report = json.loads((out_dir / "gpu_check.json").read_text())
     assert report["ok"] and report["mode"] == "tiny" and report["backend"] == "cpu"
     assert report["jax_version"] and report["device_kind"]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert report["environment"]["commit"].split(" ")[0] == head.strip()  # every figure names the code it ran
+    assert report["environment"]["versions"]["jax"] == report["jax_version"]
     rows = report["rows"]
     assert {row["check"] for row in rows} == EXPECTED_CHECKS
     assert all(row["status"] == "ok" for row in rows), rows
