@@ -173,6 +173,7 @@ def main() -> int:
     mode.add_argument("--tiny", action="store_true", help="one config at small shapes (CI)")
     mode.add_argument("--guard", action="store_true", help="the programs with the least room, at full size (CI)")
     parser.add_argument("--only", help="compile the configs whose name contains this")
+    parser.add_argument("--skip", action="append", default=[], help="leave out the configs whose name contains this")
     parser.add_argument("--lean", action="store_true", help="TPU configs: `hfjax compile --lean` (--guard: always)")
     parser.add_argument("--out", default="runs/compile_configs")
     parser.add_argument("--markdown", help="also write the rows as docs/hardware.md's table (with their commit) here")
@@ -183,7 +184,7 @@ def main() -> int:
         jobs = [(TINY[0], TARGETS[TINY[0]], TINY[1], ())]
     else:
         chosen = GUARDED if args.guard else dict.fromkeys(TARGETS, ())
-        jobs = [(name, TARGETS[name], [], programs) for name, programs in chosen.items() if (args.only or "") in name]
+        jobs = [(name, TARGETS[name], [], programs) for name, programs in chosen.items() if (args.only or "") in name and not any(s in name for s in args.skip)]
     rows, source = [], provenance()  # the commit and packages before the first compile: every row is of them
     for name, target, overrides, programs in jobs:
         row = compile_one(name, target, overrides, out, programs, lean=args.lean or args.guard)
