@@ -184,7 +184,8 @@ def main() -> int:
         jobs = [(TINY[0], TARGETS[TINY[0]], TINY[1], ())]
     else:
         chosen = GUARDED if args.guard else dict.fromkeys(TARGETS, ())
-        jobs = [(name, TARGETS[name], [], programs) for name, programs in chosen.items() if (args.only or "") in name and not any(s in name for s in args.skip)]
+        wanted = [name for name in chosen if (args.only or "") in name and not any(s in name for s in args.skip)]
+        jobs = [(name, TARGETS[name], [], chosen[name]) for name in wanted]
     rows, source = [], provenance()  # the commit and packages before the first compile: every row is of them
     for name, target, overrides, programs in jobs:
         row = compile_one(name, target, overrides, out, programs, lean=args.lean or args.guard)
