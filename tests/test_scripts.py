@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,16 @@ NOT_RUN = {
 }
 
 
+def test_the_trl_peer_keeps_its_virtualenv_under_the_repository_runs_folder() -> None:
+    where = subprocess.run(
+        ["bash", str(SCRIPTS / "bench" / "peers" / "setup_trl.sh"), "--where"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(where.stdout.strip()) == ROOT / "runs" / "peers" / "trl-venv"
+
+
 def test_every_script_is_covered() -> None:
     found = {str(p.relative_to(SCRIPTS)) for p in SCRIPTS.rglob("*.py")}
     assert found - TINY_RUNS.keys() - NOT_RUN.keys() == set(), "add the new script's --tiny run to TINY_RUNS"
@@ -68,6 +79,7 @@ def test_script_runs_tiny(script: str, tmp_path: Path) -> None:
     args, output, keys = TINY_RUNS[script]
     out = tmp_path / output
     env = os.environ | {"JAX_PLATFORMS": "cpu"}  # and conftest's XLA_FLAGS: 8 devices, no LLVM optimisation
+    started = time.time()
     result = subprocess.run(
         [sys.executable, str(SCRIPTS / script), *args, "--out", str(out)],
         cwd=ROOT,
@@ -78,6 +90,10 @@ def test_script_runs_tiny(script: str, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, f"{script} --tiny failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    strays = [
+        p for p in SCRIPTS.rglob("*") if p.is_file() and p.stat().st_mtime >= started and "__pycache__" not in p.parts
+    ]
+    assert not strays, f"{script} wrote files under scripts/ (a root computed from the wrong folder?): {strays}"
     if out.suffix == ".jsonl":  # a dataset: every row holds the keys
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         assert rows and all(keys <= row.keys() for row in rows), f"{script}: rows without {sorted(keys)}"
