@@ -40,7 +40,7 @@ from hfjax.config.rl import load_rl_config
 from hfjax.controller.resource_pool import group_hosts
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
-from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
+from hfjax.models.lm_head import LOGITS_BUDGET_BYTES
 from hfjax.models.presets import NAMED_CONFIGS
 from hfjax.parallel import HybridEngine, Layout, LayoutError
 from hfjax.parallel.layout import is_param_leaf
@@ -304,11 +304,13 @@ def test_memory_by_hand_and_rejection_reason():
     m_train = math.ceil(local_train / micro_batches)
     m_inf = math.ceil(w.global_batch_prompts * 2 / 4)
     m_inf = math.ceil(m_inf / math.ceil(m_inf / 3))
-    layer, logits = 14 * 64 + (10 * 64 + 8 * 128) / 2, 256 * 4 / 2  # logits: one chunk of response tokens
+    layer, logits = 14 * 64 + (10 * 64 + 8 * 128) / 2, 256 * 4 / 2  # logits: a response token's float32 bytes
     head = 256 * 64 / 2  # the LM head's elements a device holds whole along the width (vocabulary over tensor 2)
-    train_act = m_train * S * (64 * 2 * 2 + layer) + 2 * logits * min(m_train * w.response_len, LOGITS_CHUNK_TOKENS)
+    # a 256-token vocabulary: every response token's logits fit LOGITS_BUDGET_BYTES, made at once and kept
+    assert logits * m_train * w.response_len <= LOGITS_BUDGET_BYTES
+    train_act = m_train * S * (64 * 2 * 2 + layer) + 2 * logits * m_train * w.response_len
     train_act += (4 + 2) * head  # its gathered bf16 kernel and float32 kernel-gradient accumulator
-    infer_act = m_inf * S * layer + logits * min(m_inf * w.response_len, LOGITS_CHUNK_TOKENS) + 2 * head
+    infer_act = m_inf * S * layer + logits * m_inf * w.response_len + 2 * head
     cost = model.role_cost("actor", shape, sizes)
     assert cost.static_bytes == shard * (4 + 8)  # float32 master weights + Adam's two float32 moments
     # float32 gradients, twice from the second micro-batch on: the micro-batch's own beside the accumulator

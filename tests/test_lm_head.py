@@ -63,7 +63,9 @@ def _loss(fn: Callable[..., tuple[jax.Array, jax.Array | None]], entropy: bool) 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
-def _chunked(chunk: int, entropy: bool, softcap: float | None) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
+def _chunked(
+    chunk: int, entropy: bool, softcap: float | None, budget: int | None = None
+) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
     def fn(hidden: jax.Array, kernel: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         return token_logprobs(
             hidden,
@@ -74,16 +76,23 @@ def _chunked(chunk: int, entropy: bool, softcap: float | None) -> Callable[..., 
             softcap=softcap,
             chunk=chunk,
             with_entropy=entropy,
+            logits_budget_bytes=budget,
         )
 
     return fn
 
 
 def _compare(
-    dtype: jnp.dtype, kernel_dtype: jnp.dtype, chunk: int, entropy: bool, softcap: float | None = None
+    dtype: jnp.dtype,
+    kernel_dtype: jnp.dtype,
+    chunk: int,
+    entropy: bool,
+    softcap: float | None = None,
+    budget: int | None = None,
 ) -> dict[str, float]:
     hidden, kernel, labels, weights = _inputs(dtype, kernel_dtype)
-    (_, (logp, ent)), grads = _loss(_chunked(chunk, entropy, softcap), entropy)(hidden, kernel, labels, weights)
+    chunked = _chunked(chunk, entropy, softcap, budget)
+    (_, (logp, ent)), grads = _loss(chunked, entropy)(hidden, kernel, labels, weights)
     (_, (ref_logp, ref_ent)), ref_grads = _loss(_full(softcap), entropy)(hidden, kernel, labels, weights)
     assert logp.shape == (ROWS, LENGTH) and logp.dtype == jnp.float32
     assert grads[0].dtype == hidden.dtype and grads[1].dtype == kernel.dtype
@@ -124,6 +133,34 @@ def test_bfloat16_compute_equals_full_computation() -> None:
     errors = _compare(jnp.bfloat16, jnp.float32, 8, True)  # float32 master kernel, bf16 compute
     assert max(errors["logp"], errors["entropy"]) <= 1e-5, errors
     assert max(errors["d_hidden"], errors["d_kernel"]) <= 2**-8, errors
+
+
+WHOLE_LOGITS = 4 * ROWS * LENGTH * PADDED  # one device's float32 logits of the test's inputs, in bytes
+
+
+def _lm_head_matmuls(budget: int | None, entropy: bool) -> int:
+    """The matmuls of the loss-and-gradient's jaxpr that make logits (a [.., vocab] output), scan bodies included."""
+    hidden, kernel, labels, weights = _inputs(jnp.float32, jnp.float32)
+    jaxpr = jax.make_jaxpr(_loss(_chunked(8, entropy, None, budget), entropy))(hidden, kernel, labels, weights)
+
+    def count(jaxpr: jax.extend.core.Jaxpr) -> int:
+        found = sum(
+            1 for e in jaxpr.eqns if e.primitive.name == "dot_general" and e.outvars[0].aval.shape[-1] == PADDED
+        )
+        return found + sum(count(getattr(sub, "jaxpr", sub)) for sub in jax.extend.core.subjaxprs(jaxpr))
+
+    return count(jaxpr.jaxpr)
+
+
+@pytest.mark.parametrize("entropy", [True, False])
+def test_logits_that_fit_the_budget_are_kept_not_recomputed(entropy: bool) -> None:
+    """Whole logits within the budget: one chunk, made once in the forward and kept, so the backward has no LM-head
+    matmul of its own; the values and gradients equal the full computation like the chunked path's. One byte under
+    the logits' size, the chunked path (and its recomputation) comes back."""
+    errors = _compare(jnp.float32, jnp.float32, 8, entropy, budget=WHOLE_LOGITS)
+    assert max(errors.values()) <= 1e-6, errors
+    assert _lm_head_matmuls(WHOLE_LOGITS, entropy) == 1
+    assert _lm_head_matmuls(WHOLE_LOGITS - 1, entropy) == 2 == _lm_head_matmuls(None, entropy)
 
 
 def test_chunk_must_be_positive() -> None:

@@ -63,12 +63,13 @@ def _update_hlo() -> str:
     )
     train = Layout.from_config({"mesh": {"fsdp": FSDP}, "rules": "fsdp"})
     gen = Layout.from_config({"mesh": {"data": FSDP}, "rules": "dp_tp_gen"})
-    tokens = lm_head.LOGITS_CHUNK_TOKENS
+    tokens, budget = lm_head.LOGITS_CHUNK_TOKENS, lm_head.LOGITS_BUDGET_BYTES
     lm_head.LOGITS_CHUNK_TOKENS = 32  # one row a device: chunks of 32 positions
+    lm_head.LOGITS_BUDGET_BYTES = 0  # chunked, as the shipped configs' large vocabularies are (not kept whole)
     try:
         trace = next(actor_programs(cfg, SHAPE, train, gen))
     finally:
-        lm_head.LOGITS_CHUNK_TOKENS = tokens
+        lm_head.LOGITS_CHUNK_TOKENS, lm_head.LOGITS_BUDGET_BYTES = tokens, budget
     assert trace.program == "loss+grad"
     return trace.traced.lower().compile().as_text()
 

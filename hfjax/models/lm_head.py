@@ -35,6 +35,10 @@ measures about 8 T V + 4 V E (see tests/test_lm_head.py).
 Under a program layout (`hfjax.models.program`) the chunk's logits are constrained to rows over the batch axes and
 the vocabulary over `tensor`, so the memory above is divided by the tensor size, and `chunk_length` picks the chunk
 from a budget of tokens per device.
+
+Where a device's whole float32 logits fit `logits_budget_bytes` (a small vocabulary, few tokens), they are made once
+in one chunk and kept from the forward to the backward, which then does not recompute them (one LM-head matmul
+less): 4 T V bytes held between the two passes instead of the recomputation.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ from hfjax.models.program import constrain, constrain_weight, length_parts, spli
 from hfjax.parallel.layout import TOKENS
 
 LOGITS_CHUNK_TOKENS = 512  # tokens per device in one chunk of logits: 512 x 151,936 float32 is 297 MiB
+# a device's whole float32 logits up to this many bytes are made once and kept for the backward (no chunks, no
+# recomputed LM-head matmul): the bytes of one chunk at a Qwen2.5 vocabulary
+LOGITS_BUDGET_BYTES = 4 * LOGITS_CHUNK_TOKENS * 151_936
 
 
 def softcap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
@@ -108,13 +115,14 @@ class _Head:
     entropy: bool
     rows_axis: str  # the logical axis of the rows: `tokens` where the positions are folded into them
     parts: int  # how many device groups that axis splits the rows into (read in the forward, under the layout)
+    keep_logits: bool = False  # the forward's logits kept for the backward (one chunk that fits the budget)
 
 
 def _forward(
-    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head
-) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """((logp[, entropy]), (logsumexp[, entropy])), each [rows, length] float32, of the kernel in the compute dtype
-    (`_gathered`)."""
+    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head, keep: bool = False
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array | None]:
+    """((logp[, entropy]), (logsumexp[, entropy]), logits), the first two [rows, length] float32, of the kernel in
+    the compute dtype (`_gathered`); `keep`: also the chunks' logits [chunks, rows, chunk, vocab], else None."""
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, ...]]:
         h, y = xs
@@ -132,14 +140,12 @@ def _forward(
         # the label's logit picked from the chunk's logits: over a tensor-sharded vocabulary the partitioner picks
         # it where it lives and sums [rows, chunk] over `tensor`, collecting no logits (tests/test_scaling.py)
         logp = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0] - lse
-        if not head.entropy:
-            return None, (logp, lse)
-        entropy = jnp.log(total) - weighted / total
-        return None, (logp, lse, entropy)
+        stats = (logp, lse, jnp.log(total) - weighted / total) if head.entropy else (logp, lse)
+        return None, (stats, z if keep else None)
 
-    _, out = jax.lax.scan(body, None, (_to_chunks(hidden, head.chunk), _to_chunks(labels, head.chunk)))
+    _, (out, logits) = jax.lax.scan(body, None, (_to_chunks(hidden, head.chunk), _to_chunks(labels, head.chunk)))
     out = [_from_chunks(o, hidden.shape[1]) for o in out]
-    return (out[0], out[2]) if head.entropy else (out[0],), tuple(out[1:])
+    return ((out[0], out[2]) if head.entropy else (out[0],)), tuple(out[1:]), logits
 
 
 def _gathered(kernel: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -157,19 +163,19 @@ def _token_stats_fwd(
     hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head
 ) -> tuple[tuple[jax.Array, ...], tuple]:
     compute = _gathered(kernel, hidden.dtype)
-    out, stats = _forward(hidden, compute, labels, head)
-    return out, (hidden, kernel, compute, labels, stats)
+    out, stats, logits = _forward(hidden, compute, labels, head, keep=head.keep_logits)
+    return out, (hidden, kernel, compute, labels, stats, logits)
 
 
 def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, None]:
-    hidden, kernel, compute, labels, stats = residuals
+    hidden, kernel, compute, labels, stats, logits = residuals
     columns = jnp.arange(kernel.shape[0])
     parts = head.parts
     per_part = (head.rows_axis, "vocab", "embed")  # a [parts, vocab, embed] gradient part on each device group's rows
 
-    def body(grad_kernel: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        h, y, lse, g_logp, *rest = xs
-        z = _chunk_logits(h, compute, head)
+    def body(grad_kernel: jax.Array, xs: tuple) -> tuple[jax.Array, jax.Array]:
+        (h, y, lse, g_logp, *rest), kept = xs
+        z = _chunk_logits(h, compute, head) if kept is None else kept
         log_p = z - lse[..., None]
         p = jnp.exp(log_p)
         # d logp / dz = onehot(label) - p;  d entropy / dz = p (sum softmax(z) z - z) = -p (log p + entropy)
@@ -191,7 +197,7 @@ def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]
     per_token = [stats[0], grads[0]] + ([stats[1], grads[1]] if head.entropy else [])
     chunks = (_to_chunks(x, head.chunk) for x in (hidden, labels, *per_token))
     zeros = constrain(jnp.zeros((parts, *kernel.shape), jnp.float32), per_part)
-    grad_kernel, grad_h = jax.lax.scan(body, zeros, tuple(chunks))
+    grad_kernel, grad_h = jax.lax.scan(body, zeros, (tuple(chunks), logits))
     grad_kernel = constrain_weight(jnp.sum(grad_kernel, axis=0), ("vocab", "embed"))
     grad_h = jnp.swapaxes(grad_h, 0, 1).reshape(hidden.shape[0], -1, hidden.shape[2])[:, : hidden.shape[1]]
     return grad_h, grad_kernel.astype(kernel.dtype), None
@@ -210,12 +216,14 @@ def token_logprobs(
     softcap: float | None = None,
     chunk: int = 256,
     with_entropy: bool = False,
+    logits_budget_bytes: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """(log softmax(z)[label], entropy of softmax(z) or None) [rows, length] float32, z = softcap_logits(hidden @
     kernel.T, softcap) / temperature over the first `vocab_size` columns, for `hidden` [rows, length, embed] in the
     compute dtype, the LM head `kernel` [padded vocab, embed] in its stored dtype and integer `labels` [rows, length],
-    `chunk` positions at a time (see the module docstring for the memory). Differentiable in `hidden` and `kernel`
-    through both."""
+    `chunk` positions at a time (see the module docstring for the memory), or, where a device's whole float32 logits
+    take at most `logits_budget_bytes`, all at once and kept for the backward. Differentiable in `hidden` and
+    `kernel` through both."""
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive number of positions, got {chunk}")
     rows, length = labels.shape
@@ -223,9 +231,12 @@ def token_logprobs(
     if parts > 1:  # positions split over `sequence`: each device's part of a row becomes a row of its own
         hidden = constrain(hidden.reshape(rows * parts, length // parts, hidden.shape[2]), (TOKENS, None, None))
         labels = constrain(labels.reshape(rows * parts, length // parts), (TOKENS, None))
-    chunk = max(1, min(chunk, hidden.shape[1]))
     rows_axis = "batch" if parts == 1 else TOKENS
-    head = _Head(vocab_size, temperature, softcap, chunk, with_entropy, rows_axis, split_parts(rows_axis, len(hidden)))
+    row_parts = split_parts(rows_axis, len(hidden))
+    local_logits = 4 * len(hidden) // row_parts * hidden.shape[1] * kernel.shape[0] // split_parts("vocab", len(kernel))
+    keep = logits_budget_bytes is not None and local_logits <= logits_budget_bytes
+    chunk = hidden.shape[1] if keep else max(1, min(chunk, hidden.shape[1]))
+    head = _Head(vocab_size, temperature, softcap, chunk, with_entropy, rows_axis, row_parts, keep)
     out = _token_stats(hidden, kernel, labels.astype(jnp.int32), head)
     out = [constrain(o.reshape(rows, length), ("batch", "length")) for o in out]
     return out[0], out[1] if with_entropy else None

@@ -208,7 +208,9 @@ class CausalLM(_Backbone):
     ) -> tuple[jax.Array, jax.Array | None]:
         """(log softmax(logits / temperature)[labels], entropy or None) [rows, length] float32 for hidden states
         [rows, length, embed], computed a chunk of about `chunk_tokens` tokens per device at a time (default
-        `hfjax.models.lm_head.LOGITS_CHUNK_TOKENS`): never the [rows, length, vocab] logits."""
+        `hfjax.models.lm_head.LOGITS_CHUNK_TOKENS`): never the [rows, length, vocab] logits, unless (with the default
+        chunk) a device's whole logits fit `hfjax.models.lm_head.LOGITS_BUDGET_BYTES`: then they are made once and
+        kept for the backward, which does not recompute them."""
         chunk = chunk_length(chunk_tokens or lm_head.LOGITS_CHUNK_TOKENS, hidden.shape[0])
         return token_logprobs(
             hidden,
@@ -219,6 +221,7 @@ class CausalLM(_Backbone):
             softcap=self.config.final_softcap,
             chunk=chunk,
             with_entropy=with_entropy,
+            logits_budget_bytes=None if chunk_tokens else lm_head.LOGITS_BUDGET_BYTES,
         )
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -27,8 +27,9 @@ axis of N (N = 1 without one) splitting each row's S positions, so that a device
   whole rows (cuDNN, splash) hold none (the xla attention of XLA:CPU does);
 - a training pass keeps every layer's activations, or with recomputation only each layer's input (T d c bytes a
   layer), beside the one layer it computes; a log-prob pass holds one layer;
-- one chunk of the LM head's float32 logits, min(m R / N, LOGITS_CHUNK_TOKENS) response tokens (R of a row) a
-  device, twice in a training pass (the logits and their gradient), and the head's whole-vocabulary buffers
+- one chunk of the LM head's float32 logits, LOGITS_CHUNK_TOKENS response tokens a device, or all m R / N of them
+  (R of a row) where they take at most LOGITS_BUDGET_BYTES (kept from the forward for the backward), twice in a
+  training pass (the logits and their gradient), and the head's whole-vocabulary buffers
   (`hfjax.models.lm_head`): its kernel gathered in the compute dtype, c V E / t bytes for V the padded vocabulary
   and E the width, and in a training pass also the float32 kernel-gradient each device accumulates, 4 V E / t.
 A mixture of experts' buffers (its MLP FLOPs and activations: `ModelShape.matmul_params_at`, `mlp_width`) hold
@@ -44,7 +45,7 @@ import math
 from collections.abc import Mapping
 from typing import Literal
 
-from hfjax.models.lm_head import LOGITS_CHUNK_TOKENS
+from hfjax.models.lm_head import LOGITS_BUDGET_BYTES, LOGITS_CHUNK_TOKENS
 from hfjax.models.lora import LoraConfig
 from hfjax.predict.dataflow import Dataflow, ModelShape, Workload
 from hfjax.predict.sizes import (
@@ -159,11 +160,14 @@ class MemoryTerms:
         width = mlp_width(cfg, self.capacity_factor(role))
         layer = tokens * layer_activation_bytes(cfg.hidden_size, width, sizes.tensor, opt.mlp_tensors)
         layer += self.split_attention_bytes(shape, sizes, m)  # what a layer holds for its backward
-        # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits),
-        # beside its kernel gathered whole along the width and, in training, its float32 kernel-gradient accumulator
+        # the LM head's log probs run a chunk of LOGITS_CHUNK_TOKENS response tokens at a time (float32 logits), or all
+        # of them at once where they fit LOGITS_BUDGET_BYTES, beside its kernel gathered whole along the width and,
+        # in training, its float32 kernel-gradient accumulator
         head, vocab_width = shape.head == "causal_lm", cfg.padded_vocab_size * cfg.hidden_size / sizes.tensor
-        chunk = min(m * w.response_len / sizes.sequence, LOGITS_CHUNK_TOKENS)
-        logits = chunk * cfg.padded_vocab_size * 4 / sizes.tensor if head else 0.0
+        responses = m * w.response_len / sizes.sequence
+        whole = responses * cfg.padded_vocab_size * 4 / sizes.tensor
+        chunked = whole * min(1.0, LOGITS_CHUNK_TOKENS / max(responses, 1.0))
+        logits = 0.0 if not head else whole if whole <= LOGITS_BUDGET_BYTES else chunked
         if not training:
             return layer + logits + (opt.param_bytes * vocab_width if head else 0.0)
         stash = tokens * cfg.hidden_size * opt.param_bytes * cfg.num_layers if opt.remat else layer * cfg.num_layers
