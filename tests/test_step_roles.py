@@ -90,3 +90,4 @@ def test_roles_name_what_the_run_does_not_start_and_type_checks_the_role_kind():
     with pytest.raises(ValueError, match=r"value model 'actor': expected one of \('critic', 'cost_critic'\)"):
         roles.value_model("actor")
     assert "actor" in roles and "critic" not in roles and list(roles) == ["actor"]
+    assert roles.get("critic") is None and roles.get("actor") is roles["actor"]

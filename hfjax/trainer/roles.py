@@ -50,6 +50,10 @@ class Roles(Mapping[str, Any]):
     def __contains__(self, name: object) -> bool:
         return name in self._handles
 
+    def get(self, name: str, default: Any = None) -> Any:
+        """The handle of `name`, or `default` where the run did not start it (no error, as `Mapping.get`)."""
+        return self._handles.get(name, default)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._handles)
 
