@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("workers", "predict"),
     ("trainer",),
-    ("automap",),
+    ("automap", "serve"),
     ("cli",),
 )
 

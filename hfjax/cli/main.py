@@ -17,6 +17,7 @@ from hfjax.cli import (
     layouts,
     plot,
     quickstart_command,
+    serve,
     supervised,
     sweep,
     train,
@@ -29,7 +30,8 @@ DESCRIPTION = """`hfjax inspect` shows how a checkpoint's parameters shard under
 `hfjax layouts` lists the rule presets or compares layout pairs; `hfjax generate` samples responses; `hfjax train`
 runs an RL config; `hfjax compile` compiles it for a TPU or GPU target; `hfjax sft` / `hfjax rm` train
 supervised; `hfjax quickstart` runs the CPU demo; `hfjax export`, `hfjax plot`, `hfjax data` and `hfjax automap`
-work on runs, data and placements; `hfjax sweep` measures candidate layouts beside the cost model."""
+work on runs, data and placements; `hfjax sweep` measures candidate layouts beside the cost model; `hfjax serve`
+serves LoRA training and sampling of a base model over the Tinker API."""
 
 COMMANDS = (
     inspect_checkpoint,
@@ -44,6 +46,7 @@ COMMANDS = (
     quickstart_command,
     data,
     plot,
+    serve,
 )
 
 

@@ -39,6 +39,7 @@ from hfjax.serve.backend import (
     SampleResult,
     ServeError,
     TrainDatum,
+    refusals_returned,
 )
 from hfjax.serve.config import ServeConfig
 
@@ -117,10 +118,12 @@ class AdapterWorker(Worker):
         return self.shapes[key]
 
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def base_models(self) -> list[str]:
         return [self.config.base_model]
 
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def create_adapter(self, model_id: str, base_model: str, rank: int, seed: int, train_mlp: bool, train_attn: bool
                        ) -> None:  # fmt: skip
         self._check_base(base_model)
@@ -143,6 +146,7 @@ class AdapterWorker(Worker):
         self.adapters[model_id] = _Adapter(base_model, lora, seed, params, zeros, zeros, jnp.zeros((), jnp.int32))
 
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def unload(self, model_id: str) -> None:
         adapter = self.adapters.pop(model_id, None)
         for key in adapter.versions if adapter else ():
@@ -150,6 +154,7 @@ class AdapterWorker(Worker):
 
     # -- training --------------------------------------------------------------------------------------------
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def forward_backward(self, model_id: str, data: list[TrainDatum], loss_fn: str, loss_fn_config: dict | None,
                          backward: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:  # fmt: skip
         adapter = self._adapter(model_id)
@@ -169,6 +174,7 @@ class AdapterWorker(Worker):
         return outputs, {"loss:sum": float(loss)}
 
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def optim_step(self, model_id: str, step: AdamStep) -> dict[str, float]:
         adapter = self._adapter(model_id)
         hyper = adam_hyper(step)
@@ -182,6 +188,7 @@ class AdapterWorker(Worker):
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def save_state(self, model_id: str, name: str, optimizer: bool) -> str:
         adapter = self._adapter(model_id)
         directory = Path(self.config.run_dir) / "checkpoints" / model_id / name
@@ -199,12 +206,13 @@ class AdapterWorker(Worker):
         return str(directory)
 
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def load_state(self, model_id: str, path: str, optimizer: bool) -> None:
         adapter = self._adapter(model_id)
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                 {"m": adapter.m, "v": adapter.v, "count": adapter.count})  # fmt: skip
         targets = {"adapter": abstract["m"]}
-        extra = self.checkpoint_info(path)
+        extra = self._checkpoint_info(path)
         try:
             with CheckpointManager(Path(path) / "state", max_to_keep=1, async_save=False) as manager:
                 if (extra["rank"], extra["targets"]) != (adapter.lora.rank, adapter.lora.targets):
@@ -222,8 +230,12 @@ class AdapterWorker(Worker):
             adapter.m, adapter.v, adapter.count = (items["optimizer"][k] for k in ("m", "v", "count"))
 
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def checkpoint_info(self, path: str) -> dict[str, Any]:
         """The base model, rank, targets and seed a `save_state` checkpoint at `path` was saved with."""
+        return self._checkpoint_info(path)
+
+    def _checkpoint_info(self, path: str) -> dict[str, Any]:
         meta = Path(path) / META
         if not meta.is_file():
             raise ServeError(f"path: no checkpoint of this server at {path}", status=404)
@@ -231,6 +243,7 @@ class AdapterWorker(Worker):
 
     # -- sampling --------------------------------------------------------------------------------------------
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def save_for_sampler(self, model_id: str, name: str) -> str:
         adapter = self._adapter(model_id)
         key = f"{model_id}/{name}"
@@ -262,6 +275,7 @@ class AdapterWorker(Worker):
         return self.shapes[shape_key], params
 
     @register(Dispatch.RANK_ZERO)
+    @refusals_returned
     def sample(self, sampler: str | None, base_model: str, request: SampleRequest) -> SampleResult:
         cfg = self.config
         shape, params = self._sampler(sampler, base_model)

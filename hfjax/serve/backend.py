@@ -5,7 +5,9 @@ worker groups. Every method runs for one client's model at a time, in that clien
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,6 +21,27 @@ class ServeError(ValueError):
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A `ServeError` as a value, returned by a worker method instead of raised."""
+
+    message: str
+    status: int
+
+
+def refusals_returned(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` returning a `Refusal` where it raises `ServeError`."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except ServeError as exc:
+            return Refusal(str(exc), exc.status)
+
+    return run
 
 
 @dataclasses.dataclass

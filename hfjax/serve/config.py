@@ -29,10 +29,11 @@ class ServeConfig:
     run_dir: str = "runs/serve"  # checkpoints (save_state), the model registry, the server log
     host: str = "127.0.0.1"
     port: int = 8000
-    # where the models run: `local` in the server's process; `ray` in one worker process on a Ray cluster (the
-    # server joins the cluster at RAY_ADDRESS, or starts a local one), on a node with `ray_resources`
+    # where the models run: `local` in the server's process (every device it sees); `ray` in one worker process on
+    # a Ray cluster (joined at RAY_ADDRESS, else a local one started), holding `devices` devices of kind `device`
     backend: Literal["local", "ray"] = "local"
-    ray_resources: dict[str, float] = dataclasses.field(default_factory=dict)  # e.g. {GPU: 8} or {host1: 1}
+    device: str = "auto"  # with backend ray: auto (the cluster's GPUs, else TPUs, else cpu), cpu, gpu or tpu
+    devices: int = 1  # with backend ray: the worker's devices (on CPU: fake devices)
 
     def __post_init__(self) -> None:
         for name in (
