@@ -29,11 +29,12 @@ from hfjax.models.peft_io import save_peft
 from hfjax.optim.train_state import place_batch
 from hfjax.parallel.layout import Layout
 from hfjax.records.checkpoint import CheckpointError, CheckpointManager
-from hfjax.rollout import JaxEngine, OfflineGenerator, SamplingParams
+from hfjax.rollout import JaxEngine, OfflineGenerator
 from hfjax.serve.adapter_programs import AdapterPrograms, adam_hyper, loss_config, pad_data
 from hfjax.serve.backend import (
     LOSSES,
     AdamStep,
+    Refusal,
     SampledSequence,
     SampleRequest,
     SampleResult,
@@ -42,6 +43,7 @@ from hfjax.serve.backend import (
     refusals_returned,
 )
 from hfjax.serve.config import ServeConfig
+from hfjax.serve.sample_batches import engine_calls, sampling_params
 
 log = logging.getLogger(__name__)
 DEFAULT_LAYOUT = {"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]}
@@ -276,52 +278,33 @@ class AdapterWorker(Worker):
 
     @register(Dispatch.RANK_ZERO)
     @refusals_returned
-    def sample(self, sampler: str | None, base_model: str, request: SampleRequest) -> SampleResult:
-        cfg = self.config
+    def sample(self, sampler: str | None, base_model: str, requests: list[SampleRequest]
+               ) -> list[SampleResult | Refusal]:  # fmt: skip
         shape, params = self._sampler(sampler, base_model)
-        prompt = np.asarray(request.prompt, np.int64).reshape(-1)
-        checks = (
-            (
-                "prompt",
-                1 <= len(prompt) <= cfg.max_prompt_tokens,
-                f"1..{cfg.max_prompt_tokens} tokens (the server's max_prompt_tokens)",
-                len(prompt),
-            ),
-            (
-                "prompt",
-                prompt.size == 0 or (prompt.min() >= 0 and prompt.max() < self.model_config.vocab_size),
-                f"token ids in [0, {self.model_config.vocab_size})",
-                prompt.tolist()[:8],
-            ),
-            (
-                "sampling_params.max_tokens",
-                1 <= request.max_tokens <= cfg.max_new_tokens,
-                f"1..{cfg.max_new_tokens} (the server's max_new_tokens)",
-                request.max_tokens,
-            ),
-            ("num_samples", request.num_samples >= 1, ">= 1", request.num_samples),
-        )
-        for field, ok, expected, got in checks:
-            if not ok:
-                raise ServeError(f"{field}: expected {expected}, got {got}")
-        if request.seed is None:
-            self._draws += 1
-        try:
-            sampling = SamplingParams(max_new_tokens=request.max_tokens, temperature=request.temperature,
-                                      top_k=max(0, request.top_k), top_p=request.top_p,
-                                      stop_token_ids=request.stop_token_ids, n=request.num_samples,
-                                      seed=self._draws if request.seed is None else request.seed)  # fmt: skip
-        except ValueError as exc:
-            raise ServeError(f"sampling_params: {exc}", status=422) from None
+        self._draws += 1
+        results: list[SampleResult | Refusal | None] = [None] * len(requests)
+        settings = {}
+        for i, request in enumerate(requests):
+            try:
+                settings[i] = sampling_params(request, self.config, self.model_config.vocab_size, self._draws)
+            except ServeError as exc:
+                results[i] = Refusal(str(exc), exc.status)
         generator = self._generator(shape)
         generator.update_params(nnx.split(nnx.merge(shape.graphdef, params, shape.rest), nnx.Param, ...)[1])
-        started = time.perf_counter()
-        outputs = generator.generate([prompt.astype(np.int32)], sampling)
-        log.info("sampled %d x %d tokens in %.2f s", len(outputs), request.max_tokens, time.perf_counter() - started)
-        sequences = [SampledSequence(o.tokens.tolist(), o.logprobs.astype(float).tolist(), o.finish_reason)
-                     for o in outputs]  # fmt: skip
-        prompt_logprobs = self._prompt_logprobs(shape, params, prompt) if request.prompt_logprobs else None
-        return SampleResult(sequences, prompt_logprobs)
+        for call in engine_calls(requests, settings):
+            started = time.perf_counter()
+            prompts = [np.asarray(requests[i].prompt, np.int32).reshape(-1) for i in call.members]
+            outputs = generator.generate(prompts, call.sampling, first_request=call.requests)
+            n = call.sampling.n
+            log.info("sampled %d prompts x %d samples in %.2f s", len(prompts), n, time.perf_counter() - started)
+            for k, i in enumerate(call.members):
+                sequences = [SampledSequence(o.tokens.tolist(), o.logprobs.astype(float).tolist(), o.finish_reason)
+                             for o in outputs[k * n : (k + 1) * n]]  # fmt: skip
+                wanted = requests[i].prompt_logprobs
+                results[i] = SampleResult(
+                    sequences, self._prompt_logprobs(shape, params, prompts[k]) if wanted else None
+                )
+        return results
 
     def _prompt_logprobs(self, shape: _Shape, params: Any, prompt: np.ndarray) -> list[float | None]:
         if len(prompt) == 1:

@@ -129,8 +129,10 @@ class ServeBackend(Protocol):
         """Freezes the adapter's current weights as a sampler version; returns its key for `sample`."""
         ...
 
-    def sample(self, sampler: str | None, base_model: str, request: SampleRequest) -> SampleResult:
-        """Samples with the sampler version `sampler` (from `save_for_sampler`), or the base alone when None."""
+    def sample(self, sampler: str | None, base_model: str, requests: list[SampleRequest]
+               ) -> list[SampleResult | Refusal]:  # fmt: skip
+        """Samples each request with the sampler version `sampler` (from `save_for_sampler`), or the base alone when
+        None; a request that fails its checks gets its `Refusal` in its place, the others run."""
         ...
 
     def unload(self, model_id: str) -> None:
