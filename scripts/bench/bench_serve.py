@@ -106,9 +106,11 @@ def main() -> None:
     service = tinker.ServiceClient(base_url=server.start(), api_key="tml-bench")
     try:
         for n in clients:
-            trainers = [service.create_lora_training_client(base_model=config.base_model, rank=args.rank, seed=i)
-                        for i in range(n)]  # fmt: skip
-            samplers = [t.save_weights_and_get_sampling_client(name="v0") for t in trainers]
+            trainers = [
+                service.create_lora_training_client(base_model=config.base_model, rank=args.rank, seed=i).result()
+                for i in range(n)
+            ]
+            samplers = [t.save_weights_and_get_sampling_client(name="v0").result() for t in trainers]
             sdk = sdk_data()
 
             def train(client: tinker.TrainingClient, sdk: list[types.Datum] = sdk) -> None:
