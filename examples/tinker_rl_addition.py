@@ -2,9 +2,10 @@
 quickstart's addition task, exact-match rewards, group-mean baselines and the `importance_sampling` loss on a LoRA
 training client; held-out greedy accuracy before and after.
 
-    hfjax serve SERVE.yaml &                     # model_path: the quickstart's SFT model (runs/quickstart/sft/hf)
-    python examples/tinker_rl_addition.py --base-url http://127.0.0.1:8000 --base-model hf \
-        --data runs/quickstart/data
+    hfjax quickstart run_dir=runs/qs rl.trainer.total_steps=1       # the SFT checkpoint and the task's data
+    hfjax serve model_path=runs/qs/sft/hf name=addition-sft max_prompt_tokens=32 max_new_tokens=8 slots=256 &
+    python examples/tinker_rl_addition.py --base-url http://127.0.0.1:8000 --base-model addition-sft \
+        --data runs/qs/data
 
 Uses only `tinker`, the tokenizer the service names (`get_tokenizer()`) and the task's parquet files.
 """

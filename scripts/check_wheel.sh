@@ -30,6 +30,9 @@ from hfjax.data.synthetic import build_addition_tokenizer
 text = build_addition_tokenizer().apply_chat_template([{'role': 'user', 'content': '1+2='}], tokenize=False)
 assert '1+2=' in text, text
 "
+# hfjax serve's HTTP face imports with the wheel's dependencies alone (no tinker SDK, no protobuf package)
+"$WORK/venv/bin/python" -c "import hfjax.serve.app, hfjax.serve.worker_backend"
+"$WORK/venv/bin/hfjax" serve --help > /dev/null
 mkdir run
 for step in 1 2 3; do
   echo "{\"step\": $step, \"critic/score/mean\": 0.$step, \"actor/pg_loss\": -0.0$step}" >> run/metrics.jsonl

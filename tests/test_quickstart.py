@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,10 @@ from support.settings import REPO, run_command, user_env
 from hfjax.cli.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
 from hfjax.config.rl import load_rl_config
 from hfjax.records.metrics import read_metrics
+from hfjax.serve.app import create_app
+from hfjax.serve.config import ServeConfig
+from hfjax.serve.http_server import ServerThread
+from hfjax.serve.worker_backend import start_backend
 from hfjax.trainer.launch import run_rl
 from hfjax.typed_config import load_config
 
@@ -73,7 +78,7 @@ def _same_accuracy(a: float, b: float, problems: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_quickstart_learns_on_two_hosts_in_bfloat16_and_with_lora(request, tmp_path, monkeypatch):
+def test_quickstart_learns_on_two_hosts_in_bfloat16_with_lora_and_through_hfjax_serve(request, tmp_path, monkeypatch):
     """The learning claim (+20 points after RL) of the README's command, run as a user runs it (`hfjax quickstart`
     in a process of its own with the user's XLA settings: tests/support/settings.py), checked after the first
     `CLAIM_STEPS` RL steps, its first validation: the learning rate is constant, so they are the full run's first
@@ -88,7 +93,10 @@ def test_quickstart_learns_on_two_hosts_in_bfloat16_and_with_lora(request, tmp_p
     bfloat16, and a last-bit difference can flip a sampled token; tests/test_multihost.py checks 3-step runs equal
     to float tolerance. Last, the same first steps once more with LoRA (rank 16 on every projection, alpha 32, 10x
     the learning rate: `LORA`) gain +20 points over the SFT checkpoint too (its one measured run: +29.7 at step
-    25, +35.2 at step 200; docs/benchmarks.md)."""
+    25, +35.2 at step 200; docs/benchmarks.md). Then an RL loop written against the Tinker SDK alone
+    (examples/tinker_rl_addition.py: group sampling, exact-match rewards, the `importance_sampling` loss on a LoRA
+    client) run against `hfjax serve` on the same SFT checkpoint gains +15 points (its measured runs: +28.1 after 30
+    steps)."""
     args = ["quickstart", "configs/quickstart.yaml", f"run_dir={tmp_path}", f"rl.trainer.total_steps={CLAIM_STEPS}"]
     run_command(args, tmp_path / "quickstart.log", 3600)
     result = json.loads((tmp_path / "result.json").read_text())
@@ -111,3 +119,26 @@ def test_quickstart_learns_on_two_hosts_in_bfloat16_and_with_lora(request, tmp_p
     lora_accuracy = run_rl(load_rl_config(tmp_path / "rl" / "config.yaml", lora))[-1][ACCURACY_KEY]
     print(f"accuracy at step {CLAIM_STEPS} with LoRA: {lora_accuracy:.4f} (after SFT {result['sft_accuracy']:.4f})")
     assert 100 * (lora_accuracy - result["sft_accuracy"]) >= 20, (lora_accuracy, result)
+    serve_gain = _gain_through_hfjax_serve(tmp_path)
+    print(f"held-out gain of the Tinker SDK loop through hfjax serve: {serve_gain:+.1f} points")
+    assert serve_gain >= 15, serve_gain
+
+
+def _gain_through_hfjax_serve(run_dir: Path) -> float:
+    """`examples/tinker_rl_addition.py` (30 steps) against `hfjax serve` on `run_dir`'s SFT checkpoint, the server in
+    this process and the loop in a process of its own; returns its held-out gain in points."""
+    config = ServeConfig(model_path=str(run_dir / "sft" / "hf"), name="addition-sft", run_dir=str(run_dir / "serve"),
+                         max_prompt_tokens=32, max_new_tokens=8, slots=256, max_lora_rank=16)  # fmt: skip
+    backend = start_backend(config)
+    try:
+        with ServerThread(create_app(backend, run_dir=config.run_dir, tokenizer_id=config.tokenizer)) as url:
+            out = run_dir / "serve_rl.json"
+            example = [sys.executable, str(REPO / "examples" / "tinker_rl_addition.py"), "--base-url", url,
+                       "--base-model", config.name, "--data", str(run_dir / "data"), "--steps", "30",
+                       "--out", str(out)]  # fmt: skip
+            done = subprocess.run(example, env=user_env() | {"TINKER_TELEMETRY": "0"}, capture_output=True, text=True,
+                                  timeout=1200)  # fmt: skip
+            assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    finally:
+        backend.shutdown()
+    return json.loads(out.read_text())["gain_points"]

@@ -34,6 +34,7 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
     "bench/bench_real_size.py": (["--tiny"], "out.json", REPORT_KEYS | {"parity", "grpo", "weight_sync"}),
     "bench/bench_reshard.py": (["--tiny"], "out.json", REPORT_KEYS | {"memcpy_bytes_per_s", "rows_raw"}),
     "bench/bench_rl_step.py": (["--tiny"], "out.json", REPORT_KEYS | {"summaries", "peak_host_gib", "backend"}),
+    "bench/bench_serve.py": (["--tiny"], "out.json", REPORT_KEYS | {"rank", "new_tokens"}),
     "bench/bench_sampler.py": (["--tiny"], "out.json", REPORT_KEYS | {"same_tokens", "slots", "vocab"}),
     "bench/bench_sweep.py": (["--tiny"], "out.json", REPORT_KEYS | {"spearman_before", "fsdp_inside_a_host"}),
     "bench/bench_transport.py": (["--tiny"], "out.json", {"rows", "floor", "params", "api"}),

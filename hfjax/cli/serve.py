@@ -8,14 +8,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
+SERVE_CONFIG = "serve.yaml"  # the shipped defaults (hfjax/configs/serve.yaml)
+
 
 def add_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="serve a base model's LoRA training and sampling over the Tinker API")
-    serve.add_argument("config", help="serve config YAML (hfjax.serve.config.ServeConfig)")
-    serve.add_argument("overrides", nargs="*", help="key=value overrides, e.g. max_lora_rank=32")
+    serve.add_argument(
+        "config", nargs="?", default=SERVE_CONFIG, help=f"serve config YAML (default: the shipped {SERVE_CONFIG})"
+    )
+    serve.add_argument("overrides", nargs="*", help="key=value overrides (or every value), e.g. model_path=DIR")
     serve.add_argument("--host", help="address to listen on (default: the config's host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default: the config's port, 8000)")
-    serve.set_defaults(run=run)
+    serve.set_defaults(run=run, default_config=SERVE_CONFIG)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -133,7 +133,7 @@ class AdapterWorker(Worker):
             raise ServeError(f"lora_config.rank: expected 1..{self.config.max_lora_rank} on this server, got {rank}")
         if model_id not in self.adapters and len(self.adapters) >= self.config.max_adapters:
             raise ServeError(f"the server holds its max_adapters ({self.config.max_adapters}) training clients; "
-                             "unload one first", status=429)  # fmt: skip
+                             "unload one first")  # fmt: skip
         modules = lora_modules(self.model_config)
         targets = [
             t for t in modules if (t in ATTENTION_TARGETS and train_attn) or (t not in ATTENTION_TARGETS and train_mlp)

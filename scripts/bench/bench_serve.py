@@ -5,7 +5,9 @@ worker group directly (no HTTP, no futures), in one process on the reference che
 Workload: each training call is `--batch` sequences of `--length` tokens (cross_entropy, LoRA rank `--rank`), then
 one Adam step; each sampling call is `--samples` samples of `--new-tokens` tokens (temperature 1, no stop token)
 for a 32-token prompt. Clients run their calls back to back; the service runs every client's calls on one queue, so
-calls/s of n clients against 1 shows what the queue adds or hides. Usage:
+calls/s of n clients against 1 shows what the queue adds or hides. Each client samples its own adapter version (one
+engine call per request); the `sample, one version` rows send n requests at once to one version, which the service
+gathers into shared engine calls. Usage:
     python scripts/bench/bench_serve.py [--ckpt DIR] [--calls 4] [--clients 1,2,4] [--out runs/bench/serve.json]
         [--tiny]
 """
@@ -74,7 +76,7 @@ def main() -> None:
                 for s in sequences]  # fmt: skip
 
     request = SampleRequest(np.asarray(prompt), args.samples, args.new_tokens, temperature=1.0, seed=0)
-    params = types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0)
+    params = types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=0, stop=[])  # as direct: no stop
 
     def timed(fn, n: int) -> float:
         fn()  # warm-up: compiles
@@ -95,9 +97,9 @@ def main() -> None:
             ),
             args.calls,
         ),
-        "sample": timed(lambda: backend.sample(key, config.base_model, request), args.calls),
+        "sample": timed(lambda: backend.sample(key, config.base_model, [request]), args.calls),
     }
-    tokens = {"forward_backward": train_tokens, "sample": sample_tokens}
+    tokens = {"forward_backward": train_tokens, "sample": sample_tokens, "sample, one version": sample_tokens}
     for op, seconds in direct.items():
         rows.append(["worker group, direct", 1, op, args.calls, seconds, args.calls / seconds,
                      args.calls * tokens[op] / seconds, 1.0])  # fmt: skip
@@ -122,7 +124,11 @@ def main() -> None:
                 client.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=args.samples,
                               sampling_params=params).result()  # fmt: skip
 
-            for op, fn, targets in (("forward_backward", train, trainers), ("sample", sample, samplers)):
+            # each client samples its own adapter version; then n requests on one version (batched in the engine)
+            runs = [("forward_backward", train, trainers), ("sample", sample, samplers)]
+            if n > 1:
+                runs.append(("sample, one version", sample, [samplers[0]] * n))
+            for op, fn, targets in runs:
                 with concurrent.futures.ThreadPoolExecutor(n) as pool:
                     list(pool.map(fn, targets))  # warm-up
                     started = time.perf_counter()
@@ -130,8 +136,9 @@ def main() -> None:
                     seconds = time.perf_counter() - started
                 calls = n * args.calls
                 rate = calls / seconds
+                direct_rate = args.calls / direct[op.partition(",")[0]]
                 rows.append([f"service, {n} client(s)", n, op, calls, seconds, rate, rate * tokens[op],
-                             rate / (args.calls / direct[op])])  # fmt: skip
+                             rate / direct_rate])  # fmt: skip
             for trainer in trainers:
                 backend.unload(trainer.model_id)
     finally:
