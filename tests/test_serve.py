@@ -7,6 +7,7 @@ each gets alone; the exported PEFT adapter loads in peft to the service's log pr
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +21,13 @@ from support.rl_setup import TINY
 from tinker import types
 
 from hfjax.serve.app import create_app
+from hfjax.serve.backend import AdamStep, ServeError, TrainDatum
 from hfjax.serve.config import ServeConfig
 from hfjax.serve.http_server import ServerThread
 from hfjax.serve.worker_backend import start_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytest_plugins = ["support.ray_cluster"]
 VOCAB = 97
 PROMPT = [5, 17, 33, 2]
 TARGET = [40, 41, 42, 43, 44, 45]  # what training teaches after PROMPT
@@ -208,3 +211,25 @@ def test_bad_input_is_refused_by_name(server, case, match):
         client.forward_backward([bad], "dro" if case == "loss" else "cross_entropy").result()
     # nothing else was disturbed: the client still trains
     assert np.isfinite(train(client, 1, [[1, 2, 3, 4]])[0])
+
+
+@pytest.mark.ray
+def test_the_models_in_a_ray_worker_answer_as_in_process(server, ray_cluster, tmp_path):
+    """`backend: ray` (the models in a worker process on the Ray cluster): the same adapter trains to bitwise the
+    same log probs as in the server's process, and a refusal crosses the process boundary as the same error."""
+    remote = start_backend(dataclasses.replace(server.config, backend="ray", device="cpu", run_dir=str(tmp_path)))
+    try:
+        outputs = []
+        for backend in (server.backend, remote):
+            backend.create_adapter("ray-check", server.config.base_model, 4, 9, True, True)
+            data = [TrainDatum(np.asarray(PROMPT + TARGET[:-1]), {"target_tokens": np.asarray(PROMPT[1:] + TARGET)})]
+            backend.forward_backward("ray-check", data, "cross_entropy", None, True)
+            backend.optim_step("ray-check", AdamStep(learning_rate=1e-2))
+            outputs.append(backend.forward_backward("ray-check", data, "cross_entropy", None, False)[0][0]["logprobs"])
+            backend.unload("ray-check")
+        np.testing.assert_array_equal(outputs[1], outputs[0])
+        with pytest.raises(ServeError, match=r"lora_config\.rank") as refused:
+            remote.create_adapter("ray-check", server.config.base_model, 1024, 0, True, True)
+        assert refused.value.status == 400
+    finally:
+        remote.shutdown()

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(backend, run_dir=config.run_dir, tokenizer_id=config.tokenizer)
     print(f"serving {config.base_model} at http://{config.host}:{config.port} (run directory {config.run_dir})")
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="info")
+        uvicorn.run(app, host=config.host, port=config.port, log_level="info", access_log=False)  # polls: noise
     finally:
         backend.shutdown()
     return 0
