@@ -2,7 +2,8 @@
 deterministic `FakeBackend` (tests/support/serve_fake_backend.py), whose values are functions of token ids and the
 adapter's version: forward / forward_backward outputs and metrics round-trip exactly; calls run in order on one
 thread; a sampler samples the version it saved; checkpoint paths load onto new clients and after a server restart;
-two clients at once each see their own model; every bad input is refused with a message naming it, disturbing nothing else."""
+two clients at once each see their own model; every bad input is refused with a message naming it, disturbing
+nothing else."""
 
 from __future__ import annotations
 
