@@ -11,6 +11,8 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from tinker import types
 from tinker._client import AsyncTinker
 
 from hfjax.data.synthetic import build_addition_tokenizer
+from hfjax.serve import futures
 from hfjax.serve.app import create_app
 from hfjax.serve.http_server import ServerThread
 
@@ -217,8 +220,11 @@ def test_compute_logprobs_and_prompt_logprobs(alice):
 
 
 def test_slow_calls_are_polled_until_done(tokenizer_dir, tmp_path, monkeypatch, caplog):
-    """A call longer than a retrieve_future long poll is answered try_again, and the SDK polls again."""
+    """A call longer than a retrieve_future long poll is answered try_again, and the SDK polls again; the server's
+    log says the call is still running while it runs."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setattr(futures, "PROGRESS_EVERY_S", 0.05)
+    caplog.set_level(logging.INFO, logger="hfjax.serve")
     server = serve(tmp_path, tokenizer_dir, poll_s=0.02)
     try:
         client = trainer(tinker.ServiceClient(base_url=server.url, api_key="tml-erin"))
@@ -228,6 +234,7 @@ def test_slow_calls_are_polled_until_done(tokenizer_dir, tmp_path, monkeypatch, 
     finally:
         server.thread.stop()
     assert any("because of try_again" in record.getMessage() for record in caplog.records)
+    assert any(re.fullmatch(r"forward \S+ still running after \d+ s", r.getMessage()) for r in caplog.records)
 
 
 def test_forward_backward_custom_runs_its_loss_client_side(served, alice):

@@ -20,6 +20,7 @@ from typing import Any
 from hfjax.serve.backend import ServeError
 
 log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 30.0  # a call running longer says so in the log this often
 
 Payload = dict[str, Any] | bytes
 """What a finished future answers: a JSON object, or protobuf bytes (`ForwardBackwardOutput`, `SampleResponse`)."""
@@ -86,6 +87,8 @@ def _run_logged(method: str, subject: Any, count: int, call: Callable[[], Any]) 
     """`call()`'s payloads (`count` of them: one, or a list for a group), a failure for each when it raises; logs
     the call with its duration."""
     start = time.perf_counter()
+    done = threading.Event()
+    threading.Thread(target=_report_while_running, args=(method, subject, start, done), daemon=True).start()
     try:
         out = call()
         payloads = out if isinstance(out, list) else [out]
@@ -96,11 +99,18 @@ def _run_logged(method: str, subject: Any, count: int, call: Callable[[], Any]) 
     except Exception as error:
         log.exception("%s for %s failed", method, subject)
         payloads = [failure(f"internal server error in {method}: {type(error).__name__}: {error}", "server")] * count
+    done.set()
     failed = sum(isinstance(p, dict) and "error" in p for p in payloads)
     batch = f" x{count}" if count > 1 else ""
     outcome = f" ({failed} failed)" if failed else ""
     log.info("%s %s%s %.3f s%s", method, subject, batch, time.perf_counter() - start, outcome)
     return payloads
+
+
+def _report_while_running(method: str, subject: Any, start: float, done: threading.Event) -> None:
+    """Logs every `PROGRESS_EVERY_S` that the call is still running, until `done`."""
+    while not done.wait(PROGRESS_EVERY_S):
+        log.info("%s %s still running after %.0f s", method, subject, time.perf_counter() - start)
 
 
 class FutureStore:
