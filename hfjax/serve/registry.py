@@ -69,6 +69,12 @@ class RunRecord:
     checkpoints: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """'weights/{name}' -> {'dir', 'optimizer', 'time'}; 'sampler_weights/{name}' -> {'sampler', 'time'}."""
 
+    def started_again(self, model_id: str, owner: str, user_metadata: dict[str, Any] | None) -> RunRecord:
+        """A new run `model_id` with this one's adapter shape (a checkpoint of this run loaded into a new model)."""
+        return dataclasses.replace(
+            self, model_id=model_id, owner=owner, user_metadata=user_metadata, created=_now(), checkpoints={}
+        )
+
 
 @dataclasses.dataclass
 class SamplerRecord:

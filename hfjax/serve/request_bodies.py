@@ -7,6 +7,8 @@ from typing import Any
 
 import pydantic
 
+from hfjax.serve.backend import AdamStep
+
 
 class WireModel(pydantic.BaseModel):
     """A JSON request body: fields the server does not know are ignored (newer SDKs send more)."""
@@ -35,13 +37,16 @@ class CreateModelBody(WireModel):
     optimizer_config: OptimizerConfigBody = OptimizerConfigBody()
 
 
+_ADAM = AdamStep()  # the defaults of Tinker's AdamParams
+
+
 class AdamParamsBody(WireModel):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: float = _ADAM.learning_rate
+    beta1: float = _ADAM.beta1
+    beta2: float = _ADAM.beta2
+    eps: float = _ADAM.eps
+    weight_decay: float = _ADAM.weight_decay
+    grad_clip_norm: float = _ADAM.grad_clip_norm
 
 
 class OptimStepBody(WireModel):

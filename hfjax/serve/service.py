@@ -243,17 +243,7 @@ class TinkerService:
         self._check_base_model(source.base_model)
         self._check_optimizer(body.optimizer_config)
         model_id = self.registry.model_id(body.session_id, body.model_seq_id)
-        record = RunRecord(
-            model_id=model_id,
-            base_model=source.base_model,
-            rank=source.rank,
-            seed=source.seed,
-            train_mlp=source.train_mlp,
-            train_attn=source.train_attn,
-            train_unembed=False,
-            owner=owner,
-            user_metadata=body.user_metadata,
-        )
+        record = source.started_again(model_id, owner, body.user_metadata)
 
         def create_and_load() -> Payload:
             self._create_adapter(record)
