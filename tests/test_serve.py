@@ -2,7 +2,9 @@
 20 forward_backward + optim_step calls; `forward` log probs of a fresh adapter equal the transformers model's own;
 sampling after save_weights_for_sampler reflects the trained adapter and its log probs equal a teacher-forced pass;
 save_state -> a restarted server -> load_state continues bitwise; two clients training at once get the adapters
-each gets alone; the exported PEFT adapter loads in peft to the service's log probs; bad input is refused by name."""
+each gets alone; the exported PEFT adapter loads in peft to the service's log probs; bad input is refused by name.
+Beside the SDK: the models in a Ray worker (`backend: ray`) and under an fsdp x tensor layout train as in process on
+one device."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from support.rl_setup import TINY
 from tinker import types
 
 from hfjax.serve.app import create_app
-from hfjax.serve.backend import AdamStep, ServeError, TrainDatum
+from hfjax.serve.backend import AdamStep, SampleRequest, ServeError, TrainDatum
 from hfjax.serve.config import ServeConfig
 from hfjax.serve.http_server import ServerThread
 from hfjax.serve.worker_backend import start_backend
@@ -233,3 +235,29 @@ def test_the_models_in_a_ray_worker_answer_as_in_process(server, ray_cluster, tm
         assert refused.value.status == 400
     finally:
         remote.shutdown()
+
+
+def test_adapters_under_fsdp_and_tensor_parallelism_train_as_on_one_device(server, tmp_path):
+    """The config's `layout` (here fsdp 4 x tensor 2 over the 8 fake devices) shards the base and the adapters: three
+    Adam steps give one device's log probs, and greedy samples of the saved version are one device's."""
+    layout = {"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"}
+    sharded = start_backend(dataclasses.replace(server.config, layout=layout, run_dir=str(tmp_path)))
+    data = [TrainDatum(np.asarray(PROMPT + TARGET[:-1]), {"target_tokens": np.asarray(PROMPT[1:] + TARGET)}),
+            TrainDatum(np.asarray([9, 8, 7, 6]), {"target_tokens": np.asarray([8, 7, 6, 5])})]  # fmt: skip
+    greedy = SampleRequest(np.asarray(PROMPT), num_samples=1, max_tokens=6, temperature=0.0, stop_token_ids=())
+    results = []
+    try:
+        for backend in (server.backend, sharded):
+            backend.create_adapter("layout-check", server.config.base_model, 4, 11, True, True)
+            for _ in range(3):
+                backend.forward_backward("layout-check", data, "cross_entropy", None, True)
+                backend.optim_step("layout-check", AdamStep(learning_rate=1e-2))
+            outputs = backend.forward_backward("layout-check", data, "cross_entropy", None, False)[0]
+            version = backend.save_for_sampler("layout-check", "v")
+            sample = backend.sample(version, server.config.base_model, [greedy])[0].sequences[0]
+            results.append((np.concatenate([o["logprobs"] for o in outputs]), sample.tokens))
+            backend.unload("layout-check")
+    finally:
+        sharded.shutdown()
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    assert results[1][1] == results[0][1]
