@@ -29,6 +29,8 @@ LOGICAL_AXES = (
     "labels",
     "lora_rank",
     "expert",
+    "patches",  # a vision tower's patch positions (never split: an image's patches attend to one another)
+    "patch_pixels",  # the pixels of one patch (channels, rows, columns) in the patch embedding's kernel
 )
 _TENSOR_PARALLEL = (("heads", ("tensor",)), ("kv_heads", ("tensor",)), ("mlp", ("tensor",)), ("vocab", ("tensor",)))
 # Expert parallelism: a mixture-of-experts layer's experts split over the `expert` mesh axis, which also splits rows
