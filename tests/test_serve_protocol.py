@@ -181,6 +181,16 @@ def test_sampler_samples_the_version_it_saved(served, alice):
     assert served.backend.last_requests[0].stop_token_ids == (tokenizer.eos_token_id,)  # stop=None: end of sequence
     saved.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2, stop="+")).result()
     assert served.backend.last_requests[0].stop_token_ids == tuple(tokenizer.encode("+", add_special_tokens=False))
+    filters = types.SamplingParams(max_tokens=3, temperature=0.7, top_k=5, top_p=0.9, seed=4)
+    saved.sample(types.ModelInput.from_ints(PROMPT), 1, filters).result()
+    request = served.backend.last_requests[0]
+    assert (request.max_tokens, request.temperature, request.top_k, request.top_p, request.seed) == (
+        3,
+        pytest.approx(0.7),
+        5,
+        pytest.approx(0.9),
+        4,
+    )
 
 
 def test_samples_of_one_version_run_in_one_backend_call(served, alice):
