@@ -138,9 +138,12 @@ def create_app(
         if wire.PROTOBUF not in request.headers.get("content-type", ""):
             raise ServeError(f"forward_backward takes a protobuf body (Content-Type: {wire.PROTOBUF})")
         body = await request.body()
-        if request.headers.get("content-encoding", "").lower() == "zstd":
-            import zstandard
-
+        if request.headers.get("content-encoding", "").lower() == "zstd":  # the server asks clients not to
+            try:
+                import zstandard
+            except ImportError:
+                needs = "a zstd-compressed body needs the zstandard package on the server; send it uncompressed"
+                raise ServeError(needs) from None
             body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
         return service.forward_backward(wire.decode_forward_backward(body), who)
 
