@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hfjax.models.attention import dot_product_attention
 from hfjax.models.dense import dense
 from hfjax.models.hf import ParamMapping
 from hfjax.models.layers import rms_normalize_offset
@@ -144,9 +145,8 @@ class VisionLayer(nnx.Module):
             )
             for n in ("q", "k", "v")
         )
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * self.head_dim**-0.5
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(images, patches, -1)
+        every_patch = jnp.ones((images, patches, patches), bool)  # bidirectional: one block of every key
+        attended = dot_product_attention(q, k, v, every_patch, causal_blocks=1).reshape(images, patches, -1)
         flat = self.o_kernel[...].astype(self.dtype).reshape(self.o_kernel.shape[0], -1)
         return dense(attended, flat) + self.o_bias[...].astype(self.dtype)
 
