@@ -163,6 +163,43 @@ def test_logits_that_fit_the_budget_are_kept_not_recomputed(entropy: bool) -> No
     assert _lm_head_matmuls(WHOLE_LOGITS - 1, entropy) == 2 == _lm_head_matmuls(None, entropy)
 
 
+def _primitive_counts(jaxpr: jax.extend.core.Jaxpr) -> dict[str, int]:
+    """How often each primitive occurs in `jaxpr`, sub-jaxprs (scan bodies) included."""
+    counts: dict[str, int] = {}
+    for e in jaxpr.eqns:
+        counts[e.primitive.name] = counts.get(e.primitive.name, 0) + 1
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+        for name, n in _primitive_counts(getattr(sub, "jaxpr", sub)).items():
+            counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_metric_only_entropy_adds_no_backward_work(chunk: int) -> None:
+    """An entropy under `stop_gradient` (the update's metric when `entropy_coeff` is 0) has a zero cotangent: the
+    backward is the log-prob-only one (no entropy term over every chunk's [rows, chunk, vocab]), so the gradient
+    is bitwise that of `with_entropy=False` and the gradient program differs from it only by the forward's
+    entropy reduction."""
+    hidden, kernel, labels, weights = _inputs(jnp.float32, jnp.float32)
+
+    def loss(entropy: bool) -> Callable[..., jax.Array]:
+        def fn(hidden: jax.Array, kernel: jax.Array) -> jax.Array:
+            logp, ent = _chunked(chunk, entropy, None)(hidden, kernel, labels)
+            metric = jnp.sum(jax.lax.stop_gradient(ent)) if entropy else 0.0
+            return jnp.sum(weights[0] * logp) + 0.0 * metric
+
+        return jax.grad(fn, argnums=(0, 1))
+
+    with_metric, without = jax.jit(loss(True))(hidden, kernel), jax.jit(loss(False))(hidden, kernel)
+    for a, b in zip(with_metric, without, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    counts = [_primitive_counts(jax.make_jaxpr(loss(e))(hidden, kernel).jaxpr) for e in (True, False)]
+    # the forward's entropy: one product exps * shifted, one division and one subtraction more; nothing else
+    extra = {k: counts[0].get(k, 0) - counts[1].get(k, 0) for k in counts[0].keys() | counts[1].keys()}
+    extra = {k: n for k, n in extra.items() if n}
+    assert extra.get("mul", 0) <= 2 and "exp" not in extra and "dot_general" not in extra, extra
+
+
 def test_chunk_must_be_positive() -> None:
     hidden, kernel, labels, _ = _inputs(jnp.float32, jnp.float32)
     with pytest.raises(ValueError, match="chunk"):

@@ -21,7 +21,9 @@ chunk body, because:
 Every matmul runs in the compute dtype (that of `hidden`) with float32 accumulation; the float32 cotangent of the
 logits is cast to the compute dtype before the two backward matmuls (exact in float32 compute). The entropy is
 computed from max-centred logits, log s - sum(e u) / s with u = z - max z, e = exp(u), s = sum e: no large max
-cancels (more accurate than `entropy_from_logits` on peaked distributions).
+cancels (more accurate than `entropy_from_logits` on peaked distributions). An entropy read only as a metric (under
+`jax.lax.stop_gradient`) costs the forward's reduction alone: its cotangent is a symbolic zero and the backward
+skips its term.
 
 Memory, bytes per device, with T = rows * chunk tokens per chunk (the rows local to the device), V the padded vocab,
 E the embed size, c the compute dtype's and k the kernel's item size:
@@ -49,6 +51,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from hfjax.models.config import MASKED_SCORE
 from hfjax.models.program import constrain, constrain_weight, length_parts, split_parts
@@ -160,8 +163,9 @@ def _token_stats(hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: 
 
 
 def _token_stats_fwd(
-    hidden: jax.Array, kernel: jax.Array, labels: jax.Array, head: _Head
+    hidden: CustomVJPPrimal, kernel: CustomVJPPrimal, labels: CustomVJPPrimal, head: _Head
 ) -> tuple[tuple[jax.Array, ...], tuple]:
+    hidden, kernel, labels = hidden.value, kernel.value, labels.value
     compute = _gathered(kernel, hidden.dtype)
     out, stats, logits = _forward(hidden, compute, labels, head, keep=head.keep_logits)
     return out, (hidden, kernel, compute, labels, stats, logits)
@@ -169,6 +173,8 @@ def _token_stats_fwd(
 
 def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, None]:
     hidden, kernel, compute, labels, stats, logits = residuals
+    # an entropy that is a metric only (stop_gradient) has a symbolic zero cotangent: its term is never computed
+    entropy_flows = head.entropy and not isinstance(grads[1], SymbolicZero)
     columns = jnp.arange(kernel.shape[0])
     parts = head.parts
     per_part = (head.rows_axis, "vocab", "embed")  # a [parts, vocab, embed] gradient part on each device group's rows
@@ -180,7 +186,7 @@ def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]
         p = jnp.exp(log_p)
         # d logp / dz = onehot(label) - p;  d entropy / dz = p (sum softmax(z) z - z) = -p (log p + entropy)
         dz = g_logp[..., None] * ((columns == y[..., None]) - p)
-        if head.entropy:
+        if entropy_flows:
             entropy, g_ent = rest
             dz = dz - g_ent[..., None] * p * (log_p + entropy[..., None])
         # d z / d (hidden @ kernel.T): 1 / T, times 1 - tanh^2 = 1 - (z T / cap)^2 under a soft cap
@@ -194,7 +200,8 @@ def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]
         )
         return constrain(grad_kernel + own, per_part), grad_h
 
-    per_token = [stats[0], grads[0]] + ([stats[1], grads[1]] if head.entropy else [])
+    g_logp = jnp.zeros_like(stats[0]) if isinstance(grads[0], SymbolicZero) else grads[0]
+    per_token = [stats[0], g_logp] + ([stats[1], grads[1]] if entropy_flows else [])
     chunks = (_to_chunks(x, head.chunk) for x in (hidden, labels, *per_token))
     zeros = constrain(jnp.zeros((parts, *kernel.shape), jnp.float32), per_part)
     grad_kernel, grad_h = jax.lax.scan(body, zeros, (tuple(chunks), logits))
@@ -203,7 +210,7 @@ def _token_stats_bwd(head: _Head, residuals: tuple, grads: tuple[jax.Array, ...]
     return grad_h, grad_kernel.astype(kernel.dtype), None
 
 
-_token_stats.defvjp(_token_stats_fwd, _token_stats_bwd)
+_token_stats.defvjp(_token_stats_fwd, _token_stats_bwd, symbolic_zeros=True)
 
 
 def token_logprobs(
