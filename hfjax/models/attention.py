@@ -94,15 +94,25 @@ def resolve_implementation(implementation: str | None = None) -> str:
     )
 
 
-def attention_mask(segments: jax.Array, query_index: jax.Array, key_index: jax.Array, window: int | None) -> jax.Array:
+def attention_mask(
+    segments: jax.Array,
+    query_index: jax.Array,
+    key_index: jax.Array,
+    window: int | None,
+    blocks: jax.Array | None = None,
+) -> jax.Array:
     """Boolean [batch, positions, positions] over `segments` [batch, positions] (0: padding; a row of 0/1 is one
     sequence, several increasing ids are packed sequences): causal, within the sliding window when one is set, and
-    a query sees only real keys of its own segment."""
-    allowed = key_index[None, :] <= query_index[:, None]
+    a query sees only real keys of its own segment. With `blocks` [batch, positions] (an image's soft tokens share
+    an id >= 0, text is -1) the positions of one block also see each other (Gemma 3's bidirectional image
+    attention): causal or same block, then the window (query - key < window: a later key of its block is in it)."""
+    allowed = (key_index[None, :] <= query_index[:, None])[None, :, :]
+    if blocks is not None:
+        allowed = allowed | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
     if window is not None:
-        allowed &= query_index[:, None] - key_index[None, :] < window
+        allowed &= (query_index[:, None] - key_index[None, :] < window)[None, :, :]
     same = (segments[:, :, None] == segments[:, None, :]) & (segments[:, None, :] > 0)
-    return allowed[None, :, :] & same
+    return allowed & same
 
 
 def scale_scores(scores: jax.Array, head_dim: int, softcap: float | None) -> jax.Array:
@@ -313,6 +323,7 @@ def causal_attention(
     window: int | None = None,
     softcap: float | None = None,
     implementation: str | None = None,
+    sees_ahead: bool = False,
 ) -> jax.Array:
     """Causal self-attention of a batch: q [b, t, heads, d]; k, v [b, t, kv_heads, d] -> [b, t, heads, d].
 
@@ -323,12 +334,19 @@ def causal_attention(
     structured form (pass `valid` with `mask` for packed segments: a diagonal holds no segment ids). Under an
     `program_layout` of several devices a Pallas kernel, and cuDNN where a sequence axis splits the positions, runs
     per shard (xla where the operands do not split by the layout). Scores are soft-capped when `softcap` is set
-    (`scale_scores`): only xla does that, so the others fall back to it (logged once)."""
+    (`scale_scores`): only xla does that, so the others fall back to it (logged once). `sees_ahead`: `mask` lets
+    some queries see later keys (Gemma 3's image blocks, `attention_mask(..., blocks)`), which only xla's whole
+    mask holds, so it runs (logged once), over every key."""
     if valid is None and lengths is None and mask is None:
         raise ValueError("causal_attention needs valid, lengths or mask")
+    if sees_ahead and mask is None:
+        raise ValueError("causal_attention: sees_ahead needs the mask that says what each query sees")
     name = resolve_implementation(implementation)
     if softcap is not None and name != "xla":
         fall_back(name, "score soft-capping (Gemma 2's attn_logit_softcapping) is not in its kernels")
+        name = "xla"
+    if sees_ahead and name != "xla":
+        fall_back(name, "queries that see later keys (Gemma 3's image blocks) need the whole mask")
         name = "xla"
     parts = length_parts(q.shape[1])
     if parts > 1:
@@ -347,7 +365,7 @@ def causal_attention(
         if not cudnn_supported(q.shape, k.shape, q.dtype, with_mask=lengths is None, head_dim_limit=limit):
             name = "xla"
     if name == "xla" and mask is not None:
-        return dot_product_attention(q, k, v, mask, softcap=softcap)
+        return dot_product_attention(q, k, v, mask, causal_blocks=1 if sees_ahead else 4, softcap=softcap)
     if name == "cudnn" and lengths is not None:
         return cudnn_attention(q, k, v, lengths=lengths, window=window)
     index = jnp.arange(q.shape[1], dtype=jnp.int32)

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,8 @@ def param_plan(cfg: ModelConfig, head: str) -> list[ParamMapping]:
     return plan
 
 
-def _dtype(value: Any, field: str) -> jnp.dtype:
+def checked_dtype(value: Any, field: str) -> jnp.dtype:
+    """`value` as a dtype the models take (float32, bfloat16, float16), else ValueError naming `field`."""
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
@@ -180,7 +181,7 @@ def checkpoint_index(path: str | os.PathLike) -> dict[str, TensorEntry]:
     raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; hfjax reads safetensors checkpoints only")
 
 
-def _check_against_checkpoint(
+def check_tensors(
     plan: list[ParamMapping],
     shapes: dict[tuple, tuple[int, ...]],
     index: dict[str, TensorEntry],
@@ -188,6 +189,9 @@ def _check_against_checkpoint(
     ignorable: set[str],
     path: str,
 ) -> None:
+    """Raises `CheckpointError` listing every tensor of `plan` (parameter shapes `shapes`) that the checkpoint
+    `index` lacks or holds in another shape, and every checkpoint tensor the plan does not read (but `ignorable`);
+    the `fresh` ones are not read."""
     problems = []
     wanted = {m.hf_name for m in plan if m.hf_name not in fresh}
     missing = [
@@ -219,7 +223,10 @@ def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 def abstract_model(cfg: ModelConfig, head: str, dtype: Any = "float32", param_dtype: Any = None) -> nnx.Module:
     """The model with `jax.ShapeDtypeStruct` parameters (no memory allocated), for planning shardings."""
     return HEAD_CLASSES[head](
-        cfg, dtype=_dtype(dtype, "dtype"), param_dtype=_dtype(param_dtype or dtype, "param_dtype"), rngs=None
+        cfg,
+        dtype=checked_dtype(dtype, "dtype"),
+        param_dtype=checked_dtype(param_dtype or dtype, "param_dtype"),
+        rngs=None,
     )
 
 
@@ -255,7 +262,7 @@ def check_checkpoint(
     fresh = {m.hf_name for m in plan if m.path[0] in HEAD_PARAMS[head]} if head != ckpt_head else set()
     ignorable = {"lm_head.weight"} if head != "causal_lm" or cfg.tie_word_embeddings else set()
     shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(model))}
-    _check_against_checkpoint(plan, shapes, index, fresh, ignorable, str(path))
+    check_tensors(plan, shapes, index, fresh, ignorable, str(path))
     return CheckedCheckpoint(cfg, head, model, plan, index, fresh)
 
 
@@ -272,17 +279,32 @@ def load_hf(
     or `head` = `causal_lm` | `seq_cls` | `token_cls` to build another head on the same backbone, whose new head
     weights are initialised from `seed`). Parameters go straight to their shardings under `layout` (else the first
     device), one tensor at a time, stored in `param_dtype` (default: `dtype`)."""
-    compute_dtype = _dtype(dtype, "load_hf(dtype)")
-    storage_dtype = _dtype(param_dtype or dtype, "load_hf(param_dtype)")
+    compute_dtype = checked_dtype(dtype, "load_hf(dtype)")
+    storage_dtype = checked_dtype(param_dtype or dtype, "load_hf(param_dtype)")
     checked = check_checkpoint(path, head, compute_dtype, storage_dtype)
-    cfg, head, plan, index, fresh = checked.config, checked.head, checked.plan, checked.index, checked.fresh
-    graphdef, abstract_state = nnx.split(checked.model)
+    std = float(checked.config.hf_config.get("initializer_range", 0.02))
+    return load_planned(checked.model, checked.plan, checked.index, path, layout, checked.fresh, std, seed)
+
+
+def load_planned(
+    model: nnx.Module,
+    plan: list[ParamMapping],
+    index: dict[str, TensorEntry],
+    path: str | os.PathLike,
+    layout: Layout | Mapping[str, Any] | None = None,
+    fresh: Collection[str] = (),
+    std: float = 0.02,
+    seed: int = 0,
+) -> nnx.Module:
+    """The abstract `model` (`jax.ShapeDtypeStruct` parameters) with every parameter read by `plan` from the
+    checkpoint tensors `index` (those named in `fresh` drawn from N(0, `std`), biases zero), in the parameters'
+    dtypes, placed by `layout` (else on the first device) one tensor at a time."""
+    graphdef, abstract_state = nnx.split(model)
     if layout is not None:
         shardings = dict(nnx.to_flat_state(Layout.from_config(layout).shardings(abstract_state)))
     else:
         shardings = None
     flat = dict(nnx.to_flat_state(abstract_state))
-    std = float(cfg.hf_config.get("initializer_range", 0.02))
     rng = np.random.default_rng(seed)
     default_sharding = SingleDeviceSharding(jax.devices()[0])
     values = {}
@@ -296,13 +318,13 @@ def load_hf(
         else:
             host = read_tensor(index[mapping.hf_name])
         if mapping.kind == "expert":
-            buffer = stacked.setdefault(mapping.path, aligned_empty(var.shape, storage_dtype))
+            buffer = stacked.setdefault(mapping.path, aligned_empty(var.shape, var.dtype))
             buffer[mapping.expert] = host
             if mapping.expert < var.shape[0] - 1:
                 continue
             host = stacked.pop(mapping.path)
         host = mapping.to_model(host, var.shape)
-        host = np.ascontiguousarray(host.astype(storage_dtype, copy=False))
+        host = np.ascontiguousarray(host.astype(var.dtype, copy=False))
         values[mapping.path] = _place(host, shardings[mapping.path] if shardings else default_sharding)
     state = nnx.from_flat_state([(p, v.replace(value=values[p])) for p, v in flat.items()])
     return nnx.merge(graphdef, state)
@@ -334,7 +356,7 @@ def save_hf(
         raise FileExistsError(f"save_hf: {target} exists and is not empty; pass overwrite=True to replace it")
     cfg: ModelConfig = model.config
     head = model.head_kind
-    out_dtype = _dtype(dtype or model.param_dtype, "save_hf(dtype)")
+    out_dtype = checked_dtype(dtype or model.param_dtype, "save_hf(dtype)")
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     plan = param_plan(cfg, head)
     specs = [(m.hf_name, np.dtype(out_dtype), m.hf_shape(flat[m.path].shape)) for m in plan]

@@ -215,13 +215,18 @@ class DecoderLayer(nnx.Module):
         mask: jax.Array,
         segments: jax.Array,
         expert_choices: jax.Array | None = None,
+        *,
+        sees_ahead: bool = False,
     ) -> jax.Array:
         """The block over a batch of `segments` [b, t] (0/1 real tokens, or packed segment ids); `mask` is
         `attention_mask(segments, index, index, self.window)` [b, t, t]; cos and sin are of `self.rope`;
-        `expert_choices` replays a mixture of experts' routes (`hfjax.models.moe`)."""
+        `expert_choices` replays a mixture of experts' routes (`hfjax.models.moe`). `sees_ahead`: the mask lets
+        image blocks see ahead (`attention_mask(..., blocks)`)."""
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-            return causal_attention(q, k, v, valid=segments, mask=mask, window=self.window, softcap=self.softcap)
+            return causal_attention(
+                q, k, v, valid=segments, mask=mask, window=self.window, softcap=self.softcap, sees_ahead=sees_ahead
+            )
 
         return self.block(x, cos, sin, attend, expert_choices, segments > 0)
 

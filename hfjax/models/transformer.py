@@ -68,17 +68,23 @@ REMAT = ("none", *REMAT_POLICIES)
 
 
 def _layer_step(
-    layer: DecoderLayer, x: jax.Array, tables: tuple[jax.Array, ...], remat: str, choices: jax.Array | None
+    layer: DecoderLayer,
+    x: jax.Array,
+    tables: tuple[jax.Array, ...],
+    remat: str,
+    choices: jax.Array | None,
+    sees_ahead: bool = False,
 ) -> jax.Array:
     """One decoder layer over `tables` (cos, sin, mask, segments) and replayed expert `choices`, under
     `jax.checkpoint` with the `remat` policy unless it is `none` (the layer's state is split off so that the
-    checkpointed function is pure; `hfjax.models.moe.checkpointed` carries the router tapes out)."""
+    checkpointed function is pure; `hfjax.models.moe.checkpointed` carries the router tapes out); `sees_ahead`:
+    the mask has blocks that see ahead (`DecoderLayer`)."""
     if remat == "none":
-        return layer(x, *tables, choices)
+        return layer(x, *tables, choices, sees_ahead=sees_ahead)
     graphdef, state = nnx.split(layer)
 
     def pure(state: nnx.State, x: jax.Array, tables: tuple[jax.Array, ...], choices: jax.Array | None) -> jax.Array:
-        return nnx.merge(graphdef, state)(x, *tables, choices)
+        return nnx.merge(graphdef, state)(x, *tables, choices, sees_ahead=sees_ahead)
 
     return checkpointed(pure, REMAT_POLICIES[remat])(state, x, tables, choices)
 
@@ -111,9 +117,14 @@ class Decoder(nnx.Module):
         attention_mask_: jax.Array | None = None,
         positions: jax.Array | None = None,
         expert_choices: jax.Array | None = None,
+        *,
+        embeddings: jax.Array | None = None,
+        blocks: jax.Array | None = None,
     ) -> jax.Array:
         """Hidden states for `input_ids` [batch, length]; `expert_choices` [batch, length, moe layers, k] replays a
-        mixture of experts' routes (`hfjax.models.moe`)."""
+        mixture of experts' routes (`hfjax.models.moe`). A vision-language model passes its input `embeddings`
+        [batch, length, embed] (image soft tokens in place of their placeholders) and the image `blocks` [batch,
+        length] whose positions attend to each other both ways (`attention_mask`)."""
         batch, length = input_ids.shape
         segments = (
             jnp.ones((batch, length), jnp.int32) if attention_mask_ is None else attention_mask_.astype(jnp.int32)
@@ -122,11 +133,12 @@ class Decoder(nnx.Module):
             positions = positions_from_mask(segments)
         index = jnp.arange(length, dtype=jnp.int32)
         windows = dict.fromkeys(layer.window for layer in self.layers)  # first-seen order: one trace everywhere
-        masks = {w: attention_mask(segments, index, index, w) for w in windows}
+        masks = {w: attention_mask(segments, index, index, w, blocks) for w in windows}
         tables = self.rotary(positions)
-        x = constrain(self.embed(input_ids), RESIDUAL)
+        x = constrain(self.embed(input_ids) if embeddings is None else embeddings, RESIDUAL)
         for layer in self.layers:
-            x = _layer_step(layer, x, (*tables[layer.rope], masks[layer.window], segments), self.remat, expert_choices)
+            step = (*tables[layer.rope], masks[layer.window], segments)
+            x = _layer_step(layer, x, step, self.remat, expert_choices, sees_ahead=blocks is not None)
         return constrain(self.norm(x), RESIDUAL)
 
     def embed(self, input_ids: jax.Array) -> jax.Array:

@@ -1,0 +1,186 @@
+"""Gemma 3's vision-language model (`Gemma3ForConditionalGeneration`): images read as soft tokens by the language
+model.
+
+The prompt holds `tokens_per_image` placeholder tokens (`image_token_id`) per image. `ImageEncoder` turns each
+image into that many soft tokens, which replace the placeholders' embeddings in order of appearance (row by row,
+left to right; Gemma's embedding scale applies to text tokens only, as in transformers). The language model then
+runs as `CausalLM` does, except that the tokens of one image see each other both ways (`attention_mask(...,
+blocks)`: a run of consecutive placeholders is one block; on sliding-window layers the window still applies), so
+its attention runs as xla. Rows without images, or a batch without any, are plain text.
+
+`load_vision_lm` reads the checkpoint (the Hub's `language_model.model.*` / `vision_tower.vision_model.*` names or
+transformers 5's `model.language_model.*` / `model.vision_tower.*`). Logical axes are the decoder's and the vision
+tower's, so one layout shards the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hfjax.models.config import ModelConfig, config_from_hf
+from hfjax.models.hf import ParamMapping, check_tensors, checked_dtype, checkpoint_index, load_planned, param_plan
+from hfjax.models.safetensors_io import CheckpointError
+from hfjax.models.transformer import CausalLM
+from hfjax.models.vision import ImageEncoder, VisionConfig, tower_prefix, vision_plan
+from hfjax.parallel.layout import Layout
+
+ARCHITECTURE = "Gemma3ForConditionalGeneration"
+TEXT_BLOCK = -1  # the block id of a text position (`image_blocks`)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionLanguageConfig:
+    """The language model's config, the vision side's and the placeholder token of an image's soft tokens."""
+
+    text: ModelConfig
+    vision: VisionConfig
+    image_token_id: int
+
+    @classmethod
+    def from_hf(cls, raw: Mapping[str, Any], source: str = "config.json") -> VisionLanguageConfig:
+        """From a `Gemma3ForConditionalGeneration` `config.json` (its `text_config` read as `Gemma3ForCausalLM`)."""
+        archs = raw.get("architectures") or []
+        if archs != [ARCHITECTURE]:
+            raise ValueError(f"{source}: architectures {archs!r}; expected [{ARCHITECTURE!r}]")
+        text = {**raw["text_config"], "architectures": ["Gemma3ForCausalLM"]}
+        text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        token = raw.get("image_token_index", raw.get("image_token_id"))
+        if token is None:
+            raise ValueError(f"{source}: no image_token_index; expected the id of the image placeholder token")
+        cfg, _ = config_from_hf(text, f"{source} text_config")
+        return cls(cfg, VisionConfig.from_hf(raw), int(token))
+
+
+def image_blocks(input_ids: jax.Array, image_token_id: int) -> jax.Array:
+    """[rows, length] int32: the block of each position, a run of consecutive image placeholders being one block
+    (0, 1, .. within a row), `TEXT_BLOCK` elsewhere (transformers' `get_block_sequence_ids_for_mask`)."""
+    is_image = input_ids == image_token_id
+    starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(is_image, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, TEXT_BLOCK)
+
+
+def merge_soft_tokens(embeddings: jax.Array, input_ids: jax.Array, soft_tokens: jax.Array, image_token_id: int
+                      ) -> jax.Array:  # fmt: skip
+    """`embeddings` [rows, length, embed] with the placeholders' replaced by `soft_tokens` [images, tokens, embed]
+    in order of appearance over the flattened rows (transformers' `masked_scatter`). The number of placeholders
+    must be images x tokens (`check_placeholders`)."""
+    is_image = (input_ids == image_token_id).reshape(-1)
+    flat = soft_tokens.reshape(-1, soft_tokens.shape[-1]).astype(embeddings.dtype)
+    order = jnp.clip(jnp.cumsum(is_image, dtype=jnp.int32) - 1, 0, flat.shape[0] - 1)
+    merged = jnp.where(is_image[:, None], flat[order], embeddings.reshape(-1, embeddings.shape[-1]))
+    return merged.reshape(embeddings.shape)
+
+
+def check_placeholders(input_ids: Any, images: int, cfg: VisionLanguageConfig) -> None:
+    """Raises ValueError unless the host token ids [rows, length] hold `images` x tokens_per_image placeholders."""
+    import numpy as np
+
+    found = int(np.sum(np.asarray(input_ids) == cfg.image_token_id))
+    wanted = images * cfg.vision.tokens_per_image
+    if found != wanted:
+        raise ValueError(
+            f"input_ids: {found} image placeholder tokens (id {cfg.image_token_id}) for {images} images; expected "
+            f"{wanted} ({cfg.vision.tokens_per_image} per image)"
+        )
+
+
+class VisionLanguageLM(nnx.Module):
+    """`ImageEncoder` + `CausalLM` (Gemma 3). Call -> logits [rows, length, vocab_size] float32 (HF's shape)."""
+
+    head_kind = "causal_lm"
+
+    def __init__(
+        self,
+        cfg: VisionLanguageConfig,
+        *,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = None,
+        rngs: nnx.Rngs | None,
+        init_std: float = 0.02,
+    ):
+        self.language_model = CausalLM(cfg.text, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
+        self.vision = ImageEncoder(cfg.vision, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.image_token_id = cfg.image_token_id
+
+    def hidden(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        images: jax.Array | None = None,
+    ) -> jax.Array:
+        """Hidden states [rows, length, embed] of `input_ids` with `images` [n, channels, height, width] (pixel
+        values as the checkpoint's processor makes them) read in place of their placeholders; None: text only."""
+        decoder = self.language_model.model
+        if images is None or images.shape[0] == 0:
+            return decoder(input_ids, attention_mask, positions)
+        embeddings = merge_soft_tokens(decoder.embed(input_ids), input_ids, self.vision(images), self.image_token_id)
+        blocks = image_blocks(input_ids, self.image_token_id)
+        return decoder(input_ids, attention_mask, positions, embeddings=embeddings, blocks=blocks)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        images: jax.Array | None = None,
+    ) -> jax.Array:
+        lm = self.language_model
+        return lm.logits(self.hidden(input_ids, attention_mask, positions, images))[..., : lm.config.vocab_size]
+
+
+# Where a checkpoint keeps the language model's decoder and head, as `param_plan` names them (`model.`, `lm_head.`)
+TEXT_PREFIXES = (("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head."))
+
+
+def vision_lm_plan(cfg: VisionLanguageConfig, names: Collection[str]) -> list[ParamMapping]:
+    """The HF name and conversion of every parameter of a `VisionLanguageLM` in a checkpoint with tensor `names`."""
+    decoder, head = next(
+        (p for p in TEXT_PREFIXES if f"{p[0]}embed_tokens.weight" in names),
+        TEXT_PREFIXES[0],
+    )
+    head = head if f"{head}weight" in names else "lm_head."
+    text = [
+        dataclasses.replace(
+            m,
+            hf_name=m.hf_name.replace("model.", decoder, 1) if m.path[0] == "model" else f"{head}weight",
+            path=("language_model", *m.path),
+        )
+        for m in param_plan(cfg.text, "causal_lm")
+    ]
+    vision = [dataclasses.replace(m, path=("vision", *m.path)) for m in vision_plan(cfg.vision, tower_prefix(names))]
+    return text + vision
+
+
+def load_vision_lm(
+    path: str | os.PathLike,
+    *,
+    dtype: Any = "float32",
+    param_dtype: Any = None,
+    layout: Layout | Mapping[str, Any] | None = None,
+) -> VisionLanguageLM:
+    """Loads a `Gemma3ForConditionalGeneration` checkpoint directory; parameters go straight to their shardings
+    under `layout` (else the first device), stored in `param_dtype` (default: `dtype`). Raises `CheckpointError`
+    naming missing, unexpected or mis-shaped tensors before reading any."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
+    cfg = VisionLanguageConfig.from_hf(json.loads(file.read_text()), str(file))
+    compute = checked_dtype(dtype, "load_vision_lm(dtype)")
+    storage = checked_dtype(param_dtype or dtype, "load_vision_lm(param_dtype)")
+    model = VisionLanguageLM(cfg, dtype=compute, param_dtype=storage, rngs=None)  # abstract: no memory
+    index = checkpoint_index(path)
+    plan = vision_lm_plan(cfg, index)
+    shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(model))}
+    tied_heads = {f"{head}weight" for _, head in TEXT_PREFIXES} if cfg.text.tie_word_embeddings else set()
+    check_tensors(plan, shapes, index, set(), tied_heads, str(path))
+    return load_planned(model, plan, index, path, layout)

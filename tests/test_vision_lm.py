@@ -1,0 +1,217 @@
+"""Gemma 3's vision-language model (`hfjax.models.vision_lm`) against transformers on a tiny random
+`Gemma3ForConditionalGeneration`: logits with images equal transformers' (float32, relative 1e-5) with left padding,
+two images in one row and a row without images, on a sliding-window layer and a full one; every parameter's
+gradient, the vision tower's included, equals PyTorch's (relative 1e-4); a text-only batch equals transformers'
+without pixels; under fsdp 4 x tensor 2 logits and gradients equal one device's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+from flax import nnx
+
+from hfjax.models.attention import attention_mask, causal_attention
+from hfjax.models.hf import checkpoint_index
+from hfjax.models.program import program_layout
+from hfjax.models.vision_lm import (
+    VisionLanguageConfig,
+    image_blocks,
+    load_vision_lm,
+    vision_lm_plan,
+)
+from hfjax.parallel import Layout
+
+VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+              patch_size=8, num_channels=3, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip
+# a sliding layer whose window (6) is shorter than the rows, then a full one
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=300, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+IMAGE, BOI, EOI, PAD = 299, 297, 298, 0
+TOKENS_PER_IMAGE = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[tf.Gemma3ForConditionalGeneration, Path]:
+    config = tf.Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=TOKENS_PER_IMAGE,
+                             image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms start at zero (Gemma's 1 + w) and the projection small: make every tensor matter
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    path = tmp_path_factory.mktemp("gemma3_vlm")
+    model.save_pretrained(path)
+    return model, path
+
+
+IMAGE_SPAN = [BOI, *[IMAGE] * TOKENS_PER_IMAGE, EOI]
+
+
+def batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask) [3, 24] and pixel values [3 images, 3, 32, 32]: row 0 left-padded with one image
+    mid-text, row 1 two images (one right after the other's end), row 2 left-padded text only."""
+    rng = np.random.default_rng(3)
+
+    def text(n: int) -> list[int]:
+        return list(rng.integers(3, 290, n))
+
+    rows = [
+        [PAD] * 3 + text(5) + IMAGE_SPAN + text(10),
+        text(2) + IMAGE_SPAN + text(3) + IMAGE_SPAN + text(7),
+        [PAD] * 7 + text(17),
+    ]
+    ids = np.asarray(rows, np.int64)
+    mask = (np.arange(ids.shape[1])[None, :] >= np.asarray([3, 0, 7])[:, None]).astype(np.int64)
+    pixels = rng.normal(size=(3, 3, 32, 32)).astype(np.float32)
+    return ids, mask, pixels
+
+
+def positions(mask: np.ndarray) -> np.ndarray:
+    return np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+
+
+def torch_logits(model, ids, mask, pixels) -> torch.Tensor:
+    images = {}
+    if pixels is not None:
+        images = {"pixel_values": torch.tensor(pixels), "token_type_ids": torch.tensor((ids == IMAGE).astype(np.int64))}
+    return model(
+        input_ids=torch.tensor(ids),
+        attention_mask=torch.tensor(mask),
+        position_ids=torch.tensor(positions(mask)),
+        **images,
+    ).logits
+
+
+def loss_weights(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Random weights on each real position's log prob of the next token (0 on padding and the last position)."""
+    weights = np.random.default_rng(4).normal(size=ids.shape).astype(np.float32)
+    weights[:, -1] = 0
+    return weights * mask
+
+
+def hf_loss(model, ids, mask, pixels) -> torch.Tensor:
+    logp = torch.log_softmax(torch_logits(model, ids, mask, pixels), -1)
+    picked = torch.gather(logp[:, :-1], 2, torch.tensor(ids[:, 1:, None])).squeeze(-1)
+    return (picked * torch.tensor(loss_weights(ids, mask)[:, :-1])).sum()
+
+
+def our_loss(model, ids, mask, pixels) -> jax.Array:
+    logits = model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)), pixels)
+    logp = jax.nn.log_softmax(logits, -1)
+    picked = jnp.take_along_axis(logp[:, :-1], jnp.asarray(ids[:, 1:, None]), 2)[..., 0]
+    return jnp.sum(picked * loss_weights(ids, mask)[:, :-1])
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_image_blocks_number_each_run_of_placeholders() -> None:
+    ids, _, _ = batch()
+    blocks = np.asarray(image_blocks(jnp.asarray(ids), IMAGE))
+    assert set(blocks[0][ids[0] == IMAGE]) == {0} and set(blocks[1][ids[1] == IMAGE]) == {0, 1}
+    assert np.all(blocks[ids != IMAGE] == -1) and np.all(blocks[2] == -1)
+
+
+def test_an_image_block_across_the_causal_key_blocks_sees_its_later_tokens() -> None:
+    """At 128 positions the xla attention skips the keys after each quarter of the queries (causal); a block of
+    image tokens across a quarter's end (positions 28..35) must still see all of its own: equal to a hand-written
+    softmax over the whole mask, and not to the causal one."""
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 128, h, 8)), jnp.float32) for h in (4, 2, 2))
+    ids = np.full((1, 128), 5)
+    ids[0, 28:36] = IMAGE
+    segments, index = jnp.ones((1, 128), jnp.int32), jnp.arange(128)
+    mask = attention_mask(segments, index, index, None, image_blocks(jnp.asarray(ids), IMAGE))
+    got = causal_attention(q, k, v, valid=segments, mask=mask, sees_ahead=True, implementation="xla")
+    scores = np.einsum("tkgd,skd->kgts", np.asarray(q[0]).reshape(128, 2, 2, 8), np.asarray(k[0])) / np.sqrt(8)
+    scores = np.where(np.asarray(mask[0]), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("kgts,skd->tkgd", probs / probs.sum(-1, keepdims=True), np.asarray(v[0])).reshape(128, 4, 8)
+    np.testing.assert_allclose(np.asarray(got[0]), want, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.asarray(mask[0, 30, 33])) and not np.asarray(mask[0, 27, 30])
+
+
+def test_logits_with_images_equal_transformers(checkpoint) -> None:
+    hf_model, path = checkpoint
+    ids, mask, pixels = batch()
+    model = load_vision_lm(path)
+    with torch.no_grad():
+        want = torch_logits(hf_model, ids, mask, pixels).numpy()
+        text_only = torch_logits(hf_model, ids[2:], mask[2:], None).numpy()
+    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)), jnp.asarray(pixels)))
+    real = mask.astype(bool)
+    assert _relative(got[real], want[real]) < 1e-5
+    # the image blocks matter: the same logits with causal attention only differ
+    causal = model.language_model.model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)))
+    assert _relative(np.asarray(model.language_model.logits(causal))[real][:, :300], want[real]) > 1e-2
+    got_text = np.asarray(model(jnp.asarray(ids[2:]), jnp.asarray(mask[2:]), jnp.asarray(positions(mask[2:]))))
+    assert _relative(got_text[real[2:]], text_only[real[2:]]) < 1e-5
+
+
+def _gradients(model, ids, mask, pixels) -> dict[tuple, np.ndarray]:
+    graphdef, params = nnx.split(model)
+    grads = jax.jit(jax.grad(lambda p, x: our_loss(nnx.merge(graphdef, p), ids, mask, x)))(params, pixels)
+    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)}
+
+
+def test_every_gradient_equals_pytorchs(checkpoint) -> None:
+    hf_model, path = checkpoint
+    ids, mask, pixels = batch()
+    hf_model.zero_grad()
+    hf_loss(hf_model, ids, mask, pixels).backward()
+    torch_grads = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
+    ours = _gradients(load_vision_lm(path), ids, mask, jnp.asarray(pixels))
+    plan = vision_lm_plan(VisionLanguageConfig.from_hf(hf_model.config.to_dict()), checkpoint_index(path))
+    for mapping in plan:
+        theirs = mapping.to_model(torch_grads[torch_name(mapping.hf_name)], ours[mapping.path].shape)
+        if mapping.hf_name.endswith("k_proj.bias"):  # the same score added to every key of a query: softmax ignores it
+            assert np.linalg.norm(ours[mapping.path]) < 1e-5 and np.linalg.norm(theirs) < 1e-5, mapping.hf_name
+        else:
+            assert _relative(ours[mapping.path], theirs) < 1e-4, mapping.hf_name
+
+
+def torch_name(saved: str) -> str:
+    """A saved tensor's name in the PyTorch module (transformers 5 keeps the language model under `model.`)."""
+    if saved.startswith("language_model.model."):
+        return saved.replace("language_model.model.", "model.language_model.", 1)
+    return f"model.{saved}"
+
+
+def test_fsdp_and_tensor_parallelism_equal_one_device(checkpoint) -> None:
+    _, path = checkpoint
+    ids, mask, pixels = batch()
+    rows = [0, 1, 2, 0, 1, 2, 0, 0]  # 8 rows and 8 images (1 + 2 + 0 each time), both split over fsdp
+    ids, mask, pixels = ids[rows], mask[rows], pixels[[0, 1, 2, 0, 1, 2, 0, 0]]  # images in order of appearance
+    model = load_vision_lm(path)
+    want_logits = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)),
+                                   jnp.asarray(pixels)))  # fmt: skip
+    want_grads = _gradients(model, ids, mask, jnp.asarray(pixels))
+    layout = Layout.from_config({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"})
+    graphdef, state = nnx.split(load_vision_lm(path, layout=layout))
+    rows = layout.sharding(("batch", None), ids.shape)
+    ids_d, mask_d = jax.device_put(ids, rows), jax.device_put(mask, rows)
+    pixels_d = jax.device_put(pixels, layout.sharding(("batch", None, None, None), pixels.shape))
+
+    def loss_and_logits(state, ids, mask, pixels):
+        with program_layout(layout):
+            model = nnx.merge(graphdef, state)
+            logits = model(ids, mask, jnp.maximum(jnp.cumsum(mask, 1) - 1, 0), pixels)
+            logp = jax.nn.log_softmax(logits, -1)
+            picked = jnp.take_along_axis(logp[:, :-1], ids[:, 1:, None], 2)[..., 0]
+            return jnp.sum(picked * loss_weights(np.asarray(ids_host), mask_host)[:, :-1]), logits
+
+    ids_host, mask_host = ids, mask
+    grads, logits = jax.jit(jax.grad(loss_and_logits, has_aux=True))(state, ids_d, mask_d, pixels_d)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[real], want_logits[real], rtol=1e-5, atol=1e-5)
+    for path_, value in nnx.to_flat_state(grads):
+        want = want_grads[path_]
+        assert _relative(np.asarray(value.get_value()), want) < 1e-5 or np.linalg.norm(want) < 1e-6, path_
