@@ -21,8 +21,10 @@ from hfjax.models.hf import checkpoint_index
 from hfjax.models.program import program_layout
 from hfjax.models.vision_lm import (
     VisionLanguageConfig,
+    checkpoint_names,
     image_blocks,
     load_vision_lm,
+    save_vision_lm,
     vision_lm_plan,
 )
 from hfjax.parallel import Layout
@@ -156,6 +158,20 @@ def test_logits_with_images_equal_transformers(checkpoint) -> None:
     assert _relative(got_text[real[2:]], text_only[real[2:]]) < 1e-5
 
 
+def test_save_and_reload_is_bitwise_and_transformers_reads_it(checkpoint, tmp_path) -> None:
+    hf_model, path = checkpoint
+    model = load_vision_lm(path)
+    saved = save_vision_lm(model, tmp_path / "saved")
+    again = nnx.to_flat_state(nnx.state(load_vision_lm(saved)))
+    for (name, a), (_, b) in zip(nnx.to_flat_state(nnx.state(model)), again, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()), err_msg=str(name))
+    ids, mask, pixels = batch()
+    reread = tf.Gemma3ForConditionalGeneration.from_pretrained(saved).eval()
+    with torch.no_grad():
+        want, got = (torch_logits(m, ids, mask, pixels).numpy() for m in (hf_model, reread))
+    np.testing.assert_array_equal(got, want)
+
+
 def _gradients(model, ids, mask, pixels) -> dict[tuple, np.ndarray]:
     graphdef, params = nnx.split(model)
     grads = jax.jit(jax.grad(lambda p, x: our_loss(nnx.merge(graphdef, p), ids, mask, x)))(params, pixels)
@@ -169,7 +185,9 @@ def test_every_gradient_equals_pytorchs(checkpoint) -> None:
     hf_loss(hf_model, ids, mask, pixels).backward()
     torch_grads = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
     ours = _gradients(load_vision_lm(path), ids, mask, jnp.asarray(pixels))
-    plan = vision_lm_plan(VisionLanguageConfig.from_hf(hf_model.config.to_dict()), checkpoint_index(path))
+    plan = vision_lm_plan(
+        VisionLanguageConfig.from_hf(hf_model.config.to_dict()), checkpoint_names(checkpoint_index(path))
+    )
     for mapping in plan:
         theirs = mapping.to_model(torch_grads[torch_name(mapping.hf_name)], ours[mapping.path].shape)
         if mapping.hf_name.endswith("k_proj.bias"):  # the same score added to every key of a query: softmax ignores it

@@ -351,14 +351,28 @@ def save_hf(
     """Writes `config.json` and safetensors (an index and numbered files above `max_shard_bytes`) that
     transformers loads; optionally the tokenizer. An existing non-empty directory needs `overwrite=True` and is
     replaced only after the new checkpoint is complete."""
+    cfg: ModelConfig = model.config
+    out_dtype = checked_dtype(dtype or model.param_dtype, "save_hf(dtype)")
+    config = cfg.to_hf_dict(model.head_kind, str(np.dtype(out_dtype)))
+    return save_planned(model, param_plan(cfg, model.head_kind), config, path, out_dtype, tokenizer, max_shard_bytes,
+                        overwrite)  # fmt: skip
+
+
+def save_planned(
+    model: nnx.Module,
+    plan: list[ParamMapping],
+    config: Mapping[str, Any],
+    path: str | os.PathLike,
+    out_dtype: jnp.dtype,
+    tokenizer: Any = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """`save_hf` of any model: its parameters written by `plan` in `out_dtype`, with `config` as `config.json`."""
     target = Path(path)
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise FileExistsError(f"save_hf: {target} exists and is not empty; pass overwrite=True to replace it")
-    cfg: ModelConfig = model.config
-    head = model.head_kind
-    out_dtype = checked_dtype(dtype or model.param_dtype, "save_hf(dtype)")
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    plan = param_plan(cfg, head)
     specs = [(m.hf_name, np.dtype(out_dtype), m.hf_shape(flat[m.path].shape)) for m in plan]
     by_name = {m.hf_name: m for m in plan}
     last: dict[tuple, np.ndarray] = {}  # the parameter fetched last: an expert's neighbours read it again
@@ -405,7 +419,7 @@ def save_hf(
         (tmp / INDEX_FILE).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(head, str(np.dtype(out_dtype))), indent=2))
+    (tmp / "config.json").write_text(json.dumps(dict(config), indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     if target.exists():

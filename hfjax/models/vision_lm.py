@@ -8,9 +8,9 @@ runs as `CausalLM` does, except that the tokens of one image see each other both
 blocks)`: a run of consecutive placeholders is one block; on sliding-window layers the window still applies), so
 its attention runs as xla. Rows without images, or a batch without any, are plain text.
 
-`load_vision_lm` reads the checkpoint (the Hub's `language_model.model.*` / `vision_tower.vision_model.*` names or
-transformers 5's `model.language_model.*` / `model.vision_tower.*`). Logical axes are the decoder's and the vision
-tower's, so one layout shards the whole model.
+`load_vision_lm` reads the checkpoint (`language_model.model.*`, the Hub's `vision_tower.vision_model.*` or
+transformers 5's `vision_tower.*`, `multi_modal_projector.*`) and `save_vision_lm` writes what transformers reads.
+Logical axes are the decoder's and the vision tower's, so one layout shards the whole model.
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hfjax.models.config import ModelConfig, config_from_hf
-from hfjax.models.hf import ParamMapping, check_tensors, checked_dtype, checkpoint_index, load_planned, param_plan
+from hfjax.models.hf import (
+    ParamMapping,
+    check_tensors,
+    checked_dtype,
+    checkpoint_index,
+    load_planned,
+    param_plan,
+    save_planned,
+)
 from hfjax.models.safetensors_io import CheckpointError
 from hfjax.models.transformer import CausalLM
 from hfjax.models.vision import ImageEncoder, VisionConfig, tower_prefix, vision_plan
@@ -44,6 +52,7 @@ class VisionLanguageConfig:
     text: ModelConfig
     vision: VisionConfig
     image_token_id: int
+    hf_config: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)  # config.json as read
 
     @classmethod
     def from_hf(cls, raw: Mapping[str, Any], source: str = "config.json") -> VisionLanguageConfig:
@@ -57,7 +66,7 @@ class VisionLanguageConfig:
         if token is None:
             raise ValueError(f"{source}: no image_token_index; expected the id of the image placeholder token")
         cfg, _ = config_from_hf(text, f"{source} text_config")
-        return cls(cfg, VisionConfig.from_hf(raw), int(token))
+        return cls(cfg, VisionConfig.from_hf(raw), int(token), dict(raw))
 
 
 def image_blocks(input_ids: jax.Array, image_token_id: int) -> jax.Array:
@@ -110,6 +119,7 @@ class VisionLanguageLM(nnx.Module):
         self.language_model = CausalLM(cfg.text, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
         self.vision = ImageEncoder(cfg.vision, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.image_token_id = cfg.image_token_id
+        self.config = cfg
 
     def hidden(
         self,
@@ -138,26 +148,38 @@ class VisionLanguageLM(nnx.Module):
         return lm.logits(self.hidden(input_ids, attention_mask, positions, images))[..., : lm.config.vocab_size]
 
 
-# Where a checkpoint keeps the language model's decoder and head, as `param_plan` names them (`model.`, `lm_head.`)
-TEXT_PREFIXES = (("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head."))
+@dataclasses.dataclass(frozen=True)
+class CheckpointNames:
+    """Where a checkpoint keeps the language model's decoder and head (the prefixes replacing `param_plan`'s
+    `model.` and `lm_head.`) and the vision tower (`vision_plan`)."""
+
+    decoder: str
+    head: str
+    tower: str
 
 
-def vision_lm_plan(cfg: VisionLanguageConfig, names: Collection[str]) -> list[ParamMapping]:
-    """The HF name and conversion of every parameter of a `VisionLanguageLM` in a checkpoint with tensor `names`."""
-    decoder, head = next(
-        (p for p in TEXT_PREFIXES if f"{p[0]}embed_tokens.weight" in names),
-        TEXT_PREFIXES[0],
-    )
-    head = head if f"{head}weight" in names else "lm_head."
+# as transformers 5 saves (and `save_vision_lm` writes) a Gemma 3 multimodal checkpoint, and as the Hub holds them
+SAVED_NAMES = CheckpointNames("language_model.model.", "language_model.lm_head.", "vision_tower.")
+
+
+def checkpoint_names(names: Collection[str]) -> CheckpointNames:
+    """The `CheckpointNames` of a checkpoint's tensor `names` (an untied head as `language_model.lm_head.` or
+    `lm_head.`; the tower as `tower_prefix` finds it)."""
+    head = SAVED_NAMES.head if f"{SAVED_NAMES.head}weight" in names else "lm_head."
+    return CheckpointNames(SAVED_NAMES.decoder, head, tower_prefix(names))
+
+
+def vision_lm_plan(cfg: VisionLanguageConfig, names: CheckpointNames = SAVED_NAMES) -> list[ParamMapping]:
+    """The HF name and conversion of every parameter of a `VisionLanguageLM` under the checkpoint's `names`."""
     text = [
         dataclasses.replace(
             m,
-            hf_name=m.hf_name.replace("model.", decoder, 1) if m.path[0] == "model" else f"{head}weight",
+            hf_name=m.hf_name.replace("model.", names.decoder, 1) if m.path[0] == "model" else f"{names.head}weight",
             path=("language_model", *m.path),
         )
         for m in param_plan(cfg.text, "causal_lm")
     ]
-    vision = [dataclasses.replace(m, path=("vision", *m.path)) for m in vision_plan(cfg.vision, tower_prefix(names))]
+    vision = [dataclasses.replace(m, path=("vision", *m.path)) for m in vision_plan(cfg.vision, names.tower)]
     return text + vision
 
 
@@ -179,8 +201,23 @@ def load_vision_lm(
     storage = checked_dtype(param_dtype or dtype, "load_vision_lm(param_dtype)")
     model = VisionLanguageLM(cfg, dtype=compute, param_dtype=storage, rngs=None)  # abstract: no memory
     index = checkpoint_index(path)
-    plan = vision_lm_plan(cfg, index)
+    plan = vision_lm_plan(cfg, checkpoint_names(index))
     shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(model))}
-    tied_heads = {f"{head}weight" for _, head in TEXT_PREFIXES} if cfg.text.tie_word_embeddings else set()
+    tied_heads = {f"{SAVED_NAMES.head}weight", "lm_head.weight"} if cfg.text.tie_word_embeddings else set()
     check_tensors(plan, shapes, index, set(), tied_heads, str(path))
     return load_planned(model, plan, index, path, layout)
+
+
+def save_vision_lm(
+    model: VisionLanguageLM,
+    path: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes the model as transformers 5 saves a `Gemma3ForConditionalGeneration` (`SAVED_NAMES`, the checkpoint's
+    own `config.json` with `dtype`), which transformers and `load_vision_lm` read back; as `save_hf` otherwise."""
+    out_dtype = checked_dtype(dtype or model.language_model.param_dtype, "save_vision_lm(dtype)")
+    config = {**model.config.hf_config, "dtype": str(jnp.dtype(out_dtype))}
+    return save_planned(model, vision_lm_plan(model.config), config, path, out_dtype, tokenizer, overwrite=overwrite)
