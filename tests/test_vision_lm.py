@@ -28,6 +28,9 @@ from hfjax.models.vision_lm import (
     vision_lm_plan,
 )
 from hfjax.parallel import Layout
+from hfjax.rollout.engine import JaxEngine
+from hfjax.rollout.generator import OfflineGenerator
+from hfjax.rollout.sampling import SamplingParams
 
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
               patch_size=8, num_channels=3, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip
@@ -170,6 +173,31 @@ def test_save_and_reload_is_bitwise_and_transformers_reads_it(checkpoint, tmp_pa
     with torch.no_grad():
         want, got = (torch_logits(m, ids, mask, pixels).numpy() for m in (hf_model, reread))
     np.testing.assert_array_equal(got, want)
+
+
+def test_greedy_generation_with_images_equals_transformers_generate(checkpoint) -> None:
+    """Prompts of one image, two images and none, two samples each sharing the prompt's prefill (its images read
+    once): greedy tokens and their log probs equal transformers' `generate` for each prompt alone (end of sequence
+    suppressed on both sides, so every sample runs its 8 tokens)."""
+    hf_model, path = checkpoint
+    ids, mask, pixels = batch()
+    prompts = [row[m.astype(bool)].tolist() for row, m in zip(ids, mask, strict=True)]
+    images = [pixels[:1], pixels[1:3], None]
+    model = load_vision_lm(path)
+    engine = JaxEngine(model, max_concurrent_decodes=8, max_prefill_length=32, max_new_tokens=8)
+    generator = OfflineGenerator(engine, nnx.state(model, nnx.Param), eos_token_ids=[], progress=False)
+    outputs = generator.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, n=2), images=images)
+    for out in outputs:
+        prompt = torch.tensor([prompts[out.request]])
+        extra = {}
+        if images[out.request] is not None:
+            extra = {"pixel_values": torch.tensor(images[out.request]), "token_type_ids": (prompt == IMAGE).long()}
+        settings = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "output_logits": True}
+        want = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), return_dict_in_generate=True,
+                                 **settings, **extra)  # fmt: skip
+        assert out.tokens.tolist() == want.sequences[0, prompt.shape[1] :].tolist(), out.request
+        logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(want.logits, out.tokens, strict=True)]
+        np.testing.assert_allclose(out.logprobs, logprobs, rtol=1e-4, atol=1e-5)
 
 
 def _gradients(model, ids, mask, pixels) -> dict[tuple, np.ndarray]:

@@ -133,9 +133,15 @@ class VisionLanguageLM(nnx.Module):
         decoder = self.language_model.model
         if images is None or images.shape[0] == 0:
             return decoder(input_ids, attention_mask, positions)
-        embeddings = merge_soft_tokens(decoder.embed(input_ids), input_ids, self.vision(images), self.image_token_id)
-        blocks = image_blocks(input_ids, self.image_token_id)
+        embeddings, blocks = self.embed_with_images(input_ids, images)
         return decoder(input_ids, attention_mask, positions, embeddings=embeddings, blocks=blocks)
+
+    def embed_with_images(self, input_ids: jax.Array, images: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(input embeddings [rows, length, embed] with the images' soft tokens in place of the placeholders,
+        the image blocks [rows, length] (`image_blocks`))."""
+        embeddings = self.language_model.model.embed(input_ids)
+        merged = merge_soft_tokens(embeddings, input_ids, self.vision(images), self.image_token_id)
+        return merged, image_blocks(input_ids, self.image_token_id)
 
     def __call__(
         self,

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from hfjax.models.attention import causal_attention, extend_attention
+from hfjax.models.attention import attention_mask, causal_attention, extend_attention
 from hfjax.models.decode_attention import (
     decode_attention,
     decode_kernel,
@@ -35,6 +35,7 @@ from hfjax.models.decode_attention import (
     gather_prompt_blocks,
 )
 from hfjax.models.transformer import CausalLM
+from hfjax.models.vision_lm import VisionLanguageLM
 from hfjax.rollout.pooled_attention import PoolReaders, pooled_decode_attention
 
 
@@ -48,31 +49,53 @@ class Prefix(NamedTuple):
     last_logits: jax.Array
 
 
-def prefill_forward(model: CausalLM, tokens: jax.Array, lengths: jax.Array) -> Prefix:
+def language_model(model: CausalLM | VisionLanguageLM) -> CausalLM:
+    """The causal LM that generates: `model`, or a vision-language model's language model (images enter only
+    through the prefill; decoding reads the cache)."""
+    return model.language_model if isinstance(model, VisionLanguageLM) else model
+
+
+def prefill_forward(
+    model: CausalLM | VisionLanguageLM, tokens: jax.Array, lengths: jax.Array, images: jax.Array | None = None
+) -> Prefix:
     """Runs prompts tokens [B, P] (right-padded; `lengths` [B] real tokens each) and keeps their keys and values.
-    Real tokens never attend to the padding after them (causal), so padding does not change their results."""
+    Real tokens never attend to the padding after them (causal), so padding does not change their results. A
+    vision-language model reads `images` [n, channels, height, width] in place of the prompts' placeholders (in
+    order of appearance; images past the placeholders' count are padding, never read), whose tokens see their
+    whole image (`VisionLanguageLM.hidden`)."""
     batch, length = tokens.shape
-    decoder = model.model
+    lm = language_model(model)
+    decoder = lm.model
     index = jnp.arange(length, dtype=jnp.int32)
     tables = decoder.rotary(jnp.broadcast_to(index, (batch, length)))
-    x = decoder.embed(tokens)
+    masks: dict[int | None, jax.Array] = {}
+    if images is None:
+        x = decoder.embed(tokens)
+    else:
+        x, blocks = model.embed_with_images(tokens, images)
+        valid = (index[None, :] < lengths[:, None]).astype(jnp.int32)
+        masks = {w: attention_mask(valid, index, index, w, blocks) for w in {layer.window for layer in decoder.layers}}
     keys, values = [], []
     for layer in decoder.layers:
 
         def attend(q: jax.Array, k: jax.Array, v: jax.Array, layer: Any = layer) -> jax.Array:
             keys.append(k)
             values.append(v)
-            return causal_attention(q, k, v, lengths=lengths, window=layer.window, softcap=layer.softcap)
+            return causal_attention(
+                q, k, v, lengths=lengths, mask=masks.get(layer.window), window=layer.window, softcap=layer.softcap,
+                sees_ahead=bool(masks),
+            )  # fmt: skip
 
         x = layer.block(x, *tables[layer.rope], attend)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return Prefix(tuple(keys), tuple(values), lengths, model.logits(decoder.norm(last)))
+    return Prefix(tuple(keys), tuple(values), lengths, lm.logits(decoder.norm(last)))
 
 
 def _new_tokens_forward(model: CausalLM, tokens: jax.Array, starts: jax.Array, counts: jax.Array, attend_of: Any
                         ) -> jax.Array:  # fmt: skip
     """Runs tokens [B, T] at positions `starts + i` through the model's blocks, each layer's attention step given by
     `attend_of(index, layer, positions)`; returns the logits at each row's last real token (`counts` [B])."""
+    model = language_model(model)
     decoder = model.model
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     tables = decoder.rotary(positions)
@@ -217,6 +240,7 @@ def decode_forward(
     blocks and its own in one softmax (XLA attention with `prompt.readers` reads the pool in place:
     `pooled_decode_attention`). Returns (logits [S, vocab] float32, new own key blocks, new own value blocks)."""
     block = cache_keys[0][0].shape[-1]
+    model = language_model(model)
     decoder = model.model
     own = lengths - prompt.lengths
     tables = decoder.rotary(lengths[:, None])

@@ -41,8 +41,10 @@ from hfjax.models.attention import configured_implementation
 from hfjax.models.moe import set_expert_capacity
 from hfjax.models.program import program_layout, setting_key
 from hfjax.models.transformer import CausalLM
+from hfjax.models.vision_lm import VisionLanguageLM
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cache_layout import CacheLayout, batch_sharded
+from hfjax.rollout.cached_forward import language_model
 from hfjax.rollout.engine_steps import EngineSteps
 from hfjax.rollout.extend_shapes import ExtendShapes, pad_extend
 from hfjax.rollout.interface import (
@@ -65,14 +67,15 @@ _TRACES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("hfja
 
 
 class JaxEngine(EngineSteps):
-    """Generation for an hfjax `CausalLM` (concrete or abstract: only its structure is used) over `layout`. Past
+    """Generation for an hfjax `CausalLM` or `VisionLanguageLM` (concrete or abstract: only its structure is used;
+    images enter through `prefill` and `prefill_insert`) over `layout`. Past
     `max_extend_programs` compiled `extend` shapes, an extend pads up to a compiled shape that holds it, and compiles
     only where none does (`hfjax.rollout.extend_shapes`). With `record_experts`, a mixture of experts' routes come
     back with the tokens of `prefill_insert`, `generate` and `extend` (`ResultTokens.experts`)."""
 
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | VisionLanguageLM,
         layout: Layout | None = None,
         *,
         max_concurrent_decodes: int = 64,
@@ -89,7 +92,8 @@ class JaxEngine(EngineSteps):
         ):
             if not isinstance(value, int) or value < 1:
                 raise SamplingError(f"engine.{name}: expected an integer >= 1, got {value!r}")
-        cfg = model.config
+        lm = language_model(model)  # a vision-language model's images enter only through its prefill
+        cfg = lm.config
         self.config = cfg
         self.layout = layout or Layout.from_config({"mesh": {"data": 1}, "rules": "dp_tp_gen", "devices": [0]})
         self._slots = max_concurrent_decodes
@@ -100,7 +104,7 @@ class JaxEngine(EngineSteps):
         self.cache = CacheLayout(
             cfg,
             self.layout,
-            model.dtype,
+            lm.dtype,
             slots=max_concurrent_decodes,
             max_prefill_length=max_prefill_length,
             max_new_tokens=max_new_tokens,
@@ -131,7 +135,7 @@ class JaxEngine(EngineSteps):
             key = (
                 self.graphdef,
                 setting_key(cfg),
-                str(model.dtype),
+                str(lm.dtype),
                 self.layout,
                 self.layout.platform,  # the cache blocks and the attention kernel follow it
                 (self.block, self.prompt_blocks),
@@ -261,12 +265,14 @@ class JaxEngine(EngineSteps):
         true_length: Any,
         sampler: SamplingParams | None = None,
         request_id: Any = None,
+        images: Any = None,
     ) -> tuple[PrefillResult, ResultTokens]:
         """Prefills one prompt ([P]) or a batch ([B, P], right-padded) of `true_length` real tokens each; with an
         `existing_prefix` (of as many rows), appends them to it instead: the result is the prefix of the joined
         prompts, computed without re-running the existing part. Returns the prefix and each prompt's first token (the
         token `insert` gives its sample 0) with its logprob, drawn with `sampler` (default greedy) and the keys of
-        `request_id` (default the row index)."""
+        `request_id` (default the row index). A vision-language model reads `images` [n, channels, height, width]
+        in place of the prompts' image placeholders (`prefill_forward`; not with `existing_prefix`)."""
         sampler = sampler or SamplingParams(temperature=0.0)
         tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
         lengths = np.atleast_1d(np.asarray(true_length, np.int32))
@@ -276,8 +282,11 @@ class JaxEngine(EngineSteps):
         if existing_prefix is None:
             for n in lengths:
                 self.bucket(int(n))
-            with self._counting("prefill", tokens.shape, SamplerKind.of(sampler)):
-                prefix, first = self._prefill(params, tokens, lengths, *arrays, kind=SamplerKind.of(sampler))
+            shapes = (tokens.shape, None if images is None else np.shape(images))
+            with self._counting("prefill", shapes, SamplerKind.of(sampler)):
+                prefix, first = self._prefill(params, tokens, lengths, *arrays, images, kind=SamplerKind.of(sampler))
+        elif images is not None:
+            raise SamplingError("prefill: images with an existing_prefix; images enter only a prompt's first prefill")
         else:
             total = np.asarray(existing_prefix.cache.lengths) + lengths
             for n in total:
@@ -381,13 +390,15 @@ class JaxEngine(EngineSteps):
         slots: np.ndarray,
         rows: np.ndarray,
         sample_ids: np.ndarray,
+        images: np.ndarray | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
-        """`prefill` then `insert` in one compiled call (what `OfflineGenerator` uses)."""
+        """`prefill` (with `images`, as there) then `insert` in one compiled call (what `OfflineGenerator` uses)."""
         arrays = self._sampling_arrays(sampling, request_ids)
         placement = self._placement(lengths, slots, rows, tokens.shape[1])
-        with self._counting("prefill_insert", tokens.shape, len(slots), SamplerKind.of(sampling)):
+        shapes = (tokens.shape, None if images is None else images.shape)
+        with self._counting("prefill_insert", shapes, len(slots), SamplerKind.of(sampling)):
             return self._prefill_insert(
-                params, decode_state, tokens, lengths, *arrays, slots, rows, sample_ids, placement,
+                params, decode_state, tokens, lengths, *arrays, slots, rows, sample_ids, placement, images,
                 kind=SamplerKind.of(sampling),
             )  # fmt: skip
 

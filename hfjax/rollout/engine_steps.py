@@ -13,6 +13,7 @@ from flax import nnx
 from hfjax.models.moe import record_routes, stacked_routes
 from hfjax.models.program import constrain
 from hfjax.models.transformer import CausalLM
+from hfjax.models.vision_lm import VisionLanguageLM
 from hfjax.rollout.cached_forward import (
     Prefix,
     PromptBlocks,
@@ -57,12 +58,12 @@ class EngineSteps:
     _slots: int
     record_experts: bool
 
-    def _model(self, params: Any) -> CausalLM:
+    def _model(self, params: Any) -> CausalLM | VisionLanguageLM:
         return nnx.merge(self.graphdef, params, self._rest)
 
-    def _prefill_fn(self, params, tokens, lengths, seeds, requests, temperature, top_k, top_p, *, kind):
+    def _prefill_fn(self, params, tokens, lengths, seeds, requests, temperature, top_k, top_p, images=None, *, kind):
         tokens, lengths, *sampling = _split_rows(tokens, lengths, seeds, requests, temperature, top_k, top_p)
-        cache = prefill_forward(self._model(params), tokens, lengths)
+        cache = prefill_forward(self._model(params), tokens, lengths, images)
         return self._prefix_and_first(cache, *sampling, kind)
 
     def _prefill_extend_fn(self, params, existing: Prefix, tokens, lengths, seeds, requests, temp, top_k, top_p, *,
@@ -162,9 +163,11 @@ class EngineSteps:
         return state, ResultTokens(*first, experts)
 
     def _prefill_insert_fn(self, params, state, tokens, lengths, seeds, requests, temp, top_k, top_p, slots, rows,
-                           samples, placement, *, kind):  # fmt: skip
+                           samples, placement, images=None, *, kind):  # fmt: skip
         with record_routes() as routes:
-            prefix, _ = self._prefill_fn(params, tokens, lengths, seeds, requests, temp, top_k, top_p, kind=kind)
+            prefix, _ = self._prefill_fn(
+                params, tokens, lengths, seeds, requests, temp, top_k, top_p, images, kind=kind
+            )
         state, first = self._insert_fn(prefix, state, slots, rows, samples, placement, kind=kind)
         if not self.record_experts:
             return state, first

@@ -96,6 +96,19 @@ def _row_chunks(members: list[int], prompts: list[int]) -> list[list[int]]:
     return [chunk for chunk in (first, rest) if chunk]
 
 
+def row_images(images: Sequence[np.ndarray | None] | None, requests: list[int]) -> np.ndarray | None:
+    """The images of prompts `requests` (in that order) as one array [n, channels, height, width], n padded with
+    zero images to a power of two (bounding the compiled prefill shapes; a padding image is never read), or None
+    where they have none."""
+    found = [np.asarray(images[r], np.float32) for r in requests if images is not None and images[r] is not None]
+    found = [i for i in found if len(i)]
+    if not found:
+        return None
+    stacked = np.concatenate(found)
+    pad = power_of_two_at_least(len(stacked)) - len(stacked)
+    return np.concatenate([stacked, np.zeros((pad, *stacked.shape[1:]), np.float32)]) if pad else stacked
+
+
 class OfflineGenerator:
     """Generates responses for lists of token-id prompts with `engine`, using `params` (swap with `update_params`).
     `eos_token_ids` (default: the model config's) are the stop ids used when `SamplingParams.stop_token_ids` is None."""
@@ -136,6 +149,7 @@ class OfflineGenerator:
         first_request: int | Sequence[int] = 0,
         interrupt: Callable[[], bool] | None = None,
         check_every: int = 8,
+        images: Sequence[np.ndarray | None] | None = None,
     ) -> list[SampleOutput]:
         """Samples `sampling.n` responses per prompt; returns them request-major (prompt 0's samples first).
         A prompt that cannot run (empty, too long) gives `rejected` samples with the reason instead of failing the
@@ -143,7 +157,9 @@ class OfflineGenerator:
         batch split over several generators samples what one generator would; a sequence gives each prompt its own
         request index). `interrupt`, asked every
         `check_every` decode steps, stops the loop when it returns True: every sample not yet ended comes back
-        `interrupted` with its tokens so far (none for those that had not started)."""
+        `interrupted` with its tokens so far (none for those that had not started). With a vision-language model,
+        `images[i]` [n, channels, height, width] (or None) are prompt i's images, read in place of its placeholders
+        once, at its prefill, for all its samples."""
         capacity = self.engine.capacity - self.engine.max_prefill_length
         if sampling.max_new_tokens > capacity:
             raise SamplingError(
@@ -166,7 +182,11 @@ class OfflineGenerator:
             request_ids = np.asarray(first_request, np.int64).reshape(-1)
             if len(request_ids) != len(prompts):
                 raise SamplingError(f"first_request: {len(request_ids)} request ids for {len(prompts)} prompts")
-        ordered, steps, seconds = self._run(prompts, queue, results, sampling, request_ids, interrupt, check_every)
+        if images is not None and len(images) != len(prompts):
+            raise SamplingError(f"images: {len(images)} entries for {len(prompts)} prompts; expected one per prompt")
+        ordered, steps, seconds = self._run(
+            prompts, queue, results, sampling, request_ids, interrupt, check_every, images
+        )
         self.last_stats = {
             "decode_steps": steps,
             "seconds": seconds,
@@ -212,6 +232,7 @@ class OfflineGenerator:
         request_index: np.ndarray,
         interrupt: Callable[[], bool] | None = None,
         check_every: int = 8,
+        images: Sequence[np.ndarray | None] | None = None,
     ) -> tuple[list[SampleOutput], int, float]:
         """The continuous-batching loop over `queue`, from a new empty decode state (donated step by step; the last
         one is freed when this returns or fails). Returns the outputs in request order, decode steps and seconds."""
@@ -273,7 +294,7 @@ class OfflineGenerator:
                         queue.popleft()
                     for slot in targets:
                         free.remove(slot)
-                    state, first = self.fill(state, prompts, batch, targets, sampling, request_index)
+                    state, first = self.fill(state, prompts, batch, targets, sampling, request_index, images)
                     self._pool_peak = max(self._pool_peak, self.engine.pool.used_blocks)
                     tokens, logprobs, routes = first
                     for j, (slot, (r, i)) in enumerate(zip(targets, batch, strict=True)):
@@ -311,6 +332,7 @@ class OfflineGenerator:
         targets: list[int],
         sampling: SamplingParams,
         request_index: np.ndarray,
+        images: Sequence[np.ndarray | None] | None = None,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray, list[np.ndarray] | None]]:
         """Prefills the distinct prompts of `batch` ((request, sample) pairs) and inserts every sample into its target
         slot of `state` (also for loops of other kinds, e.g. multi-turn rollouts), one compiled call per prefill length
@@ -326,7 +348,7 @@ class OfflineGenerator:
             for chunk in _row_chunks(members, [r for r, _ in batch]):
                 group = [batch[j] for j in chunk]
                 slots = [targets[j] for j in chunk]
-                state, first = self._fill_bucket(state, prompts, group, slots, length, sampling, request_index)
+                state, first = self._fill_bucket(state, prompts, group, slots, length, sampling, request_index, images)
                 tokens[chunk], logprobs[chunk] = first[0][: len(chunk)], first[1][: len(chunk)]
                 for n, j in enumerate(chunk if routes is not None else ()):
                     routes[j] = first[2][n, : len(prompts[batch[j][0]])]
@@ -341,10 +363,12 @@ class OfflineGenerator:
         length: int,
         sampling: SamplingParams,
         request_index: np.ndarray,
+        images: Sequence[np.ndarray | None] | None = None,
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         """`fill` for samples whose prompts all pad to `length`: one prefill row per distinct prompt (the samples
         share it), rows bucketed to a power of two, at least the engine's `batch_parts` (so that each part of the batch
-        mesh axes prefills rows of its own), and the samples bucketed to a power of two."""
+        mesh axes prefills rows of its own), and the samples bucketed to a power of two; the rows' images in row
+        order, their count bucketed to a power of two (`row_images`)."""
         requests = list(dict.fromkeys(r for r, _ in batch))
         rows_of = {r: row for row, r in enumerate(requests)}
         parts = self.engine.batch_parts
@@ -363,6 +387,7 @@ class OfflineGenerator:
         for j, ((r, i), slot) in enumerate(zip(batch, targets, strict=True)):
             slot_ids[j], rows[j], sample_ids[j] = slot, rows_of[r], i
         state, first = self.engine.prefill_insert(
-            self.params, state, tokens, lengths, sampling, request_ids, slot_ids, rows, sample_ids
-        )
+            self.params, state, tokens, lengths, sampling, request_ids, slot_ids, rows, sample_ids,
+            row_images(images, requests),
+        )  # fmt: skip
         return state, jax.device_get((first.tokens, first.logprobs, first.experts))
