@@ -39,7 +39,9 @@ TINY_RUNS: dict[str, tuple[list[str], str, set[str]]] = {
     "bench/bench_sweep.py": (["--tiny"], "out.json", REPORT_KEYS | {"spearman_before", "fsdp_inside_a_host"}),
     "bench/bench_transport.py": (["--tiny"], "out.json", {"rows", "floor", "params", "api"}),
     "bench/bench_weight_sync.py": (["--tiny"], "out.json", REPORT_KEYS | {"runs"}),
+    "bench/peers/compare_grpo.py": (["--tiny", "--run"], "out.json", REPORT_KEYS | {"inputs", "left_out"}),
     "bench/peers/trl_grpo.py": (["--tiny"], "out.json", {"peer"}),
+    "bench/peers/tunix_grpo.py": (["--tiny"], "out.json", {"peer"}),
     "bench/peers/workload.py": (["--tiny"], "out.jsonl", {"data_source", "prompt", "reward_model", "extra_info"}),
     "bench/quickstart_seeds.py": (
         ["--tiny", "--algorithms", "grpo", "--lora-rank", "2"],
@@ -53,19 +55,19 @@ NOT_RUN = {
     "compile_configs.py": "its --tiny and --guard runs are in scripts/test_compile_targets.sh",
     "gpu_check_table.py": "its --tiny runs in tests/test_gpu_check.py",
     "bench/make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
-    "bench/peers/compare_grpo.py": "tables two runs' summaries: no model, nothing to shrink",
     "bench/peers/reward.py": "a library of the peer scripts, no command",
 }
 
 
-def test_the_trl_peer_keeps_its_virtualenv_under_the_repository_runs_folder() -> None:
+@pytest.mark.parametrize("peer", ["trl", "tunix"])
+def test_a_peer_keeps_its_virtualenv_under_the_repository_runs_folder(peer: str) -> None:
     where = subprocess.run(
-        ["bash", str(SCRIPTS / "bench" / "peers" / "setup_trl.sh"), "--where"],
+        ["bash", str(SCRIPTS / "bench" / "peers" / f"setup_{peer}.sh"), "--where"],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert Path(where.stdout.strip()) == ROOT / "runs" / "peers" / "trl-venv"
+    assert Path(where.stdout.strip()) == ROOT / "runs" / "peers" / f"{peer}-venv"
 
 
 def test_every_script_is_covered() -> None:

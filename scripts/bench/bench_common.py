@@ -78,6 +78,16 @@ def workload_dir(args: argparse.Namespace) -> Path:
     return args.out.parent if args.tiny else Path(__file__).resolve().parents[2] / "runs" / "peers"
 
 
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark (VmHWM; 0 where /proc is absent). Unlike `ru_maxrss` it is
+    the process image's own, not inherited from a parent at fork."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmHWM")), 0)
+
+
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> dict[str, float]:
     """Median wall time of each `fn()` (which must block until its result is ready), timed in turn round-robin
     after warm-up calls, so that machine noise falls on all of them alike."""

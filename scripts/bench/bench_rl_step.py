@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "scripts" / "bench"), str(ROOT / "scripts" / "bench" / "peers")]
-from bench_common import default_checkpoint, parse_args, report, workload_dir  # noqa: E402
+from bench_common import default_checkpoint, parse_args, peak_rss_bytes, report, workload_dir  # noqa: E402
 
 STAGES = (
     "gen",
@@ -193,6 +193,7 @@ def main() -> None:
             "first_step_s": history[0]["timing_s/step"],
             "metrics_jsonl": str(Path(run_config["trainer"]["run_dir"]) / "metrics.jsonl"),
             "steps": args.steps,
+            "peak_rss_bytes": peak_rss_bytes(),  # of this process so far (the local backend's workers are in it)
             "workload": {
                 "prompts": args.prompts,
                 "group": group,
@@ -202,8 +203,7 @@ def main() -> None:
             },
         }
     peak_gib = psutil.Process().memory_info().rss / 2**30
-    with open("/proc/self/status") as f:
-        hwm = next((int(line.split()[1]) for line in f if line.startswith("VmHWM")), 0) / 2**20
+    hwm = peak_rss_bytes() / 2**30
     report(
         f"one RL iteration: {args.prompts} prompts x 4 samples x {args.response_length} tokens, {args.backend} backend "
         f"(peak host memory of this process {hwm:.2f} GiB, now {peak_gib:.2f} GiB)",

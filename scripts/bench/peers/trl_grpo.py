@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 from bench_common import parse_args as parse_with_tiny  # noqa: E402
+from bench_common import peak_rss_bytes  # noqa: E402
 from reward import trl_reward  # noqa: E402
 from workload import DEFAULT_OUT, ROOT, checkpoint, write_workload  # noqa: E402
 
@@ -265,6 +266,7 @@ def main() -> None:
         "steps": len(recorder.seconds),
         "metrics_jsonl": str(args.metrics),
         "train_seconds": time.perf_counter() - started,
+        "peak_rss_bytes": peak_rss_bytes(),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
