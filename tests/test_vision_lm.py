@@ -78,6 +78,13 @@ def batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ids, mask, pixels
 
 
+def per_row(pixels: np.ndarray) -> np.ndarray:
+    """The batch's images as the model takes them, [rows, images per row, ...]: row 0 its one image and a zero
+    padding image, row 1 its two, row 2 two padding images."""
+    pad = np.zeros_like(pixels[0])
+    return np.stack([np.stack([pixels[0], pad]), pixels[1:3], np.stack([pad, pad])])
+
+
 def positions(mask: np.ndarray) -> np.ndarray:
     return np.maximum(np.cumsum(mask, axis=1) - 1, 0)
 
@@ -151,7 +158,8 @@ def test_logits_with_images_equal_transformers(checkpoint) -> None:
     with torch.no_grad():
         want = torch_logits(hf_model, ids, mask, pixels).numpy()
         text_only = torch_logits(hf_model, ids[2:], mask[2:], None).numpy()
-    got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)), jnp.asarray(pixels)))
+    got = model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)), jnp.asarray(per_row(pixels)))
+    got = np.asarray(got)
     real = mask.astype(bool)
     assert _relative(got[real], want[real]) < 1e-5
     # the image blocks matter: the same logits with causal attention only differ
@@ -212,7 +220,7 @@ def test_every_gradient_equals_pytorchs(checkpoint) -> None:
     hf_model.zero_grad()
     hf_loss(hf_model, ids, mask, pixels).backward()
     torch_grads = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
-    ours = _gradients(load_vision_lm(path), ids, mask, jnp.asarray(pixels))
+    ours = _gradients(load_vision_lm(path), ids, mask, jnp.asarray(per_row(pixels)))
     plan = vision_lm_plan(
         VisionLanguageConfig.from_hf(hf_model.config.to_dict()), checkpoint_names(checkpoint_index(path))
     )
@@ -234,8 +242,8 @@ def torch_name(saved: str) -> str:
 def test_fsdp_and_tensor_parallelism_equal_one_device(checkpoint) -> None:
     _, path = checkpoint
     ids, mask, pixels = batch()
-    rows = [0, 1, 2, 0, 1, 2, 0, 0]  # 8 rows and 8 images (1 + 2 + 0 each time), both split over fsdp
-    ids, mask, pixels = ids[rows], mask[rows], pixels[[0, 1, 2, 0, 1, 2, 0, 0]]  # images in order of appearance
+    rows = [0, 1, 2, 0, 1, 2, 0, 0]  # 8 rows (16 image slots), both split over fsdp
+    ids, mask, pixels = ids[rows], mask[rows], per_row(pixels)[rows]
     model = load_vision_lm(path)
     want_logits = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)),
                                    jnp.asarray(pixels)))  # fmt: skip
@@ -244,7 +252,7 @@ def test_fsdp_and_tensor_parallelism_equal_one_device(checkpoint) -> None:
     graphdef, state = nnx.split(load_vision_lm(path, layout=layout))
     rows = layout.sharding(("batch", None), ids.shape)
     ids_d, mask_d = jax.device_put(ids, rows), jax.device_put(mask, rows)
-    pixels_d = jax.device_put(pixels, layout.sharding(("batch", None, None, None), pixels.shape))
+    pixels_d = jax.device_put(pixels, layout.sharding(("batch", None, None, None, None), pixels.shape))
 
     def loss_and_logits(state, ids, mask, pixels):
         with program_layout(layout):

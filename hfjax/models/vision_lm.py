@@ -2,8 +2,9 @@
 model.
 
 The prompt holds `tokens_per_image` placeholder tokens (`image_token_id`) per image. `ImageEncoder` turns each
-image into that many soft tokens, which replace the placeholders' embeddings in order of appearance (row by row,
-left to right; Gemma's embedding scale applies to text tokens only, as in transformers). The language model then
+image into that many soft tokens, which replace the placeholders' embeddings in order of appearance within each row
+(images come per row, [rows, images per row, ...]; Gemma's embedding scale applies to text tokens only, as in
+transformers). The language model then
 runs as `CausalLM` does, except that the tokens of one image see each other both ways (`attention_mask(...,
 blocks)`: a run of consecutive placeholders is one block; on sliding-window layers the window still applies), so
 its attention runs as xla. Rows without images, or a batch without any, are plain text.
@@ -79,31 +80,36 @@ def image_blocks(input_ids: jax.Array, image_token_id: int) -> jax.Array:
 
 def merge_soft_tokens(embeddings: jax.Array, input_ids: jax.Array, soft_tokens: jax.Array, image_token_id: int
                       ) -> jax.Array:  # fmt: skip
-    """`embeddings` [rows, length, embed] with the placeholders' replaced by `soft_tokens` [images, tokens, embed]
-    in order of appearance over the flattened rows (transformers' `masked_scatter`). The number of placeholders
-    must be images x tokens (`check_placeholders`)."""
-    is_image = (input_ids == image_token_id).reshape(-1)
-    flat = soft_tokens.reshape(-1, soft_tokens.shape[-1]).astype(embeddings.dtype)
-    order = jnp.clip(jnp.cumsum(is_image, dtype=jnp.int32) - 1, 0, flat.shape[0] - 1)
-    merged = jnp.where(is_image[:, None], flat[order], embeddings.reshape(-1, embeddings.shape[-1]))
-    return merged.reshape(embeddings.shape)
+    """`embeddings` [rows, length, embed] with each row's placeholders replaced, in order, by its images' soft tokens
+    `soft_tokens` [rows, images per row x tokens, embed] (a row's padding images after its own, never read): row by
+    row, so rows split over devices merge where they live (transformers' `masked_scatter` over the flattened batch
+    gives the same where each row's images are its own)."""
+    is_image = input_ids == image_token_id
+    order = jnp.clip(jnp.cumsum(is_image, axis=1, dtype=jnp.int32) - 1, 0, soft_tokens.shape[1] - 1)
+    picked = jnp.take_along_axis(soft_tokens, order[..., None], axis=1).astype(embeddings.dtype)
+    return jnp.where(is_image[..., None], picked, embeddings)
 
 
-def check_placeholders(input_ids: Any, images: int, cfg: VisionLanguageConfig) -> None:
-    """Raises ValueError unless the host token ids [rows, length] hold `images` x tokens_per_image placeholders."""
+def check_placeholders(input_ids: Any, image_counts: Any, cfg: VisionLanguageConfig) -> None:
+    """Raises ValueError unless each row of the host token ids [rows, length] holds tokens_per_image placeholders
+    for each of its `image_counts` [rows] images."""
     import numpy as np
 
-    found = int(np.sum(np.asarray(input_ids) == cfg.image_token_id))
-    wanted = images * cfg.vision.tokens_per_image
-    if found != wanted:
+    found = np.sum(np.asarray(input_ids) == cfg.image_token_id, axis=1)
+    wanted = np.asarray(image_counts) * cfg.vision.tokens_per_image
+    bad = np.flatnonzero(found != wanted)
+    if len(bad):
+        row = int(bad[0])
         raise ValueError(
-            f"input_ids: {found} image placeholder tokens (id {cfg.image_token_id}) for {images} images; expected "
-            f"{wanted} ({cfg.vision.tokens_per_image} per image)"
+            f"input_ids: row {row} holds {found[row]} image placeholder tokens (id {cfg.image_token_id}) for "
+            f"{image_counts[row]} images; expected {wanted[row]} ({cfg.vision.tokens_per_image} per image)"
         )
 
 
 class VisionLanguageLM(nnx.Module):
-    """`ImageEncoder` + `CausalLM` (Gemma 3). Call -> logits [rows, length, vocab_size] float32 (HF's shape)."""
+    """`ImageEncoder` + `CausalLM` (Gemma 3). Call -> logits [rows, length, vocab_size] float32 (HF's shape). Its
+    `config`, dtypes, `logits` and `token_logprobs` are the language model's, so code written for a `CausalLM`'s
+    head and config reads it alike; `vision_language` is the whole config."""
 
     head_kind = "causal_lm"
 
@@ -119,7 +125,9 @@ class VisionLanguageLM(nnx.Module):
         self.language_model = CausalLM(cfg.text, dtype=dtype, param_dtype=param_dtype, rngs=rngs, init_std=init_std)
         self.vision = ImageEncoder(cfg.vision, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.image_token_id = cfg.image_token_id
-        self.config = cfg
+        self.vision_language = cfg
+        self.config = cfg.text
+        self.dtype, self.param_dtype = self.language_model.dtype, self.language_model.param_dtype
 
     def hidden(
         self,
@@ -128,19 +136,33 @@ class VisionLanguageLM(nnx.Module):
         positions: jax.Array | None = None,
         images: jax.Array | None = None,
     ) -> jax.Array:
-        """Hidden states [rows, length, embed] of `input_ids` with `images` [n, channels, height, width] (pixel
-        values as the checkpoint's processor makes them) read in place of their placeholders; None: text only."""
+        """Hidden states [rows, length, embed] of `input_ids` with `images` [rows, images per row, channels, height,
+        width] (pixel values as the checkpoint's processor makes them; a row with fewer images pads with any, never
+        read) read in place of each row's placeholders, in order; None: text only."""
         decoder = self.language_model.model
-        if images is None or images.shape[0] == 0:
+        if images is None or images.shape[1] == 0:
             return decoder(input_ids, attention_mask, positions)
         embeddings, blocks = self.embed_with_images(input_ids, images)
         return decoder(input_ids, attention_mask, positions, embeddings=embeddings, blocks=blocks)
 
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """`CausalLM.logits` of the language model."""
+        return self.language_model.logits(hidden)
+
+    def token_logprobs(
+        self, hidden: jax.Array, labels: jax.Array, **options: Any
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """`CausalLM.token_logprobs` of the language model."""
+        return self.language_model.token_logprobs(hidden, labels, **options)
+
     def embed_with_images(self, input_ids: jax.Array, images: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(input embeddings [rows, length, embed] with the images' soft tokens in place of the placeholders,
-        the image blocks [rows, length] (`image_blocks`))."""
+        """(input embeddings [rows, length, embed] with the soft tokens of the rows' `images` (as `hidden` takes
+        them) in place of the placeholders, the image blocks [rows, length] (`image_blocks`))."""
         embeddings = self.language_model.model.embed(input_ids)
-        merged = merge_soft_tokens(embeddings, input_ids, self.vision(images), self.image_token_id)
+        rows, per_row = images.shape[:2]
+        soft = self.vision(images.reshape(rows * per_row, *images.shape[2:]))
+        soft = soft.reshape(rows, per_row * soft.shape[1], soft.shape[2])
+        merged = merge_soft_tokens(embeddings, input_ids, soft, self.image_token_id)
         return merged, image_blocks(input_ids, self.image_token_id)
 
     def __call__(
@@ -225,5 +247,6 @@ def save_vision_lm(
     """Writes the model as transformers 5 saves a `Gemma3ForConditionalGeneration` (`SAVED_NAMES`, the checkpoint's
     own `config.json` with `dtype`), which transformers and `load_vision_lm` read back; as `save_hf` otherwise."""
     out_dtype = checked_dtype(dtype or model.language_model.param_dtype, "save_vision_lm(dtype)")
-    config = {**model.config.hf_config, "dtype": str(jnp.dtype(out_dtype))}
-    return save_planned(model, vision_lm_plan(model.config), config, path, out_dtype, tokenizer, overwrite=overwrite)
+    cfg = model.vision_language
+    config = {**cfg.hf_config, "dtype": str(jnp.dtype(out_dtype))}
+    return save_planned(model, vision_lm_plan(cfg), config, path, out_dtype, tokenizer, overwrite=overwrite)

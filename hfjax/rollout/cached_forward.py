@@ -60,9 +60,9 @@ def prefill_forward(
 ) -> Prefix:
     """Runs prompts tokens [B, P] (right-padded; `lengths` [B] real tokens each) and keeps their keys and values.
     Real tokens never attend to the padding after them (causal), so padding does not change their results. A
-    vision-language model reads `images` [n, channels, height, width] in place of the prompts' placeholders (in
-    order of appearance; images past the placeholders' count are padding, never read), whose tokens see their
-    whole image (`VisionLanguageLM.hidden`)."""
+    vision-language model reads each prompt's `images` [B, images per row, channels, height, width] in place of its
+    placeholders (in order; a row's images past its placeholders are padding, never read), and the tokens of an
+    image see the whole image (`VisionLanguageLM.hidden`)."""
     batch, length = tokens.shape
     lm = language_model(model)
     decoder = lm.model

@@ -271,8 +271,9 @@ class JaxEngine(EngineSteps):
         `existing_prefix` (of as many rows), appends them to it instead: the result is the prefix of the joined
         prompts, computed without re-running the existing part. Returns the prefix and each prompt's first token (the
         token `insert` gives its sample 0) with its logprob, drawn with `sampler` (default greedy) and the keys of
-        `request_id` (default the row index). A vision-language model reads `images` [n, channels, height, width]
-        in place of the prompts' image placeholders (`prefill_forward`; not with `existing_prefix`)."""
+        `request_id` (default the row index). A vision-language model reads each row's `images` [rows, images per
+        row, channels, height, width] in place of its image placeholders (`prefill_forward`; not with
+        `existing_prefix`)."""
         sampler = sampler or SamplingParams(temperature=0.0)
         tokens = np.atleast_2d(np.asarray(padded_tokens, np.int32))
         lengths = np.atleast_1d(np.asarray(true_length, np.int32))

@@ -96,17 +96,19 @@ def _row_chunks(members: list[int], prompts: list[int]) -> list[list[int]]:
     return [chunk for chunk in (first, rest) if chunk]
 
 
-def row_images(images: Sequence[np.ndarray | None] | None, requests: list[int]) -> np.ndarray | None:
-    """The images of prompts `requests` (in that order) as one array [n, channels, height, width], n padded with
-    zero images to a power of two (bounding the compiled prefill shapes; a padding image is never read), or None
-    where they have none."""
-    found = [np.asarray(images[r], np.float32) for r in requests if images is not None and images[r] is not None]
-    found = [i for i in found if len(i)]
+def row_images(images: Sequence[np.ndarray | None] | None, requests: list[int], rows: int) -> np.ndarray | None:
+    """The images of prompts `requests` as prefill rows [rows, images per row, channels, height, width] (row i holds
+    prompt `requests[i]`'s; the rest, and the rows past them, zeros that are never read), images per row the most any
+    prompt has rounded up to a power of two (bounding the compiled prefill shapes); None where they have none."""
+    found = {i: np.asarray(images[r], np.float32) for i, r in enumerate(requests) if images and images[r] is not None}
+    found = {i: x for i, x in found.items() if len(x)}
     if not found:
         return None
-    stacked = np.concatenate(found)
-    pad = power_of_two_at_least(len(stacked)) - len(stacked)
-    return np.concatenate([stacked, np.zeros((pad, *stacked.shape[1:]), np.float32)]) if pad else stacked
+    shape = next(iter(found.values())).shape[1:]
+    out = np.zeros((rows, power_of_two_at_least(max(len(x) for x in found.values())), *shape), np.float32)
+    for i, x in found.items():
+        out[i, : len(x)] = x
+    return out
 
 
 class OfflineGenerator:
@@ -367,8 +369,8 @@ class OfflineGenerator:
     ) -> tuple[Any, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         """`fill` for samples whose prompts all pad to `length`: one prefill row per distinct prompt (the samples
         share it), rows bucketed to a power of two, at least the engine's `batch_parts` (so that each part of the batch
-        mesh axes prefills rows of its own), and the samples bucketed to a power of two; the rows' images in row
-        order, their count bucketed to a power of two (`row_images`)."""
+        mesh axes prefills rows of its own), and the samples bucketed to a power of two; the rows' images with them
+        (`row_images`)."""
         requests = list(dict.fromkeys(r for r, _ in batch))
         rows_of = {r: row for row, r in enumerate(requests)}
         parts = self.engine.batch_parts
@@ -388,6 +390,6 @@ class OfflineGenerator:
             slot_ids[j], rows[j], sample_ids[j] = slot, rows_of[r], i
         state, first = self.engine.prefill_insert(
             self.params, state, tokens, lengths, sampling, request_ids, slot_ids, rows, sample_ids,
-            row_images(images, requests),
+            row_images(images, requests, width),
         )  # fmt: skip
         return state, jax.device_get((first.tokens, first.logprobs, first.experts))
