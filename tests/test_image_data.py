@@ -1,0 +1,111 @@
+"""Images of multimodal prompt rows (`hfjax.data.images`): verl's encodings decode to the pixels written, bad images
+are one-line errors naming file, row and image, and a prompt with `<image>` marks runs through a Gemma 3 processor
+(built locally) into the placeholders and pixel values the processor itself makes."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hfjax.data import DataError, RowRef
+from hfjax.data.images import decode_images, image_messages, process_prompt
+from hfjax.models.local_tokenizer import build_bpe_tokenizer
+
+REF = RowRef("train.parquet", 7)
+BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + BOI + "{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}assistant:"
+)
+
+
+def png(pixels: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def pixels(seed: int, shape=(20, 30, 3)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    """A Gemma 3 processor over a small local BPE tokenizer with Gemma 3's image tokens: 32 x 32 images, 4 soft
+    tokens each."""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor, PreTrainedTokenizerFast
+
+    bpe = build_bpe_tokenizer(["user: how many shapes", "assistant: 3"], 300)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe.backend_tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
+    )
+    tokenizer.chat_template = TEMPLATE
+    images = Gemma3ImageProcessor(size={"height": 32, "width": 32})
+    return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=TEMPLATE)
+
+
+def test_every_encoding_decodes_to_the_pixels_written(tmp_path: Path) -> None:
+    a, b, c = pixels(0), pixels(1, (5, 7, 3)), pixels(2)
+    path = tmp_path / "c.png"
+    path.write_bytes(png(c))
+    gray = io.BytesIO()
+    Image.fromarray(a[..., 0]).save(gray, "PNG")
+    decoded = decode_images([{"bytes": png(a), "path": "a.png"}, png(b), str(path), gray.getvalue()], REF, 4)
+    for image, want in zip(decoded, (a, b, c, np.repeat(a[..., :1], 3, 2)), strict=True):
+        assert image.mode == "RGB"
+        np.testing.assert_array_equal(np.asarray(image), want)
+    assert decode_images(None, REF, 4) == []
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        ([png(pixels(0)), {"bytes": b"not an image"}], "train.parquet: row 7: field 'images' image 1: cannot decode"),
+        ([{"bytes": b""}], "image 0: a zero-size image (0 bytes)"),
+        ([png(pixels(0))] * 3, "3 images, more than max_images 2"),
+        ([3.5], "image 0: expected encoded bytes"),
+        ("a.png", "field 'images': expected a list of images"),
+    ],
+)
+def test_a_bad_image_is_one_line_naming_file_row_and_image(images, message: str) -> None:
+    with pytest.raises(DataError) as caught:
+        decode_images(images, REF, 2)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_image_marks_become_image_parts() -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "<image>left or<image> right?"}]
+    parts, marks = image_messages(messages)
+    assert marks == 2 and parts[0] == messages[0]
+    assert parts[1]["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": "left or"},
+        {"type": "image"},
+        {"type": "text", "text": " right?"},
+    ]
+
+
+def test_a_prompt_with_images_runs_through_the_checkpoints_processor(processor) -> None:
+    images = decode_images([png(pixels(0)), png(pixels(1))], REF, 2)
+    messages = [{"role": "user", "content": "<image> and <image>: how many shapes"}]
+    text, ids, values = process_prompt(processor, messages, images, REF)
+    tokenizer = processor.tokenizer
+    soft, boi, eoi = (tokenizer.convert_tokens_to_ids(t) for t in (SOFT, BOI, EOI))
+    assert values.shape == (2, 3, 32, 32) and values.dtype == np.float32 and ids.dtype == np.int32
+    assert np.sum(ids == soft) == 8 and np.sum(ids == boi) == 2 and np.sum(ids == eoi) == 2
+    want = processor(text=[text], images=[images], return_tensors="np")
+    np.testing.assert_array_equal(ids, want["input_ids"][0])
+    np.testing.assert_array_equal(values, want["pixel_values"])
+    text_only, ids, values = process_prompt(processor, [{"role": "user", "content": "how many"}], [], REF)
+    assert values.shape == (0,) and not np.any(ids == soft)
+    with pytest.raises(DataError, match="marks 1 images with '<image>' but the row has 2"):
+        process_prompt(processor, [{"role": "user", "content": "<image> how many"}], images, REF)
