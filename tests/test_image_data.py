@@ -105,7 +105,7 @@ def test_a_prompt_with_images_runs_through_the_checkpoints_processor(processor) 
     want = processor(text=[text], images=[images], return_tensors="np")
     np.testing.assert_array_equal(ids, want["input_ids"][0])
     np.testing.assert_array_equal(values, want["pixel_values"])
-    text_only, ids, values = process_prompt(processor, [{"role": "user", "content": "how many"}], [], REF)
+    _, ids, values = process_prompt(processor, [{"role": "user", "content": "how many"}], [], REF)
     assert values.shape == (0,) and not np.any(ids == soft)
     with pytest.raises(DataError, match="marks 1 images with '<image>' but the row has 2"):
         process_prompt(processor, [{"role": "user", "content": "<image> how many"}], images, REF)
