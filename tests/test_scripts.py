@@ -55,6 +55,7 @@ NOT_RUN = {
     "compile_configs.py": "its --tiny and --guard runs are in scripts/test_compile_targets.sh",
     "gpu_check_table.py": "its --tiny runs in tests/test_gpu_check.py",
     "bench/make_reference_ckpt.py": "run by every tiny benchmark above (bench_common.default_checkpoint)",
+    "bench/peers/peer_run.py": "a library of the peer scripts, no command",
     "bench/peers/reward.py": "a library of the peer scripts, no command",
 }
 

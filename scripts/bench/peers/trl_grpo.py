@@ -16,7 +16,8 @@ Writes the summary JSON (`--out`) and the per-step metrics with verl's names as 
 `hfjax.records.plot.compare_runs` draws. Run in the TRL virtualenv (`bash scripts/bench/peers/setup_trl.sh` makes it):
     runs/peers/trl-venv/bin/python scripts/bench/peers/trl_grpo.py [--ckpt DIR] [--steps 2] [--tiny]
 With `--tiny` and no TRL installed, only the workload is built and the summary says why training was skipped.
-Imports torch, transformers, datasets and trl, and `workload.py`/`reward.py` beside it; never hfjax's JAX code.
+Imports torch, transformers, datasets and trl, and `workload.py`, `reward.py`, `peer_run.py` beside it; never
+hfjax's JAX code.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,9 +32,9 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 from bench_common import parse_args as parse_with_tiny  # noqa: E402
-from bench_common import peak_rss_bytes  # noqa: E402
+from peer_run import TINY, prepare, workload_parser, write_summary  # noqa: E402
 from reward import trl_reward  # noqa: E402
-from workload import DEFAULT_OUT, ROOT, checkpoint, write_workload  # noqa: E402
+from workload import checkpoint  # noqa: E402
 
 # TRL's logged metric -> verl's name (the names hfjax logs and hfjax.records.plot draws)
 TRL_TO_VERL = {
@@ -51,37 +51,13 @@ TRL_TO_VERL = {
     "completions/min_length": "response_length/min",
     "completions/clipped_ratio": "response_length/clip_ratio",
 }
-WORKLOAD_ARGS = (
-    "prompts",
-    "group",
-    "max_prompt_tokens",
-    "max_new_tokens",
-    "min_new_tokens",
-    "temperature",
-    "beta",
-    "lr",
-)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", type=Path, help="policy/reference checkpoint (default: the benchmark reference one)")
-    parser.add_argument("--workload", type=Path, help=f"verl-schema prompts (default: rebuilt at {DEFAULT_OUT})")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
-    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--max-prompt-tokens", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser = workload_parser(__doc__, "trl")
     parser.add_argument("--min-new-tokens", type=int, help="default: --max-new-tokens (fixed-length responses)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--beta", type=float, default=0.001, help="KL loss coefficient (> 0: a reference model)")
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward pass")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "peers" / "trl_grpo.json")
-    parser.add_argument("--metrics", type=Path, default=ROOT / "runs" / "peers" / "trl" / "metrics.jsonl")
-    tiny = {"steps": 1, "prompts": 2, "max_new_tokens": 8, "micro_batch": 8}
-    args = parse_with_tiny(parser, tiny=tiny)
+    args = parse_with_tiny(parser, tiny=TINY)
     if args.min_new_tokens is None:
         args.min_new_tokens = args.max_new_tokens
     samples = args.prompts * args.group
@@ -212,40 +188,15 @@ def step_recorder(metrics_path: Path) -> Any:
     return StepRecorder()
 
 
-def summary(recorder: Any) -> dict[str, Any]:
-    """Seconds per step and tokens/s over the steady steps (all but the first, when more than one ran)."""
-    steady = slice(1, None) if len(recorder.seconds) > 1 else slice(None)
-    seconds, tokens = recorder.seconds[steady], recorder.tokens[steady]
-    return {
-        "seconds_per_step": statistics.median(seconds),
-        "tokens_per_s": sum(tokens) / sum(seconds),
-        "response_tokens_per_s": sum(recorder.response_tokens[steady]) / sum(seconds),
-        "first_step_seconds": recorder.seconds[0],
-        "step_seconds": recorder.seconds,
-        "step_tokens": recorder.tokens,
-        "step_phase_seconds": recorder.phases,
-    }
-
-
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ckpt = checkpoint(args.ckpt, args.tiny)
-    prompts_file = args.out.parent / "workload.parquet" if args.tiny else DEFAULT_OUT
-    workload = args.workload or write_workload(ckpt, prompts_file, args.prompts, args.max_prompt_tokens)
-    try:
-        import trl
-    except ImportError as exc:
-        if not args.tiny:
-            raise
-        skipped = {"peer": "trl", "skipped": f"training skipped: {exc}", "workload": str(workload)}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(skipped, indent=2))
-        print(f"{skipped['skipped']}; wrote {args.out}")
+    workload = prepare(args, ckpt, "TRL", "trl")
+    if workload is None:
         return
     import torch
     import transformers
+    import trl
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -260,27 +211,9 @@ def main() -> None:
     load_before = os.getloadavg()
     started = time.perf_counter()
     trainer.train()
-    result = {
-        "peer": "trl",
-        **summary(recorder),
-        "steps": len(recorder.seconds),
-        "metrics_jsonl": str(args.metrics),
-        "train_seconds": time.perf_counter() - started,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
-        "torch_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
-        "workload": {
-            "ckpt": str(ckpt.resolve()),
-            "prompts_file": str(workload.resolve()),
-            **{k: getattr(args, k) for k in WORKLOAD_ARGS},
-        },
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"TRL GRPO: {result['seconds_per_step']:.1f} s/step, {result['tokens_per_s']:,.0f} tokens/s "
-          f"(first step {result['first_step_seconds']:.1f} s); wrote {args.out} and {args.metrics}")  # fmt: skip
+    versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+    write_summary(args, "TRL", recorder, ckpt, workload, started, load_before, versions=versions,
+                  torch_threads=torch.get_num_threads())  # fmt: skip
 
 
 if __name__ == "__main__":

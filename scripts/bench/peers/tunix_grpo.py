@@ -20,8 +20,8 @@ Writes the summary JSON (`--out`) and per-step metrics with verl's names (`--met
 (`bash scripts/bench/peers/setup_tunix.sh` makes it):
     runs/peers/tunix-venv/bin/python scripts/bench/peers/tunix_grpo.py [--ckpt DIR] [--steps 2] [--tiny]
 With `--tiny` and no Tunix installed, only the workload is built and the summary says why training was skipped.
-Imports tunix, jax, optax and transformers inside functions, and `workload.py`, `reward.py`, `trl_grpo.py` (its summary
-schema) and `bench_common.py` beside it; never hfjax's JAX code.
+Imports tunix, jax, optax and transformers inside functions, and `workload.py`, `reward.py`, `peer_run.py` (the
+summary both peers write) and `bench_common.py` beside it; never hfjax's JAX code.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,10 +38,9 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 from bench_common import parse_args as parse_with_tiny  # noqa: E402
-from bench_common import peak_rss_bytes  # noqa: E402
+from peer_run import TINY, prepare, workload_parser, write_summary  # noqa: E402
 from reward import compute_score  # noqa: E402
-from trl_grpo import WORKLOAD_ARGS  # noqa: E402  (the same summary schema)
-from workload import DATA_SOURCE, DEFAULT_OUT, ROOT, checkpoint, write_workload  # noqa: E402
+from workload import DATA_SOURCE, checkpoint  # noqa: E402
 
 PHASES = ("gen", "reward", "ref", "update_actor")
 AUX_TO_VERL = {"pg_loss": "actor/pg_loss", "kl_loss": "actor/kl_loss", "entropy": "actor/entropy",
@@ -50,21 +48,8 @@ AUX_TO_VERL = {"pg_loss": "actor/pg_loss", "kl_loss": "actor/kl_loss", "entropy"
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", type=Path, help="policy/reference checkpoint (default: the benchmark reference one)")
-    parser.add_argument("--workload", type=Path, help=f"verl-schema prompts (default: rebuilt at {DEFAULT_OUT})")
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
-    parser.add_argument("--group", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--max-prompt-tokens", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="the length of every response")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--beta", type=float, default=0.001, help="KL loss coefficient (> 0: a reference model)")
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward pass")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "peers" / "tunix_grpo.json")
-    parser.add_argument("--metrics", type=Path, default=ROOT / "runs" / "peers" / "tunix" / "metrics.jsonl")
-    args = parse_with_tiny(parser, tiny={"steps": 1, "prompts": 2, "max_new_tokens": 8, "micro_batch": 8})
+    parser = workload_parser(__doc__, "tunix")
+    args = parse_with_tiny(parser, tiny=TINY)
     args.min_new_tokens = args.max_new_tokens  # the sampler never stops early
     samples = args.prompts * args.group
     bad = min(args.steps, args.group - 1) < 1 or args.beta <= 0
@@ -343,37 +328,11 @@ def build_learner(args: argparse.Namespace, ckpt: Path, recorder: StepRecorder) 
     return learner, tokenizer
 
 
-def summary(recorder: StepRecorder) -> dict[str, Any]:
-    """Seconds per step and tokens/s over the steady steps (all but the first, when more than one ran)."""
-    steady = slice(1, None) if len(recorder.seconds) > 1 else slice(None)
-    seconds, tokens = recorder.seconds[steady], recorder.tokens[steady]
-    return {
-        "seconds_per_step": statistics.median(seconds),
-        "tokens_per_s": sum(tokens) / sum(seconds),
-        "response_tokens_per_s": sum(recorder.response_tokens[steady]) / sum(seconds),
-        "first_step_seconds": recorder.seconds[0],
-        "step_seconds": recorder.seconds,
-        "step_tokens": recorder.tokens,
-        "step_phase_seconds": recorder.phases,
-    }
-
-
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ckpt = checkpoint(args.ckpt, args.tiny)
-    prompts_file = args.out.parent / "workload.parquet" if args.tiny else DEFAULT_OUT
-    workload = args.workload or write_workload(ckpt, prompts_file, args.prompts, args.max_prompt_tokens)
-    try:
-        import tunix  # noqa: F401
-    except ImportError as exc:
-        if not args.tiny:
-            raise
-        skipped = {"peer": "tunix", "skipped": f"training skipped: {exc}", "workload": str(workload)}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(skipped, indent=2))
-        print(f"{skipped['skipped']}; wrote {args.out}")
+    workload = prepare(args, ckpt, "Tunix", "tunix")
+    if workload is None:
         return
     import numpy as np
     import psutil
@@ -389,29 +348,14 @@ def main() -> None:
     load_before = os.getloadavg()
     started = time.perf_counter()
     learner.train([{"prompts": np.array(prompts)}] * args.steps)  # one array: Tunix maps over the batch's leaves
-    result = {
-        "peer": "tunix",
-        **summary(recorder),
-        "steps": len(recorder.seconds),
-        "metrics_jsonl": str(args.metrics),
-        "train_seconds": time.perf_counter() - started,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "peak_rss_note": f"VmHWM of this process: Tunix runs rollout, reference and training in its threads "
-        f"({len(psutil.Process().children(recursive=True))} child processes at the end)",
-        "versions": {p: metadata.version(d) for p, d in
-                     (("tunix", "google-tunix"), ("jax", "jax"), ("flax", "flax"), ("transformers", "transformers"))},
-        "cpus": os.cpu_count(),
-        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
-        "workload": {
-            "ckpt": str(ckpt.resolve()),
-            "prompts_file": str(workload.resolve()),
-            **{k: getattr(args, k) for k in WORKLOAD_ARGS},
-        },
-    }  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"Tunix GRPO: {result['seconds_per_step']:.1f} s/step, {result['tokens_per_s']:,.0f} tokens/s "
-          f"(first step {result['first_step_seconds']:.1f} s); wrote {args.out} and {args.metrics}")  # fmt: skip
+    children = len(psutil.Process().children(recursive=True))
+    packages = (("tunix", "google-tunix"), ("jax", "jax"), ("flax", "flax"), ("transformers", "transformers"))
+    write_summary(
+        args, "Tunix", recorder, ckpt, workload, started, load_before,
+        peak_rss_note=f"VmHWM of this process: Tunix runs rollout, reference and training in its threads ({children} "
+        "child processes at the end)",
+        versions={name: metadata.version(dist) for name, dist in packages},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
