@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hfjax.data import DataError, RowRef
+from hfjax.data import DataError, PromptDataset, RowRef, write_rows
 from hfjax.data.images import decode_images, image_messages, process_prompt
 from hfjax.models.local_tokenizer import build_bpe_tokenizer
 
@@ -109,3 +109,34 @@ def test_a_prompt_with_images_runs_through_the_checkpoints_processor(processor) 
     assert values.shape == (0,) and not np.any(ids == soft)
     with pytest.raises(DataError, match="marks 1 images with '<image>' but the row has 2"):
         process_prompt(processor, [{"role": "user", "content": "<image> how many"}], images, REF)
+
+
+def _row(text: str, images: list) -> dict:
+    return {"data_source": "shapes", "prompt": [{"role": "user", "content": text}], "images": images,
+            "reward_model": {"ground_truth": "3"}}  # fmt: skip
+
+
+def test_a_prompt_dataset_with_images_batches_their_pixels(processor, tmp_path: Path) -> None:
+    """verl's multimodal parquet (two images, one, none) through `PromptDataset` with the processor: each row's
+    ids and pixels are `process_prompt`'s, batches carry [rows, images per row, ...] zero-padded with the counts;
+    a bad image names its row, and an over-long prompt with images is not truncated."""
+    encoded = [[{"bytes": png(pixels(0))}, {"bytes": png(pixels(1))}], [{"bytes": png(pixels(2))}], []]
+    files = write_rows([_row("<image><image> how many", encoded[0]), _row("<image> how many", encoded[1]),
+                        _row("how many", encoded[2])], tmp_path / "train.parquet")  # fmt: skip
+    data = PromptDataset(files, processor.tokenizer, max_prompt_length=64, processor=processor, max_images=2)
+    batch = data.collate([0, 1, 2])
+    images, counts = batch.tensors["images"], batch.tensors["image_counts"]
+    assert images.shape == (3, 2, 3, 32, 32) and counts.tolist() == [2, 1, 0]
+    for i, text in enumerate(["<image><image> how many", "<image> how many", "how many"]):
+        ref = RowRef(str(files), i + 1)
+        _, ids, values = process_prompt(processor, [{"role": "user", "content": text}],
+                                        decode_images(encoded[i], ref, 2), ref)  # fmt: skip
+        np.testing.assert_array_equal(data[i].input_ids, ids)
+        np.testing.assert_array_equal(images[i, : counts[i]], values.reshape(-1, 3, 32, 32))
+        assert not np.any(images[i, counts[i] :])
+    assert data.collate([2]).tensors["images"].shape[:2] == (1, 0)  # no images in the batch: text only
+    bad = write_rows([_row("<image> how many", [{"bytes": b"junk"}])], tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=r"bad\.parquet: row 1: field 'images' image 0: cannot decode"):
+        PromptDataset(bad, processor.tokenizer, max_prompt_length=64, processor=processor)
+    with pytest.raises(DataError, match=r"row 1: prompt has \d+ tokens with its images"):
+        PromptDataset(files, processor.tokenizer, max_prompt_length=12, truncation="left", processor=processor)

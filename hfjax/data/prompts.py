@@ -48,6 +48,7 @@ class PromptExample:
     extra_info: dict[str, Any]
     text: str
     input_ids: np.ndarray
+    images: np.ndarray | None = None  # pixel values [images, channels, height, width] (a processor's prompts)
 
     @property
     def index(self) -> Any:
@@ -83,12 +84,35 @@ def tokenize_prompt_rows(
     return fields, texts, encode(tokenizer, texts)
 
 
+def process_image_rows(
+    processor: Any, rows: Sequence[tuple[RowRef, dict[str, Any]]], max_images: int
+) -> tuple[list[dict[str, Any]], list[str], list[np.ndarray], list[np.ndarray | None]]:
+    """`tokenize_prompt_rows` of multimodal rows: each row's `images` decoded and its prompt run through the
+    checkpoint's `processor` (`hfjax.data.images`); also each row's pixel values (None: a row without images)."""
+    from hfjax.data.images import decode_images, process_prompt
+
+    fields = [parse_prompt_row(ref, row) for ref, row in rows]
+    texts, ids, images = [], [], []
+    for f, (ref, row) in zip(fields, rows, strict=True):
+        text, row_ids, pixels = process_prompt(
+            processor, f["messages"], decode_images(row.get("images"), ref, max_images), ref
+        )
+        texts.append(text)
+        ids.append(row_ids)
+        images.append(pixels if len(pixels) else None)
+    return fields, texts, ids, images
+
+
 class PromptDataset:
     """Prompts from parquet/JSONL files, tokenized with the tokenizer's chat template (`add_generation_prompt=True`).
 
     `truncation`: `error` fails on a prompt longer than `max_prompt_length` (naming its file and row), `filter`
     drops such prompts (logs the count, kept in `num_filtered`), `left` keeps their last tokens, `right` their first.
     `pad_to`: `max_length` pads every batch to `max_prompt_length` (fixed shapes), `longest` to the batch's longest.
+    With a vision-language checkpoint's `processor`, rows may carry `images` (verl's multimodal schema,
+    `hfjax.data.images`, at most `max_images` each): the processor renders and tokenizes them, and batches carry the
+    pixel values. A prompt with images is never truncated (its image tokens would be cut): an over-long one is an
+    error, or filtered.
     """
 
     def __init__(
@@ -99,14 +123,27 @@ class PromptDataset:
         max_prompt_length: int,
         truncation: str = "error",
         pad_to: str = "max_length",
+        processor: Any = None,
+        max_images: int = 4,
     ):
         check_options(max_prompt_length, truncation, pad_to)
         self.max_prompt_length, self.truncation, self.pad_to = max_prompt_length, truncation, pad_to
         self.pad_id = pad_token_id(tokenizer)
         rows = read_rows(files)
         refs = [ref for ref, _ in rows]
-        fields, texts, ids = tokenize_prompt_rows(tokenizer, rows)
+        if processor is None:
+            fields, texts, ids = tokenize_prompt_rows(tokenizer, rows)
+            images: list[np.ndarray | None] = [None] * len(rows)
+        else:
+            fields, texts, ids, images = process_image_rows(processor, rows, max_images)
+        self.with_images = processor is not None
         kept = keep_within([len(x) for x in ids], refs, max_prompt_length, truncation, "prompt")
+        for i in kept:
+            if images[i] is not None and len(ids[i]) > max_prompt_length:
+                raise DataError(
+                    f"{refs[i]}: prompt has {len(ids[i])} tokens with its images, more than {max_prompt_length}; "
+                    "a prompt with images is not truncated (set truncation to filter, or raise max_prompt_length)"
+                )
         self.num_filtered = len(rows) - len(kept)
         self.examples = [
             PromptExample(
@@ -114,6 +151,7 @@ class PromptDataset:
                 uid=str(i),
                 text=texts[i],
                 input_ids=clip(ids[i], max_prompt_length, truncation),
+                images=images[i],
                 **fields[i],
             )
             for i in kept
@@ -129,7 +167,8 @@ class PromptDataset:
 
     def collate(self, indices: Sequence[int]) -> Batch:
         """Left-padded `input_ids`, `attention_mask`, `position_ids` (int32) and object arrays `raw_prompt`
-        (messages), `prompt_text`, `data_source`, `ability`, `ground_truth`, `extra_info`, `index`, `uid`."""
+        (messages), `prompt_text`, `data_source`, `ability`, `ground_truth`, `extra_info`, `index`, `uid`; with a
+        processor also `images` and `image_counts` (`batch_images`)."""
         rows = [self.examples[int(i)] for i in indices]
         seqs = [r.input_ids for r in rows]
         width = batch_width([len(s) for s in seqs], self.max_prompt_length, self.pad_to)
@@ -143,7 +182,21 @@ class PromptDataset:
             "index": [r.index for r in rows],
             "uid": [r.uid for r in rows],
         }
-        return Batch(
-            tensors=padded_tensors(seqs, width, self.pad_id, "left"),
-            non_tensors={k: object_array(v) for k, v in non_tensors.items()},
-        )
+        tensors = padded_tensors(seqs, width, self.pad_id, "left")
+        if self.with_images:
+            tensors.update(batch_images([r.images for r in rows]))
+        return Batch(tensors=tensors, non_tensors={k: object_array(v) for k, v in non_tensors.items()})
+
+
+def batch_images(images: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
+    """The rows' pixel values as `images` [rows, images per row, channels, height, width] float32 (images per row:
+    the most any row has, rounded up to a power of two, so that batch shapes stay few; zeros past a row's own) and
+    `image_counts` [rows] int32; no images anywhere: images per row 0."""
+    counts = np.asarray([0 if x is None else len(x) for x in images], np.int32)
+    shape = next((x.shape[1:] for x in images if x is not None), (0, 0, 0))
+    per_row = 0 if not counts.max(initial=0) else 1 << int(counts.max() - 1).bit_length()
+    out = np.zeros((len(images), per_row, *shape), np.float32)
+    for i, x in enumerate(images):
+        if x is not None:
+            out[i, : len(x)] = x
+    return {"images": out, "image_counts": counts}
