@@ -6,6 +6,7 @@ without pixels; under fsdp 4 x tensor 2 logits and gradients equal one device's.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -15,7 +16,9 @@ import pytest
 import torch
 import transformers as tf
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
+from hfjax.models import CheckpointError
 from hfjax.models.attention import attention_mask, causal_attention
 from hfjax.models.hf import checkpoint_index
 from hfjax.models.program import program_layout
@@ -39,6 +42,7 @@ TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atten
             head_dim=16, vocab_size=300, sliding_window=6,
             layer_types=["sliding_attention", "full_attention"])  # fmt: skip
 IMAGE, BOI, EOI, PAD = 299, 297, 298, 0
+ARCH = "Gemma3ForConditionalGeneration"
 TOKENS_PER_IMAGE = 4
 
 
@@ -206,6 +210,23 @@ def test_greedy_generation_with_images_equals_transformers_generate(checkpoint) 
         assert out.tokens.tolist() == want.sequences[0, prompt.shape[1] :].tolist(), out.request
         logprobs = [torch.log_softmax(step[0], -1)[t].item() for step, t in zip(want.logits, out.tokens, strict=True)]
         np.testing.assert_allclose(out.logprobs, logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_that_does_not_match_is_refused_before_loading(checkpoint, tmp_path) -> None:
+    _, path = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["multi_modal_projector.mm_soft_emb_norm.weight"]
+    tensors["vision_tower.extra.weight"] = np.zeros(3, np.float32)
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        load_vision_lm(broken)
+    assert "missing tensors: multi_modal_projector.mm_soft_emb_norm.weight" in str(caught.value)
+    assert "unexpected tensors: vision_tower.extra.weight" in str(caught.value)
+    (broken / "config.json").write_text((path / "config.json").read_text().replace(ARCH, "LlamaForCausalLM"))
+    with pytest.raises(ValueError, match="architectures"):
+        load_vision_lm(broken)
 
 
 def _gradients(model, ids, mask, pixels) -> dict[tuple, np.ndarray]:

@@ -90,22 +90,6 @@ def merge_soft_tokens(embeddings: jax.Array, input_ids: jax.Array, soft_tokens: 
     return jnp.where(is_image[..., None], picked, embeddings)
 
 
-def check_placeholders(input_ids: Any, image_counts: Any, cfg: VisionLanguageConfig) -> None:
-    """Raises ValueError unless each row of the host token ids [rows, length] holds tokens_per_image placeholders
-    for each of its `image_counts` [rows] images."""
-    import numpy as np
-
-    found = np.sum(np.asarray(input_ids) == cfg.image_token_id, axis=1)
-    wanted = np.asarray(image_counts) * cfg.vision.tokens_per_image
-    bad = np.flatnonzero(found != wanted)
-    if len(bad):
-        row = int(bad[0])
-        raise ValueError(
-            f"input_ids: row {row} holds {found[row]} image placeholder tokens (id {cfg.image_token_id}) for "
-            f"{image_counts[row]} images; expected {wanted[row]} ({cfg.vision.tokens_per_image} per image)"
-        )
-
-
 class VisionLanguageLM(nnx.Module):
     """`ImageEncoder` + `CausalLM` (Gemma 3). Call -> logits [rows, length, vocab_size] float32 (HF's shape). Its
     `config`, dtypes, `logits` and `token_logprobs` are the language model's, so code written for a `CausalLM`'s
