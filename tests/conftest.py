@@ -59,12 +59,26 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 
 @pytest.fixture
-def previous_handler():
-    """A handler of SIGTERM that a guard under test must put back (and that fails the test if a signal reaches it)."""
+def previous_handler(monkeypatch):
+    """A handler of SIGTERM that a guard under test must put back (and that fails the test if a signal reaches it).
+    The guards' timers still running when the test ends are cancelled: an abandoned run keeps its hard-exit timer to
+    bound its exit, which would otherwise fire seconds later into whichever test runs then."""
     import signal
 
+    from hfjax.trainer import preemption
+
+    timers = []
+    start_timer = preemption._start_timer
+
+    def recorded(seconds: float, action):
+        timers.append(start_timer(seconds, action))
+        return timers[-1]
+
+    monkeypatch.setattr(preemption, "_start_timer", recorded)
     reached: list[int] = []
     before = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
     yield signal.getsignal(signal.SIGTERM)
+    for timer in timers:
+        timer.cancel()
     signal.signal(signal.SIGTERM, before)
     assert not reached, "a SIGTERM reached the handler outside the guard"
