@@ -42,19 +42,10 @@ def one_device_xla_flags() -> str:
     return " ".join(flag for flag in TEST_XLA_FLAGS if not flag.startswith("--xla_force_host_platform_device_count"))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the node ids
 def pytest_collection_modifyitems(items: list) -> None:
-    """With `pytest -n N` (pytest-xdist, `--dist loadgroup` as scripts/test.sh runs it) each file's tests stay on one
-    worker, so a module's fixtures (tiny models, compiled programs) are built once. The Ray tests of different files
-    may run on different workers, each starting its own session cluster (`ray_cluster`): one more cluster start-up is
-    cheaper than running every Ray test, the longest ones, on one worker while the other idles. A file whose tests
-    share nothing (`SPREAD_TESTS = True` in it: each runs a script in a process of its own) spreads its tests over
-    the workers."""
-    for item in items:
-        spread = getattr(getattr(item, "module", None), "SPREAD_TESTS", False)
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if spread else item.nodeid.split("::")[0]))
-    # Workers take the files in this order: the files that take minutes (`SCHEDULE_FIRST = <minutes>` in them) go
-    # first, longest first, so that the run does not end with one worker busy on a long file while the other idles.
+    """Workers take the tests in this order (`scripts/test.sh`: each test a unit of work of its own): the files that
+    take minutes (`SCHEDULE_FIRST = <minutes>` in them) first, longest first, so that the run does not end with one
+    worker busy on a long test while the other idles."""
     items.sort(key=lambda item: -getattr(getattr(item, "module", None), "SCHEDULE_FIRST", 0))
 
 

@@ -15,7 +15,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 REPORT_KEYS = {"title", "rows", "machine"}  # what `bench_common.report` writes
-SPREAD_TESTS = True  # each run is a process of its own: pytest-xdist may spread them over its workers (conftest.py)
 
 # script (relative to scripts/; benchmarks and their peers under bench/) -> (its arguments besides --out, the output
 # file, the top-level keys it must hold)

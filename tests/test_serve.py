@@ -36,18 +36,21 @@ TARGET = [40, 41, 42, 43, 44, 45]  # what training teaches after PROMPT
 
 
 class Server:
-    """A served tiny model: `start` (again after `stop`: a restart over the same run directory)."""
+    """A served tiny model and a `client` of it: `start` (again after `stop`: a restart over the same run directory).
+    `stop` ends the client's session first (else its SDK keeps sending heartbeats to the stopped server, and warns
+    about each failure minutes later in another test's output)."""
 
     def __init__(self, config: ServeConfig):
-        self.config, self.thread, self.backend = config, None, None
+        self.config, self.thread, self.backend, self.client = config, None, None, None
 
-    def start(self) -> tinker.ServiceClient:
+    def start(self) -> None:
         self.backend = start_backend(self.config)
         app = create_app(self.backend, run_dir=self.config.run_dir, tokenizer_id=self.config.tokenizer)
         self.thread = ServerThread(app)
-        return tinker.ServiceClient(base_url=self.thread.start(), api_key="tml-hfjax-tests")
+        self.client = tinker.ServiceClient(base_url=self.thread.start(), api_key="tml-hfjax-tests")
 
     def stop(self) -> None:
+        self.client.close("success").result()
         self.thread.stop()
         self.backend.shutdown()
 
@@ -66,7 +69,7 @@ def server(model_dir, tmp_path_factory, monkeypatch_module):
     config = ServeConfig(model_path=str(model_dir), run_dir=run_dir, max_prompt_tokens=16, max_new_tokens=8, slots=4,
                          max_train_tokens=64, max_lora_rank=16)  # fmt: skip
     served = Server(config)
-    served.client = served.start()
+    served.start()
     yield served
     served.stop()
 
@@ -144,7 +147,7 @@ def test_save_state_restart_load_state_continues_bitwise(server):
     train(client, 2, data)
     want = logprobs(client, PROMPT + TARGET)
     server.stop()
-    server.client = server.start()
+    server.start()
     resumed = server.client.create_training_client_from_state_with_optimizer(path).result()
     train(resumed, 2, data)
     np.testing.assert_array_equal(logprobs(resumed, PROMPT + TARGET), want)

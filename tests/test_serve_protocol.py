@@ -64,7 +64,9 @@ def served(tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alice(served) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=served.url, api_key="tml-alice")
+    client = tinker.ServiceClient(base_url=served.url, api_key="tml-alice")
+    yield client
+    client.close("success").result()  # before the server stops: else its heartbeats fail, warning minutes later
 
 
 def trainer(client: tinker.ServiceClient, rank: int = 4, seed: int = 0) -> tinker.TrainingClient:
