@@ -6,6 +6,7 @@ without pixels; under fsdp 4 x tensor 2 logits and gradients equal one device's.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import torch
 import transformers as tf
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from support.rl_setup import rl_config
 
+from hfjax.config.rl import load_rl_config
 from hfjax.models import CheckpointError
 from hfjax.models.attention import attention_mask, causal_attention
 from hfjax.models.hf import checkpoint_index
@@ -31,9 +34,11 @@ from hfjax.models.vision_lm import (
     vision_lm_plan,
 )
 from hfjax.parallel import Layout
+from hfjax.protocol import DataProto
 from hfjax.rollout.engine import JaxEngine
 from hfjax.rollout.generator import OfflineGenerator
 from hfjax.rollout.sampling import SamplingParams
+from hfjax.workers.actor import ActorRolloutRefWorker
 
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
               patch_size=8, num_channels=3, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip
@@ -290,3 +295,49 @@ def test_fsdp_and_tensor_parallelism_equal_one_device(checkpoint) -> None:
     for path_, value in nnx.to_flat_state(grads):
         want = want_grads[path_]
         assert _relative(np.asarray(value.get_value()), want) < 1e-5 or np.linalg.norm(want) < 1e-6, path_
+
+
+RESPONSE = 6  # the batch's last columns, read as each row's response
+
+
+def policy_rows() -> dict[str, np.ndarray]:
+    """The batch as an RL step's rows: the last `RESPONSE` columns each row's response (row 0's ending 2 tokens
+    early, right-padded), the images per row."""
+    ids, mask, pixels = batch()
+    ids[0, -2:], mask[0, -2:] = PAD, 0
+    rows = {"input_ids": ids, "attention_mask": mask, "position_ids": positions(mask), "images": per_row(pixels)}
+    return rows | {"responses": ids[:, -RESPONSE:], "response_mask": mask[:, -RESPONSE:]}
+
+
+def test_the_actor_and_reference_read_each_rows_images_as_transformers_does(checkpoint, tmp_path) -> None:
+    """An `ActorRolloutRefWorker` whose policy is the vision-language checkpoint: the log-prob and reference passes
+    over rows with images (micro-batches of 2 rows, which reorder the rows by length and trim their padding) give
+    transformers' log probs of each response token; the update moves the vision tower; packed rows with images are
+    refused naming the setting."""
+    model, path = checkpoint
+    files = {"policy": str(path), "train": str(tmp_path / "train.jsonl"), "test": str(tmp_path / "test.jsonl")}
+    actor = {"micro_batch_size": 2, "ppo_mini_batch_size": 4}
+    cfg = load_rl_config(rl_config(files, tmp_path / "run", "grpo", actor=actor))
+    worker = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor_ref", total_steps=2, max_prompt_length=18)
+    worker.init_model()
+    rows = policy_rows()
+    with torch.no_grad():
+        logits = torch_logits(model, rows["input_ids"], rows["attention_mask"], batch()[2])
+    logp = torch.log_softmax(logits[:, -RESPONSE - 1 : -1], -1)
+    want = torch.gather(logp, 2, torch.tensor(rows["responses"][..., None])).squeeze(-1).numpy()
+    real = rows["response_mask"].astype(bool)
+    got = worker.compute_log_prob(DataProto.from_dict(rows)).batch["old_log_probs"]
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=1e-5)
+    ref = worker.compute_ref_log_prob(DataProto.from_dict(rows)).batch["ref_log_prob"]
+    np.testing.assert_allclose(ref[real], want[real], rtol=1e-5, atol=1e-5)  # a copy of its own, another program
+
+    tower = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(worker.params) if p[0] == "vision"}
+    advantages = np.random.default_rng(5).normal(size=real.shape).astype(np.float32)
+    update = rows | {"advantages": advantages, "old_log_probs": got, "ref_log_prob": ref}
+    worker.update_actor(DataProto.from_dict(update))
+    moved = {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(worker.params) if p[0] == "vision"}
+    assert all(not np.array_equal(moved[p], tower[p]) for p in tower if p[-1] == "kernel")
+
+    worker.cfg = dataclasses.replace(worker.cfg, packed_row_tokens=32)
+    with pytest.raises(ValueError, match=r"actor\.packed_row_tokens: rows with images are not packed"):
+        worker.compute_log_prob(DataProto.from_dict(rows))

@@ -160,6 +160,18 @@ class VisionLanguageLM(nnx.Module):
         return lm.logits(self.hidden(input_ids, attention_mask, positions, images))[..., : lm.config.vocab_size]
 
 
+def language_model(model: CausalLM | VisionLanguageLM) -> CausalLM:
+    """The causal LM in `model`: `model` itself, or a vision-language model's language model (what generation
+    decodes with, and what remat and the head settings apply to)."""
+    return model.language_model if isinstance(model, VisionLanguageLM) else model
+
+
+def is_vision_language_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint directory `path` holds a vision-language model (`load_vision_lm` reads it)."""
+    file = Path(path) / "config.json"
+    return file.is_file() and (json.loads(file.read_text()).get("architectures") or []) == [ARCHITECTURE]
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointNames:
     """Where a checkpoint keeps the language model's decoder and head (the prefixes replacing `param_plan`'s

@@ -35,7 +35,7 @@ from hfjax.models.decode_attention import (
     gather_prompt_blocks,
 )
 from hfjax.models.transformer import CausalLM
-from hfjax.models.vision_lm import VisionLanguageLM
+from hfjax.models.vision_lm import VisionLanguageLM, language_model
 from hfjax.rollout.pooled_attention import PoolReaders, pooled_decode_attention
 
 
@@ -47,12 +47,6 @@ class Prefix(NamedTuple):
     values: tuple[jax.Array, ...]
     lengths: jax.Array
     last_logits: jax.Array
-
-
-def language_model(model: CausalLM | VisionLanguageLM) -> CausalLM:
-    """The causal LM that generates: `model`, or a vision-language model's language model (images enter only
-    through the prefill; decoding reads the cache)."""
-    return model.language_model if isinstance(model, VisionLanguageLM) else model
 
 
 def prefill_forward(

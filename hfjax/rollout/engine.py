@@ -41,10 +41,9 @@ from hfjax.models.attention import configured_implementation
 from hfjax.models.moe import set_expert_capacity
 from hfjax.models.program import program_layout, setting_key
 from hfjax.models.transformer import CausalLM
-from hfjax.models.vision_lm import VisionLanguageLM
+from hfjax.models.vision_lm import VisionLanguageLM, language_model
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.cache_layout import CacheLayout, batch_sharded
-from hfjax.rollout.cached_forward import language_model
 from hfjax.rollout.engine_steps import EngineSteps
 from hfjax.rollout.extend_shapes import ExtendShapes, pad_extend
 from hfjax.rollout.interface import (

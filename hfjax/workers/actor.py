@@ -32,6 +32,7 @@ from hfjax.controller import Dispatch, register
 from hfjax.models.lora import LoraParam, adapter_dropout, adapters_off, merge_lora
 from hfjax.models.moe import collect_router_stats
 from hfjax.models.program import bind
+from hfjax.models.vision_lm import VisionLanguageLM
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import TrainState, frozen_flags
 from hfjax.parallel import HybridEngine, layout_or_default
@@ -49,7 +50,7 @@ from hfjax.workers.model_role import (
     weighted_router_metrics,
 )
 from hfjax.workers.packing import response_positions, to_response_rows
-from hfjax.workers.sequences import ROUTED_EXPERTS
+from hfjax.workers.sequences import IMAGES, ROUTED_EXPERTS
 from hfjax.workers.weight_sync import WeightShards, export_shards
 
 ROLES = ("actor", "rollout", "ref", "actor_ref", "actor_rollout", "actor_rollout_ref")
@@ -61,8 +62,14 @@ def response_logprobs(
     """(log probs, entropies or None) [rows, response] of the response tokens under logits / temperature: the
     vocabulary projection runs on the response positions only, a chunk of tokens at a time (never the whole
     [rows, response, vocab] logits: `CausalLM.token_logprobs`); of a packed micro-batch, on its response tokens only
-    (`hfjax.workers.packing`), with one row per sequence out. A batch with `ROUTED_EXPERTS` replays them."""
-    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.get(ROUTED_EXPERTS))
+    (`hfjax.workers.packing`), with one row per sequence out. A batch with `ROUTED_EXPERTS` replays them; one with
+    `IMAGES` reads them (a vision-language policy)."""
+    if IMAGES in batch:  # a vision-language policy: the rows' images in place of their placeholders
+        hidden = model.hidden(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch[IMAGES])
+    else:
+        hidden = model.model(
+            batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.get(ROUTED_EXPERTS)
+        )
     response, labels = response_positions(hidden, batch)
     logp, entropies = model.token_logprobs(response, labels, temperature=temperature, with_entropy=with_entropy)
     return to_response_rows(logp, batch), None if entropies is None else to_response_rows(entropies, batch)
@@ -273,11 +280,23 @@ class ActorRolloutRefWorker(TrainedRole):
     def _log_probs(self, jitted: Any, params: Any, data: DataProto, replay: bool = False) -> dict[str, np.ndarray]:
         keys = ("input_ids", "attention_mask", "position_ids", "responses")
         keys += (ROUTED_EXPERTS,) if replay and self.cfg.router_replay else ()
+        keys += self._image_keys(data)
         arrays = {k: data.batch[k] for k in keys}
         length = data.batch["responses"].shape[1]
         packed = self.cfg.packed_row_tokens
         trim = length if self.cfg.trim_padding or packed else None
         return self.policy.map_rows(jitted, params, arrays, self.cfg.micro_batch_size, trim, packed)
+
+    def _image_keys(self, data: DataProto) -> tuple[str, ...]:
+        """(`IMAGES`,) when the rows carry images, which a vision-language policy reads in every pass; else ().
+        Raises naming the setting when the policy reads no images or the rows would be packed."""
+        if IMAGES not in data.batch:
+            return ()
+        if not isinstance(self.policy.model, VisionLanguageLM):
+            raise ValueError(f"actor.model_path: the rows carry images, but {self.cfg.model_path} reads text only")
+        if self.cfg.packed_row_tokens:
+            raise ValueError("actor.packed_row_tokens: rows with images are not packed; expected 0")
+        return (IMAGES,)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     @reports_usage
@@ -306,6 +325,7 @@ class ActorRolloutRefWorker(TrainedRole):
         optional = ("old_log_probs", "ref_log_prob", "rollout_log_probs", "rollout_is_weights", ROW_IN_LOSS)
         keys += [k for k in optional if k in data.batch]
         keys += [ROUTED_EXPERTS] if cfg.router_replay else []
+        keys += self._image_keys(data)
         arrays = padding_masked({k: np.asarray(data.batch[k]) for k in keys}, data)
         if "old_log_probs" not in arrays and (
             cfg.ppo_epochs > 1 or len(data) * jax.process_count() > cfg.ppo_mini_batch_size

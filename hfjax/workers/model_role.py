@@ -25,6 +25,7 @@ from hfjax.models.lora import LoraConfig, LoraParam, add_lora
 from hfjax.models.moe import router_summary, set_expert_capacity
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
+from hfjax.models.vision_lm import is_vision_language_checkpoint, language_model, load_vision_lm
 from hfjax.optim.train_state import (
     TrainState,
     batch_sharding,
@@ -92,7 +93,8 @@ class LoadedModel:
     ):
         self.layout = layout
         loaded = frozen_layout or layout
-        model = set_remat(load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=loaded, head=head), remat)
+        model = load_model(path, dtype=dtype, param_dtype=param_dtype, layout=loaded, head=head, lora=lora)
+        set_remat(language_model(model), remat)
         set_expert_capacity(model, expert_capacity_factor)
         for name in float32_params:  # e.g. a trained head beside a frozen base stored in the compute dtype
             param = getattr(model, name)
@@ -143,6 +145,20 @@ class LoadedModel:
             host = [jax.tree.map(lambda x: _pad_columns(x, response_length), out) for out in host]
         joined = jax.tree.map(lambda *parts: np.concatenate(parts)[: len(order)], *host)
         return jax.tree.map(lambda x: _in_row_order(x, order, rows), joined)
+
+
+def load_model(
+    path: str, *, dtype: str, param_dtype: str | None, layout: Layout, head: str | None, lora: LoraConfig | None
+) -> nnx.Module:
+    """`load_hf` of the checkpoint `path`, or `load_vision_lm` of a vision-language one, which serves as a policy (or
+    its reference) only, without LoRA for now; raises naming what cannot be, before loading anything."""
+    if not is_vision_language_checkpoint(path):
+        return load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head)
+    if head != "causal_lm":
+        raise ValueError(f"{path}: a vision-language checkpoint; expected it as the policy, not as a {head} model")
+    if lora is not None:
+        raise ValueError(f"{path}: a vision-language checkpoint; expected lora.rank 0 (no LoRA on it yet)")
+    return load_vision_lm(path, dtype=dtype, param_dtype=param_dtype, layout=layout)
 
 
 def load_trained(

@@ -24,6 +24,9 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]; `
 # The experts each mixture-of-experts layer chose for each token at generation [B, P + R, moe layers, k], -1 where
 # none (padding, each response's last token): `actor.router_replay`
 ROUTED_EXPERTS = "routed_experts"
+# A vision-language policy's pixel values per row [B, images per row, channels, height, width] (a row with fewer
+# images pads with any, never read), read in place of the prompt's image placeholders by every pass over the rows
+IMAGES = "images"
 
 
 def prompt_token_lists(input_ids: np.ndarray, attention_mask: np.ndarray) -> list[np.ndarray]:
@@ -175,6 +178,8 @@ def trim_padding(
             out[key] = value[:, split - prompt_width : split + width]
         elif key == "prompts":
             out[key] = value[:, split - prompt_width :]
+        elif key == IMAGES:
+            out[key] = value
         elif np.ndim(value) >= 2:
             if value.shape[1] != response_length:
                 raise ValueError(f"trim_padding: {key} has {value.shape[1]} columns, expected {response_length}")
