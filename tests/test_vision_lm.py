@@ -341,3 +341,26 @@ def test_the_actor_and_reference_read_each_rows_images_as_transformers_does(chec
     worker.cfg = dataclasses.replace(worker.cfg, packed_row_tokens=32)
     with pytest.raises(ValueError, match=r"actor\.packed_row_tokens: rows with images are not packed"):
         worker.compute_log_prob(DataProto.from_dict(rows))
+
+
+def test_the_rollouts_samples_carry_their_images_and_their_log_probs_are_the_actors(checkpoint, tmp_path) -> None:
+    """An actor-rollout worker generates from prompts with images (left-padded, two images in a row, a row without):
+    each of a prompt's n samples carries that prompt's images, and the log-prob pass over the rollout's rows (which
+    reads them) gives the log probs the rollout sampled with (float32, 1e-5): generation read the images as the
+    update will."""
+    _, path = checkpoint
+    files = {"policy": str(path), "train": str(tmp_path / "train.jsonl"), "test": str(tmp_path / "test.jsonl")}
+    cfg = load_rl_config(rl_config(files, tmp_path / "run", "grpo", actor={"micro_batch_size": 2}))
+    worker = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor_rollout", total_steps=2, max_prompt_length=24)
+    worker.init_model()
+    ids, mask, pixels = batch()
+    images = per_row(pixels)
+    prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "images": images})
+    rollout = worker.generate_sequences(prompts)
+    n = cfg.rollout.n
+    np.testing.assert_array_equal(rollout.batch["images"], np.repeat(images, n, axis=0))
+    np.testing.assert_array_equal(rollout.batch["prompts"], np.repeat(ids, n, axis=0))
+    real = rollout.batch["response_mask"].astype(bool)
+    assert real.sum() > len(real)  # sampled responses of more than one token
+    got = worker.compute_log_prob(rollout).batch["old_log_probs"]
+    np.testing.assert_allclose(got[real], rollout.batch["rollout_log_probs"][real], rtol=1e-5, atol=1e-5)

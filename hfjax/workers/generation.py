@@ -19,7 +19,7 @@ from hfjax.envs.base import load_environment
 from hfjax.protocol import ROW_OFFSET, DataProto
 from hfjax.rollout import OfflineGenerator, SamplingParams
 from hfjax.rollout.generator import SampleOutput
-from hfjax.workers.sequences import assemble, prompt_token_lists
+from hfjax.workers.sequences import IMAGES, assemble, prompt_token_lists
 
 
 def agent_generator(generator: OfflineGenerator, rollout: RolloutConfig) -> AgentGenerator | None:
@@ -102,11 +102,17 @@ def generate_batch(
     `generator.generate` (e.g. generation across weight versions). Sample keys follow each prompt's index in the
     whole batch (`ROW_OFFSET`), so samples do not depend on placement. A prompt the generator rejects is an error
     naming it. With `agent`, each sample is a trajectory of its environment (the batch then also has `env_rewards` and
-    the metrics `agent/*`)."""
+    the metrics `agent/*`). Prompts with `IMAGES` (a vision-language policy) prefill with them, and each sample's row
+    carries its prompt's images to the passes after generation."""
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     first = int(prompts.meta_info.get(ROW_OFFSET, 0))
+    images = prompts.batch.get(IMAGES)
+    if images is not None and (agent is not None or run is not None):
+        raise ValueError("generate_sequences: prompts with images run without an agent loop or partial rollouts")
     started = time.time()
-    if agent is not None:
+    if images is not None:
+        outputs = generator.generate(prompt_token_lists(ids, mask), sampling, first, images=list(images))
+    elif agent is not None:
         rows = dataset_rows(prompts.non_tensor_batch)
         outputs = agent.generate(prompt_token_lists(ids, mask), rows, sampling, first)
     else:
@@ -115,6 +121,8 @@ def generate_batch(
     if rejected:
         raise ValueError(f"generate_sequences: prompt {rejected[0].request}: {rejected[0].error}")
     batch = assemble(ids, mask, outputs, sampling.n, sampling.max_new_tokens, pad_id)
+    if images is not None:  # samples are prompt-major: prompt i's n samples are rows i*n .. i*n+n-1
+        batch[IMAGES] = np.repeat(images, sampling.n, axis=0)
     stats = (agent or generator).last_stats
     timing = {
         "gen_tokens": stats["response_tokens"],
