@@ -10,47 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from support.vision import BOI, EOI, SOFT, build_gemma3_processor, pixels, png
 
 from hfjax.data import DataError, PromptDataset, RowRef, write_rows
 from hfjax.data.images import decode_images, image_messages, process_prompt
-from hfjax.models.local_tokenizer import build_bpe_tokenizer
 
 REF = RowRef("train.parquet", 7)
-BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + BOI + "{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}assistant:"
-)
-
-
-def png(pixels: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def pixels(seed: int, shape=(20, 30, 3)) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")
 def processor():
-    """A Gemma 3 processor over a small local BPE tokenizer with Gemma 3's image tokens: 32 x 32 images, 4 soft
-    tokens each."""
-    from transformers import Gemma3ImageProcessor, Gemma3Processor, PreTrainedTokenizerFast
-
-    bpe = build_bpe_tokenizer(["user: how many shapes", "assistant: 3"], 300)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe.backend_tokenizer,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
-    )
-    tokenizer.chat_template = TEMPLATE
-    images = Gemma3ImageProcessor(size={"height": 32, "width": 32})
-    return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=TEMPLATE)
+    return build_gemma3_processor()
 
 
 def test_every_encoding_decodes_to_the_pixels_written(tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_image_blocks_number_each_run_of_placeholders() -> None:
     ids, _, _ = batch()
-    blocks = np.asarray(image_blocks(jnp.asarray(ids), IMAGE))
+    blocks = np.asarray(image_blocks(jnp.asarray(ids) == IMAGE))
     assert set(blocks[0][ids[0] == IMAGE]) == {0} and set(blocks[1][ids[1] == IMAGE]) == {0, 1}
     assert np.all(blocks[ids != IMAGE] == -1) and np.all(blocks[2] == -1)
 
@@ -150,7 +150,7 @@ def test_an_image_block_across_the_causal_key_blocks_sees_its_later_tokens() -> 
     ids = np.full((1, 128), 5)
     ids[0, 28:36] = IMAGE
     segments, index = jnp.ones((1, 128), jnp.int32), jnp.arange(128)
-    mask = attention_mask(segments, index, index, None, image_blocks(jnp.asarray(ids), IMAGE))
+    mask = attention_mask(segments, index, index, None, image_blocks(jnp.asarray(ids) == IMAGE))
     got = causal_attention(q, k, v, valid=segments, mask=mask, sees_ahead=True, implementation="xla")
     scores = np.einsum("tkgd,skd->kgts", np.asarray(q[0]).reshape(128, 2, 2, 8), np.asarray(k[0])) / np.sqrt(8)
     scores = np.where(np.asarray(mask[0]), scores, -np.inf)
@@ -341,26 +341,3 @@ def test_the_actor_and_reference_read_each_rows_images_as_transformers_does(chec
     worker.cfg = dataclasses.replace(worker.cfg, packed_row_tokens=32)
     with pytest.raises(ValueError, match=r"actor\.packed_row_tokens: rows with images are not packed"):
         worker.compute_log_prob(DataProto.from_dict(rows))
-
-
-def test_the_rollouts_samples_carry_their_images_and_their_log_probs_are_the_actors(checkpoint, tmp_path) -> None:
-    """An actor-rollout worker generates from prompts with images (left-padded, two images in a row, a row without):
-    each of a prompt's n samples carries that prompt's images, and the log-prob pass over the rollout's rows (which
-    reads them) gives the log probs the rollout sampled with (float32, 1e-5): generation read the images as the
-    update will."""
-    _, path = checkpoint
-    files = {"policy": str(path), "train": str(tmp_path / "train.jsonl"), "test": str(tmp_path / "test.jsonl")}
-    cfg = load_rl_config(rl_config(files, tmp_path / "run", "grpo", actor={"micro_batch_size": 2}))
-    worker = ActorRolloutRefWorker(cfg.actor, cfg.rollout, "actor_rollout", total_steps=2, max_prompt_length=24)
-    worker.init_model()
-    ids, mask, pixels = batch()
-    images = per_row(pixels)
-    prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "images": images})
-    rollout = worker.generate_sequences(prompts)
-    n = cfg.rollout.n
-    np.testing.assert_array_equal(rollout.batch["images"], np.repeat(images, n, axis=0))
-    np.testing.assert_array_equal(rollout.batch["prompts"], np.repeat(ids, n, axis=0))
-    real = rollout.batch["response_mask"].astype(bool)
-    assert real.sum() > len(real)  # sampled responses of more than one token
-    got = worker.compute_log_prob(rollout).batch["old_log_probs"]
-    np.testing.assert_allclose(got[real], rollout.batch["rollout_log_probs"][real], rtol=1e-5, atol=1e-5)

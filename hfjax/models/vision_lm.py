@@ -35,6 +35,7 @@ from hfjax.models.hf import (
     checkpoint_index,
     load_planned,
     param_plan,
+    read_config,
     save_planned,
 )
 from hfjax.models.safetensors_io import CheckpointError
@@ -70,21 +71,29 @@ class VisionLanguageConfig:
         return cls(cfg, VisionConfig.from_hf(raw), int(token), dict(raw))
 
 
-def image_blocks(input_ids: jax.Array, image_token_id: int) -> jax.Array:
-    """[rows, length] int32: the block of each position, a run of consecutive image placeholders being one block
-    (0, 1, .. within a row), `TEXT_BLOCK` elsewhere (transformers' `get_block_sequence_ids_for_mask`)."""
+def image_placeholders(input_ids: jax.Array, image_token_id: int, prompt_columns: int | None = None) -> jax.Array:
+    """[rows, length] bool: the positions that read an image's soft token, `image_token_id`'s; with `prompt_columns`,
+    within the first that many columns only (a response token that happens to be the placeholder id is text: the
+    rollout sampled and decoded it as such)."""
     is_image = input_ids == image_token_id
+    if prompt_columns is not None:
+        is_image &= jnp.arange(input_ids.shape[1]) < prompt_columns
+    return is_image
+
+
+def image_blocks(is_image: jax.Array) -> jax.Array:
+    """[rows, length] int32: the block of each position of `is_image` (`image_placeholders`), a run of consecutive
+    image placeholders being one block (0, 1, .. within a row), `TEXT_BLOCK` elsewhere (transformers'
+    `get_block_sequence_ids_for_mask`)."""
     starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
     return jnp.where(is_image, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, TEXT_BLOCK)
 
 
-def merge_soft_tokens(embeddings: jax.Array, input_ids: jax.Array, soft_tokens: jax.Array, image_token_id: int
-                      ) -> jax.Array:  # fmt: skip
-    """`embeddings` [rows, length, embed] with each row's placeholders replaced, in order, by its images' soft tokens
-    `soft_tokens` [rows, images per row x tokens, embed] (a row's padding images after its own, never read): row by
-    row, so rows split over devices merge where they live (transformers' `masked_scatter` over the flattened batch
-    gives the same where each row's images are its own)."""
-    is_image = input_ids == image_token_id
+def merge_soft_tokens(embeddings: jax.Array, is_image: jax.Array, soft_tokens: jax.Array) -> jax.Array:
+    """`embeddings` [rows, length, embed] with each row's placeholders (`is_image`) replaced, in order, by its images'
+    soft tokens `soft_tokens` [rows, images per row x tokens, embed] (a row's padding images after its own, never
+    read): row by row, so rows split over devices merge where they live (transformers' `masked_scatter` over the
+    flattened batch gives the same where each row's images are its own)."""
     order = jnp.clip(jnp.cumsum(is_image, axis=1, dtype=jnp.int32) - 1, 0, soft_tokens.shape[1] - 1)
     picked = jnp.take_along_axis(soft_tokens, order[..., None], axis=1).astype(embeddings.dtype)
     return jnp.where(is_image[..., None], picked, embeddings)
@@ -119,14 +128,16 @@ class VisionLanguageLM(nnx.Module):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         images: jax.Array | None = None,
+        prompt_columns: int | None = None,
     ) -> jax.Array:
         """Hidden states [rows, length, embed] of `input_ids` with `images` [rows, images per row, channels, height,
         width] (pixel values as the checkpoint's processor makes them; a row with fewer images pads with any, never
-        read) read in place of each row's placeholders, in order; None: text only."""
+        read) read in place of each row's placeholders, in order (with `prompt_columns`, those of the prompt
+        columns only: `image_placeholders`); None: text only."""
         decoder = self.language_model.model
         if images is None or images.shape[1] == 0:
             return decoder(input_ids, attention_mask, positions)
-        embeddings, blocks = self.embed_with_images(input_ids, images)
+        embeddings, blocks = self.embed_with_images(input_ids, images, prompt_columns)
         return decoder(input_ids, attention_mask, positions, embeddings=embeddings, blocks=blocks)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -139,15 +150,17 @@ class VisionLanguageLM(nnx.Module):
         """`CausalLM.token_logprobs` of the language model."""
         return self.language_model.token_logprobs(hidden, labels, **options)
 
-    def embed_with_images(self, input_ids: jax.Array, images: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def embed_with_images(
+        self, input_ids: jax.Array, images: jax.Array, prompt_columns: int | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """(input embeddings [rows, length, embed] with the soft tokens of the rows' `images` (as `hidden` takes
-        them) in place of the placeholders, the image blocks [rows, length] (`image_blocks`))."""
+        them) in place of the placeholders (`image_placeholders`), the image blocks [rows, length] (`image_blocks`))."""
         embeddings = self.language_model.model.embed(input_ids)
         rows, per_row = images.shape[:2]
         soft = self.vision(images.reshape(rows * per_row, *images.shape[2:]))
         soft = soft.reshape(rows, per_row * soft.shape[1], soft.shape[2])
-        merged = merge_soft_tokens(embeddings, input_ids, soft, self.image_token_id)
-        return merged, image_blocks(input_ids, self.image_token_id)
+        is_image = image_placeholders(input_ids, self.image_token_id, prompt_columns)
+        return merge_soft_tokens(embeddings, is_image, soft), image_blocks(is_image)
 
     def __call__(
         self,
@@ -207,6 +220,41 @@ def vision_lm_plan(cfg: VisionLanguageConfig, names: CheckpointNames = SAVED_NAM
     return text + vision
 
 
+def vision_lm_config(path: str | os.PathLike) -> VisionLanguageConfig:
+    """The `VisionLanguageConfig` of the checkpoint directory `path` (no weights read)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
+    return VisionLanguageConfig.from_hf(json.loads(file.read_text()), str(file))
+
+
+def language_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of the checkpoint directory `path` (`read_config`), or of a vision-language checkpoint's
+    language model (what sizes its memory and layouts beside the vision tower)."""
+    return vision_lm_config(path).text if is_vision_language_checkpoint(path) else read_config(path)[0]
+
+
+def _checked(path: str | os.PathLike, dtype: Any, param_dtype: Any) -> tuple[VisionLanguageLM, list[ParamMapping], Any]:
+    """(the abstract model, its plan, the checkpoint's tensor index) of `path`, its tensors checked against the
+    model's (names, shapes) without reading any."""
+    cfg = vision_lm_config(path)
+    compute = checked_dtype(dtype, "load_vision_lm(dtype)")
+    storage = checked_dtype(param_dtype or dtype, "load_vision_lm(param_dtype)")
+    model = VisionLanguageLM(cfg, dtype=compute, param_dtype=storage, rngs=None)  # abstract: no memory
+    index = checkpoint_index(path)
+    plan = vision_lm_plan(cfg, checkpoint_names(index))
+    shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(model))}
+    tied_heads = {f"{SAVED_NAMES.head}weight", "lm_head.weight"} if cfg.text.tie_word_embeddings else set()
+    check_tensors(plan, shapes, index, set(), tied_heads, str(path))
+    return model, plan, index
+
+
+def check_vision_lm_checkpoint(path: str | os.PathLike) -> None:
+    """Raises `CheckpointError` naming missing, unexpected or mis-shaped tensors of the checkpoint `path` (its
+    safetensors headers against the model its config builds; no tensor read)."""
+    _checked(path, "float32", None)
+
+
 def load_vision_lm(
     path: str | os.PathLike,
     *,
@@ -217,18 +265,7 @@ def load_vision_lm(
     """Loads a `Gemma3ForConditionalGeneration` checkpoint directory; parameters go straight to their shardings
     under `layout` (else the first device), stored in `param_dtype` (default: `dtype`). Raises `CheckpointError`
     naming missing, unexpected or mis-shaped tensors before reading any."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
-    cfg = VisionLanguageConfig.from_hf(json.loads(file.read_text()), str(file))
-    compute = checked_dtype(dtype, "load_vision_lm(dtype)")
-    storage = checked_dtype(param_dtype or dtype, "load_vision_lm(param_dtype)")
-    model = VisionLanguageLM(cfg, dtype=compute, param_dtype=storage, rngs=None)  # abstract: no memory
-    index = checkpoint_index(path)
-    plan = vision_lm_plan(cfg, checkpoint_names(index))
-    shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(model))}
-    tied_heads = {f"{SAVED_NAMES.head}weight", "lm_head.weight"} if cfg.text.tie_word_embeddings else set()
-    check_tensors(plan, shapes, index, set(), tied_heads, str(path))
+    model, plan, index = _checked(path, dtype, param_dtype)
     return load_planned(model, plan, index, path, layout)
 
 

@@ -19,10 +19,11 @@ import numpy as np
 from flax import nnx
 
 from hfjax.models.config import ModelConfig, config_from_hf
-from hfjax.models.hf import abstract_model, read_config
+from hfjax.models.hf import abstract_model
 from hfjax.models.hub import is_hub_id
 from hfjax.models.hub import resolve_model as hub_model
 from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
+from hfjax.models.vision_lm import language_model_config
 from hfjax.parallel.layout import Layout, is_param_leaf
 from hfjax.typed_config import ConfigError
 
@@ -160,9 +161,9 @@ def resolve_model(spec: ModelConfig | str | Mapping[str, Any], where: str = "mod
         if spec in NAMED_CONFIGS or spec in HUB_SHAPES:
             return NAMED_CONFIGS[HUB_SHAPES.get(spec, spec)]
         if Path(spec).is_dir():
-            return read_config(spec)[0]
+            return language_model_config(spec)
         if is_hub_id(spec):  # the local Hugging Face cache, downloaded when missing and online
-            return read_config(hub_model(spec, where))[0]
+            return language_model_config(hub_model(spec, where))
     raise ConfigError(
         f"{where}: {spec!r} is not a ModelConfig, an HF config dict, a model directory, a Hugging Face Hub id, or a "
         f"named shape ({sorted({*PAPER_MODELS, *NAMED_CONFIGS})})"

@@ -26,10 +26,11 @@ from hfjax.config.rl import RLConfig
 from hfjax.data.prompts import parse_prompt_row
 from hfjax.data.records import DataError, RowRef, read_rows
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf import check_checkpoint, load_tokenizer, read_config
+from hfjax.models.hf import check_checkpoint, load_tokenizer
 from hfjax.models.hub import is_hub_id, resolve_model
 from hfjax.models.lora import check_lora_targets
 from hfjax.models.safetensors_io import CheckpointError
+from hfjax.models.vision_lm import check_vision_lm_checkpoint, is_vision_language_checkpoint, language_model_config
 from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
 from hfjax.predict.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.predict.cost import CostOptions, InfeasibleError, Prediction
@@ -55,7 +56,7 @@ def model_config(path: str, field: str) -> ModelConfig:
         )
         raise ConfigError(f"{field}: no such directory {path!r}; expected a local Hugging Face model directory{hint}")
     try:
-        return read_config(directory)[0]
+        return language_model_config(directory)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{field}: {path} is not a readable Hugging Face model directory ({exc})") from exc
 
@@ -63,8 +64,14 @@ def model_config(path: str, field: str) -> ModelConfig:
 def check_weights(path: str, field: str, head: str) -> None:
     """The safetensors headers of the model at config `field` against the model `head` builds from it (names,
     shapes, file sizes; no tensor data read); ConfigError naming `field`."""
+    directory = Path(path).expanduser()
     try:
-        check_checkpoint(Path(path).expanduser(), head)
+        if not is_vision_language_checkpoint(directory):
+            check_checkpoint(directory, head)
+        elif head != "causal_lm":
+            raise ValueError(f"{path}: a vision-language checkpoint; expected it as the policy, not as a {head} model")
+        else:
+            check_vision_lm_checkpoint(directory)
     except (CheckpointError, ValueError) as exc:
         raise ConfigError(f"{field}: {exc}") from exc
 
@@ -248,7 +255,7 @@ def check_train_layouts(cfg: RLConfig) -> None:
         hosts, per_host = cfg.group_shape(role)
         default = {"mesh": {"fsdp": hosts * per_host}, "rules": "fsdp"}
         layout = Layout.from_config(config if config is not None else default, field)
-        model = dataclasses.replace(read_config(path)[0], num_labels=1)  # a critic's head has one output
+        model = dataclasses.replace(language_model_config(path), num_labels=1)  # a critic's head has one output
         params = nnx.state(abstract_model(model, head), nnx.Param)
         problems = []
         for key, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_param_leaf):

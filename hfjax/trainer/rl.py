@@ -23,6 +23,8 @@ from hfjax.controller.worker_group import WorkerDiedError, WorkerError
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.data.records import DataError
 from hfjax.models import load_tokenizer
+from hfjax.models.hf import load_processor
+from hfjax.models.vision_lm import is_vision_language_checkpoint
 from hfjax.protocol import DataProto
 from hfjax.records.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError, UnreadableStepError
 from hfjax.records.metrics import MetricsLogger
@@ -81,6 +83,8 @@ class RLTrainer:
         data = cfg.data
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         options = {"max_prompt_length": data.max_prompt_length, "truncation": data.truncation}
+        if is_vision_language_checkpoint(cfg.actor.model_path):  # prompt rows may carry images
+            options["processor"] = load_processor(cfg.tokenizer_path)
         self.train_data = PromptDataset(data.train_files, self.tokenizer, **options)
         if len(self.train_data) < data.train_batch_size:
             raise DataError(

@@ -24,7 +24,7 @@ from hfjax.rewards.token_level import scores_to_token_level
 from hfjax.trainer.roles import ControllerState, Roles, group_names
 from hfjax.trainer.rollout_stream import PendingRollout, rollout_meta
 from hfjax.trainer.timeline import Timeline
-from hfjax.workers.sequences import ROUTED_EXPERTS
+from hfjax.workers.sequences import IMAGES, ROUTED_EXPERTS
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
 PUBLIC_API = (
@@ -361,6 +361,7 @@ class Step:
         if self.cfg.reuses_update_log_probs and "rollout_log_probs" in self.batch.batch:
             keys.append("rollout_log_probs")  # the update measures the mismatch to its own log probs
         keys += [ROUTED_EXPERTS] if self.cfg.actor.router_replay else []  # routing replay
+        keys += [IMAGES] if IMAGES in self.batch.batch else []  # a vision-language policy's prompt images
         data = self.batch.select(batch_keys=keys)
         if rows is not None:
             data.batch["response_mask"] = data.batch["response_mask"] * np.asarray(rows, bool)[:, None]

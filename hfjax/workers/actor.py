@@ -64,8 +64,10 @@ def response_logprobs(
     [rows, response, vocab] logits: `CausalLM.token_logprobs`); of a packed micro-batch, on its response tokens only
     (`hfjax.workers.packing`), with one row per sequence out. A batch with `ROUTED_EXPERTS` replays them; one with
     `IMAGES` reads them (a vision-language policy)."""
-    if IMAGES in batch:  # a vision-language policy: the rows' images in place of their placeholders
-        hidden = model.hidden(batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch[IMAGES])
+    if IMAGES in batch:  # a vision-language policy: the rows' images in place of their prompts' placeholders
+        ids = batch["input_ids"]
+        prompt_columns = ids.shape[1] - batch["responses"].shape[1]
+        hidden = model.hidden(ids, batch["attention_mask"], batch["position_ids"], batch[IMAGES], prompt_columns)
     else:
         hidden = model.model(
             batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch.get(ROUTED_EXPERTS)

@@ -1,0 +1,73 @@
+"""Vision-language fixtures built locally: a Gemma 3 processor over a small BPE tokenizer with Gemma 3's image tokens
+(32 x 32 images, 4 soft tokens each), images encoded as verl's prompt files hold them, and a tiny random
+`Gemma3ForConditionalGeneration` on that processor's vocabulary."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from hfjax.models.local_tokenizer import build_bpe_tokenizer
+
+BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + BOI + "{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}assistant:"
+)
+TOKENS_PER_IMAGE = 4
+
+
+def png(pixels: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def pixels(seed: int, shape=(20, 30, 3)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+
+
+def build_gemma3_processor() -> Any:
+    """A `Gemma3Processor` for 32 x 32 images, `TOKENS_PER_IMAGE` soft tokens each, over a 300-entry BPE tokenizer."""
+    from transformers import Gemma3ImageProcessor, Gemma3Processor, PreTrainedTokenizerFast
+
+    bpe = build_bpe_tokenizer(["user: how many shapes", "assistant: 3"], 300)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe.backend_tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
+    )
+    tokenizer.chat_template = TEMPLATE
+    images = Gemma3ImageProcessor(size={"height": 32, "width": 32})
+    return Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_length=TOKENS_PER_IMAGE, chat_template=TEMPLATE
+    )
+
+
+def save_vision_policy(directory: Path, processor: Any) -> Path:
+    """A tiny random Gemma 3 vision-language checkpoint on `processor`'s vocabulary and image tokens, saved with the
+    processor in `directory`; returns it."""
+    import torch
+    import transformers as tf
+
+    tokenizer = processor.tokenizer
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, vocab_size=len(tokenizer), sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8, num_channels=3, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip
+    tokens = dict(image_token_index=ids(SOFT), boi_token_index=ids(BOI), eoi_token_index=ids(EOI))
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE, **tokens)
+    torch.manual_seed(0)
+    tf.Gemma3ForConditionalGeneration(config).save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
