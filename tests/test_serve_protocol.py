@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -67,6 +68,25 @@ def alice(served) -> tinker.ServiceClient:
     client = tinker.ServiceClient(base_url=served.url, api_key="tml-alice")
     yield client
     client.close("success").result()  # before the server stops: else its heartbeats fail, warning minutes later
+
+
+OPENED: list[tinker.ServiceClient] = []  # by `service_client`: their heartbeats end with the test
+
+
+def service_client(url: str, key: str) -> tinker.ServiceClient:
+    """A client of the server at `url` as the user of `key`, whose session's heartbeats stop when the test ends (the
+    SDK would otherwise keep sending them after the server stops, and warn about each failure minutes later in another
+    test's output)."""
+    OPENED.append(tinker.ServiceClient(base_url=url, api_key=key))
+    return OPENED[-1]
+
+
+@pytest.fixture(autouse=True)
+def end_heartbeats():
+    yield
+    while OPENED:
+        with contextlib.suppress(RuntimeError):  # "ServiceClient is closed": its heartbeats have ended already
+            OPENED.pop().holder.close()
 
 
 def trainer(client: tinker.ServiceClient, rank: int = 4, seed: int = 0) -> tinker.TrainingClient:
@@ -239,7 +259,7 @@ def test_slow_calls_are_polled_until_done(tokenizer_dir, tmp_path, monkeypatch, 
     caplog.set_level(logging.INFO, logger="hfjax.serve")
     server = serve(tmp_path, tokenizer_dir, poll_s=0.02)
     try:
-        client = trainer(tinker.ServiceClient(base_url=server.url, api_key="tml-erin"))
+        client = trainer(service_client(server.url, "tml-erin"))
         server.backend.delay_s = 0.15
         example = [datum([1, 2], [3, 4])]
         check_outputs(client.forward(example, "cross_entropy").result(), example, 0)
@@ -294,7 +314,7 @@ def test_save_state_loads_onto_new_clients(served, alice):
 def test_a_restarted_server_resumes_from_checkpoint_paths(tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     first = serve(tmp_path, tokenizer_dir)
-    service = tinker.ServiceClient(base_url=first.url, api_key="tml-dave")
+    service = service_client(first.url, "tml-dave")
     client = trainer(service, rank=8)
     for _ in range(3):
         client.optim_step(types.AdamParams()).result()
@@ -309,7 +329,7 @@ def test_a_restarted_server_resumes_from_checkpoint_paths(tokenizer_dir, tmp_pat
 
     second = serve(tmp_path, tokenizer_dir)
     try:
-        service = tinker.ServiceClient(base_url=second.url, api_key="tml-dave")
+        service = service_client(second.url, "tml-dave")
         example = [datum([5, 1], [2, 7])]
         resumed = service.create_training_client_from_state(state).result()
         assert resumed.get_info().lora_rank == 8
@@ -332,7 +352,7 @@ def test_two_clients_at_once_each_see_their_own_model(served):
     example = [datum([1, 2, 3], [4, 5, 6], weights=[1.0, 1.0, 1.0])]
 
     def work(name: str, steps: int) -> tuple[np.ndarray, tinker.SamplingClient]:
-        client = trainer(tinker.ServiceClient(base_url=served.url, api_key=f"tml-{name}"))
+        client = trainer(service_client(served.url, f"tml-{name}"))
         futures = []
         for _ in range(steps):
             futures += [client.forward_backward(example, "cross_entropy"), client.optim_step(types.AdamParams())]
@@ -357,7 +377,7 @@ def test_two_clients_at_once_each_see_their_own_model(served):
 def test_a_model_or_sampler_is_only_its_callers(served, alice):
     client = trainer(alice)
     example = [datum([1, 2], [3, 4])]
-    mallory = tinker.ServiceClient(base_url=served.url, api_key="tml-mallory")
+    mallory = service_client(served.url, "tml-mallory")
     intruder = tinker.TrainingClient(mallory.holder, model_seq_id=7, model_id=client.model_id, info=client.get_info())
     with pytest.raises(tinker.NotFoundError, match="unknown model id"):
         intruder.forward(example, "cross_entropy").result()

@@ -440,13 +440,3 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot load a tokenizer ({e})") from e
-
-
-def load_processor(path: str | os.PathLike) -> Any:
-    """The checkpoint's processor (images and text) through `transformers.AutoProcessor` (local files only)."""
-    from transformers import AutoProcessor
-
-    try:
-        return AutoProcessor.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot load a processor for its images ({e})") from e

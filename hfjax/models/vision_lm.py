@@ -228,6 +228,16 @@ def vision_lm_config(path: str | os.PathLike) -> VisionLanguageConfig:
     return VisionLanguageConfig.from_hf(json.loads(file.read_text()), str(file))
 
 
+def load_processor(path: str | os.PathLike) -> Any:
+    """The checkpoint's processor (images and text) through `transformers.AutoProcessor` (local files only)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot load a processor for its images ({e})") from e
+
+
 def language_model_config(path: str | os.PathLike) -> ModelConfig:
     """The `ModelConfig` of the checkpoint directory `path` (`read_config`), or of a vision-language checkpoint's
     language model (what sizes its memory and layouts beside the vision tower)."""

@@ -23,8 +23,7 @@ from hfjax.controller.worker_group import WorkerDiedError, WorkerError
 from hfjax.data import BatchLoader, PromptDataset
 from hfjax.data.records import DataError
 from hfjax.models import load_tokenizer
-from hfjax.models.hf import load_processor
-from hfjax.models.vision_lm import is_vision_language_checkpoint
+from hfjax.models.vision_lm import is_vision_language_checkpoint, load_processor
 from hfjax.protocol import DataProto
 from hfjax.records.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError, UnreadableStepError
 from hfjax.records.metrics import MetricsLogger
