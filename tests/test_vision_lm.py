@@ -24,6 +24,7 @@ from hfjax.config.rl import load_rl_config
 from hfjax.models import CheckpointError
 from hfjax.models.attention import attention_mask, causal_attention
 from hfjax.models.hf import checkpoint_index
+from hfjax.models.lora import LoraConfig
 from hfjax.models.program import program_layout
 from hfjax.models.vision_lm import (
     VisionLanguageConfig,
@@ -38,7 +39,10 @@ from hfjax.protocol import DataProto
 from hfjax.rollout.engine import JaxEngine
 from hfjax.rollout.generator import OfflineGenerator
 from hfjax.rollout.sampling import SamplingParams
+from hfjax.trainer.preflight import check_weights
+from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
+from hfjax.workers.model_role import load_model
 
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
               patch_size=8, num_channels=3, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip
@@ -341,3 +345,14 @@ def test_the_actor_and_reference_read_each_rows_images_as_transformers_does(chec
     worker.cfg = dataclasses.replace(worker.cfg, packed_row_tokens=32)
     with pytest.raises(ValueError, match=r"actor\.packed_row_tokens: rows with images are not packed"):
         worker.compute_log_prob(DataProto.from_dict(rows))
+
+
+def test_a_vision_checkpoint_as_anything_but_the_policy_is_refused_before_loading(checkpoint) -> None:
+    """As a critic's or reward model's checkpoint, or with LoRA, one line naming the setting; as the policy its
+    tensors pass the preflight."""
+    _, path = checkpoint
+    check_weights(str(path), "actor.model_path", "causal_lm")
+    with pytest.raises(ConfigError, match=r"critic\.model_path: .* expected it as the policy, not as a token_cls"):
+        check_weights(str(path), "critic.model_path", "token_cls")
+    with pytest.raises(ValueError, match=r"expected lora\.rank 0"):
+        load_model(str(path), dtype="float32", param_dtype=None, layout=None, head="causal_lm", lora=LoraConfig(rank=4))

@@ -228,6 +228,12 @@ def vision_lm_config(path: str | os.PathLike) -> VisionLanguageConfig:
     return VisionLanguageConfig.from_hf(json.loads(file.read_text()), str(file))
 
 
+def check_policy_head(path: str | os.PathLike, head: str | None) -> None:
+    """Raises ValueError unless `head` is the causal LM's: a vision-language checkpoint serves as a policy only."""
+    if head != "causal_lm":
+        raise ValueError(f"{path}: a vision-language checkpoint; expected it as the policy, not as a {head} model")
+
+
 def load_processor(path: str | os.PathLike) -> Any:
     """The checkpoint's processor (images and text) through `transformers.AutoProcessor` (local files only)."""
     from transformers import AutoProcessor

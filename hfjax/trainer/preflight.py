@@ -30,7 +30,12 @@ from hfjax.models.hf import check_checkpoint, load_tokenizer
 from hfjax.models.hub import is_hub_id, resolve_model
 from hfjax.models.lora import check_lora_targets
 from hfjax.models.safetensors_io import CheckpointError
-from hfjax.models.vision_lm import check_vision_lm_checkpoint, is_vision_language_checkpoint, language_model_config
+from hfjax.models.vision_lm import (
+    check_policy_head,
+    check_vision_lm_checkpoint,
+    is_vision_language_checkpoint,
+    language_model_config,
+)
 from hfjax.parallel.layout import Layout, LayoutError, is_param_leaf
 from hfjax.predict.cluster import GIB, ClusterSpec, DeviceProfile
 from hfjax.predict.cost import CostOptions, InfeasibleError, Prediction
@@ -68,9 +73,8 @@ def check_weights(path: str, field: str, head: str) -> None:
     try:
         if not is_vision_language_checkpoint(directory):
             check_checkpoint(directory, head)
-        elif head != "causal_lm":
-            raise ValueError(f"{path}: a vision-language checkpoint; expected it as the policy, not as a {head} model")
         else:
+            check_policy_head(path, head)
             check_vision_lm_checkpoint(directory)
     except (CheckpointError, ValueError) as exc:
         raise ConfigError(f"{field}: {exc}") from exc

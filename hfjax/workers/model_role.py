@@ -25,7 +25,7 @@ from hfjax.models.lora import LoraConfig, LoraParam, add_lora
 from hfjax.models.moe import router_summary, set_expert_capacity
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
-from hfjax.models.vision_lm import is_vision_language_checkpoint, language_model, load_vision_lm
+from hfjax.models.vision_lm import check_policy_head, is_vision_language_checkpoint, language_model, load_vision_lm
 from hfjax.optim.train_state import (
     TrainState,
     batch_sharding,
@@ -154,8 +154,7 @@ def load_model(
     its reference) only, without LoRA for now; raises naming what cannot be, before loading anything."""
     if not is_vision_language_checkpoint(path):
         return load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head)
-    if head != "causal_lm":
-        raise ValueError(f"{path}: a vision-language checkpoint; expected it as the policy, not as a {head} model")
+    check_policy_head(path, head)
     if lora is not None:
         raise ValueError(f"{path}: a vision-language checkpoint; expected lora.rank 0 (no LoRA on it yet)")
     return load_vision_lm(path, dtype=dtype, param_dtype=param_dtype, layout=layout)
