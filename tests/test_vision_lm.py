@@ -25,6 +25,7 @@ from hfjax.models import CheckpointError
 from hfjax.models.attention import attention_mask, causal_attention
 from hfjax.models.hf import checkpoint_index
 from hfjax.models.lora import LoraConfig
+from hfjax.models.model_io import load_model
 from hfjax.models.program import program_layout
 from hfjax.models.vision_lm import (
     VisionLanguageConfig,
@@ -42,7 +43,6 @@ from hfjax.rollout.sampling import SamplingParams
 from hfjax.trainer.preflight import check_weights
 from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
-from hfjax.workers.model_role import load_model
 
 VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
               patch_size=8, num_channels=3, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip

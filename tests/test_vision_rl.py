@@ -1,18 +1,31 @@
 """RL on images end to end (`hfjax train`'s trainer, in process): a tiny random Gemma 3 vision-language policy saved
 with its processor, prompt files in verl's multimodal schema (rows with one image, two, none), GRPO with a
-rollout correction on. The engine's log probs of its samples, which it computed with each prompt's images at
-prefill, equal the trainer's recomputed ones, which read the images each sample carried, to float32 rounding; a
-sampled response token that is the image placeholder id stays text in both (the random policy samples it)."""
+rollout correction on and the vision tower frozen. The engine's log probs of its samples, which it computed with each
+prompt's images at prefill, equal the trainer's recomputed ones, which read the images each sample carried, to
+float32 rounding; a sampled response token that is the image placeholder id stays text in both (the random policy
+samples it). `hfjax export` writes a checkpoint transformers reads whole, with the processor, in which only the
+frozen tower is the original's."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from support.checkpoints import save_hf_model
 from support.rl_setup import rl_config, write_varied_reward
-from support.vision import build_gemma3_processor, pixels, png, save_vision_policy
+from support.vision import (
+    build_gemma3_processor,
+    checkpoint_tensors,
+    only_the_tower_kept,
+    pixels,
+    png,
+    save_vision_policy,
+)
 
 from hfjax.config.rl import load_rl_config
 from hfjax.data import write_rows
-from hfjax.trainer.launch import run_rl
+from hfjax.trainer.launch import export_run, run_rl
+from hfjax.trainer.preflight import check_rl_run
+from hfjax.typed_config import ConfigError
 
 
 def _prompt_rows(count: int) -> list[dict]:
@@ -26,14 +39,26 @@ def _prompt_rows(count: int) -> list[dict]:
 
 
 def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path) -> None:
+    from transformers import AutoProcessor
+
     policy = save_vision_policy(tmp_path / "policy", build_gemma3_processor())
     train = write_rows(_prompt_rows(8), tmp_path / "train.parquet")
     files = {"policy": str(policy), "train": str(train), "test": str(train)}
     config = rl_config(files, tmp_path / "run", "grpo", trainer={"total_steps": 2}, data={"max_prompt_length": 32,
                        "val_files": []}, reward={"function": write_varied_reward(tmp_path)})  # fmt: skip
-    config["actor"]["rollout_correction"] = {"rollout_is": "token"}
+    config["actor"] |= {"rollout_correction": {"rollout_is": "token"}, "freeze_vision_tower": True}
     history = run_rl(load_rl_config(config))
     assert len(history) == 2
     for metrics in history:
         assert np.isfinite(metrics["actor/pg_loss"])
         assert metrics["rollout_corr/log_prob_abs_diff_max"] < 1e-5  # the largest over the step's tokens
+
+    assert export_run(tmp_path / "run", None, tmp_path / "hf") == 2
+    assert only_the_tower_kept(checkpoint_tensors(policy), checkpoint_tensors(tmp_path / "hf"))
+    exported = AutoProcessor.from_pretrained(tmp_path / "hf")
+    assert exported.image_seq_length == build_gemma3_processor().image_seq_length
+
+    text = save_hf_model(tmp_path / "text", "llama")[1]
+    text_actor = load_rl_config(config | {"actor": config["actor"] | {"model_path": str(text)}})
+    with pytest.raises(ConfigError, match=r"actor\.freeze_vision_tower: .* a text model without a vision tower"):
+        check_rl_run(text_actor)

@@ -246,6 +246,9 @@ class ActorConfig:
     # float32 adapters and their optimizer state are trained, checkpoints hold the adapters, and the reference policy
     # is the base with adapters off (no second copy)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    # Vision-language policies: true keeps the vision tower as the checkpoint has it (no gradients, no optimizer
+    # state, not in the actor's checkpoints); the projector into the language model and the language model train.
+    freeze_vision_tower: bool = False
 
     def __post_init__(self) -> None:
         check_batch_sizes(self)

@@ -23,6 +23,9 @@ class ModelSection:
     dtype: Dtype = "float32"  # compute
     param_dtype: Dtype = "float32"  # storage of the trained master copy (optimizer state is always float32)
     layout: dict[str, Any] | None = None
+    # a vision-language checkpoint: true keeps its vision tower as the checkpoint has it (the projector into the
+    # language model and the language model train)
+    freeze_vision_tower: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, path=(bool, "a Hugging Face model directory (not empty)"))

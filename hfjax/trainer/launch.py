@@ -200,6 +200,9 @@ def export_run(run_dir: str | Path, step: int | None, out_dir: str | Path, adapt
     restored = worker.load_checkpoint(str(Path(run_dir) / "checkpoints" / "actor"), step)
     worker.export_hf(str(out_dir), adapters)
     from hfjax.models import load_tokenizer
+    from hfjax.models.vision_lm import is_vision_language_checkpoint, load_processor
 
-    load_tokenizer(cfg.tokenizer_path).save_pretrained(str(out_dir))
+    # a vision-language policy's processor (its tokenizer and image settings), as the trainer read its prompts with
+    vision = is_vision_language_checkpoint(cfg.actor.model_path)
+    (load_processor if vision else load_tokenizer)(cfg.tokenizer_path).save_pretrained(str(out_dir))
     return restored

@@ -29,6 +29,7 @@ from hfjax.models.config import ModelConfig
 from hfjax.models.hf import check_checkpoint, load_tokenizer
 from hfjax.models.hub import is_hub_id, resolve_model
 from hfjax.models.lora import check_lora_targets
+from hfjax.models.model_io import trained_parameters
 from hfjax.models.safetensors_io import CheckpointError
 from hfjax.models.vision_lm import (
     check_policy_head,
@@ -179,6 +180,10 @@ def check_rl_run(cfg: RLConfig) -> None:
             check_lora_targets(models[key], lora, f"{role}.lora.targets", getattr(cfg, role).model_path)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+    try:
+        trained_parameters(cfg.actor.model_path, cfg.actor.freeze_vision_tower)
+    except ValueError as exc:
+        raise ConfigError(f"actor.{exc}") from exc
     for key, path, head in checkpoints:  # the model each role builds against the checkpoint's tensors
         check_weights(path, key, head)
     tokenizer = run_tokenizer(cfg.tokenizer_path)

@@ -27,7 +27,8 @@ from hfjax.trainer.supervised import (
 SIDES = ("chosen", "rejected")
 
 
-def _load(files: Sequence[str], tokenizer: Any, data: DataSection) -> PreferenceDataset:
+def _load(files: Sequence[str], tokenizer: Any, data: DataSection, processor: None) -> PreferenceDataset:
+    # processor: always None (a vision-language checkpoint is refused as a reward model before the data loads)
     return PreferenceDataset(files, tokenizer, max_length=data.max_length, truncation=data.truncation)
 
 

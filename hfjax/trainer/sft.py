@@ -27,14 +27,24 @@ from hfjax.trainer.supervised import (
 )
 
 
-def _load(files: Sequence[str], tokenizer: Any, data: DataSection) -> SFTDataset:
-    return SFTDataset(files, tokenizer, max_length=data.max_length, truncation=data.truncation)
+def _load(files: Sequence[str], tokenizer: Any, data: DataSection, processor: Any) -> SFTDataset:
+    options = {"max_length": data.max_length, "truncation": data.truncation}
+    return SFTDataset(files, tokenizer, processor=processor, **options)
+
+
+def _hidden(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    """Hidden states of every position but the last: a vision-language model's with the rows' `images` read at their
+    prompts' placeholders (every placeholder is a prompt's: the dataset refuses none in responses)."""
+    if "images" not in batch:
+        return model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, :-1]
+    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    return model.hidden(ids, mask, positions, images=batch["images"])[:, :-1]
 
 
 def sft_loss(model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's response-token NLL sum / the step's response tokens (`global_tokens`), the log probs a
     chunk of tokens at a time (no [b, t, vocab] logits)."""
-    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, :-1]
+    hidden = _hidden(model, batch)
     logp, _ = model.token_logprobs(hidden, batch["input_ids"][:, 1:])
     mask = batch["loss_mask"][:, 1:]
     return agg_loss(-logp, mask, "token-mean", global_tokens=batch["global_tokens"][0]), {}
@@ -77,7 +87,7 @@ def chunked_eval_sums(
 def _eval_sums(model: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The held-out sums of the NLL, the greedy next-token matches and the tokens scored (weighted by the rows'
     `ROW_WEIGHT`), the logits a chunk of tokens at a time like the training loss's (`chunked_eval_sums`)."""
-    hidden = model.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])[:, :-1]
+    hidden = _hidden(model, batch)
     weights = batch["loss_mask"][:, 1:] * batch[ROW_WEIGHT][:, None]
     # the padded vocabulary's logits (its padding columns masked: never the argmax, nothing in the log-sum-exp), so
     # that a tensor-sharded vocabulary is not re-cut to the HF size

@@ -22,8 +22,10 @@ from tqdm.auto import tqdm
 
 from hfjax.config.supervised import DataSection, SupervisedConfig
 from hfjax.data import BatchLoader
-from hfjax.models import load_hf, load_tokenizer, save_hf
+from hfjax.models import load_hf, load_tokenizer
 from hfjax.models.hub import resolve_model
+from hfjax.models.model_io import save_model, trained_parameters
+from hfjax.models.vision_lm import check_policy_head, is_vision_language_checkpoint, load_processor, load_vision_lm
 from hfjax.optim import TrainState, make_optimizer
 from hfjax.optim.train_state import split_rows
 from hfjax.parallel import layout_or_default
@@ -42,7 +44,8 @@ ROW_WEIGHT = "row_weight"  # 1 on real rows of an evaluation batch, 0 on the pad
 class Objective:
     """What a supervised trainer trains. Functions are module-level (they key compiled programs):
 
-    - `load_dataset(files, tokenizer, data) -> dataset` with `__len__` and `collate(indices) -> Batch`;
+    - `load_dataset(files, tokenizer, data, processor) -> dataset` with `__len__` and `collate(indices) -> Batch`
+      (`processor`: a vision-language checkpoint's, else None);
     - `normalisers(tensors) -> dict` of per-row arrays with the whole step's counts, merged into the batch;
     - `loss_fn(model, batch) -> (loss, aux)`, the micro-batch's share of the step's loss;
     - `eval_fn(model, batch) -> {name: sum}` over rows weighted by `batch["row_weight"]`;
@@ -52,7 +55,7 @@ class Objective:
 
     name: str
     head: str
-    load_dataset: Callable[[Sequence[str], Any, DataSection], Any]
+    load_dataset: Callable[[Sequence[str], Any, DataSection, Any], Any]
     normalisers: Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
     loss_fn: Callable[..., Any]
     eval_fn: Callable[..., Any]
@@ -103,10 +106,11 @@ def _restore(
     return step
 
 
-def export(state: TrainState, tokenizer: Any, out_dir: Path) -> Path:
-    """Writes the model as a Hugging Face checkpoint with its tokenizer; records the tokenizer's pad id in the
-    config when the checkpoint had none (sequence-classification models need it to find the last token)."""
-    path = save_hf(state.model(), out_dir, tokenizer=tokenizer, overwrite=True)
+def export(state: TrainState, tokenizer: Any, out_dir: Path, processor: Any = None) -> Path:
+    """Writes the model as a Hugging Face checkpoint with its tokenizer (a vision-language model's `processor`);
+    records the tokenizer's pad id in the config when the checkpoint had none (sequence-classification models need
+    it to find the last token)."""
+    path = save_model(state.model(), out_dir, tokenizer=processor or tokenizer, overwrite=True)
     config_file = path / "config.json"
     if jax.process_index() == 0 and tokenizer.pad_token_id is not None:
         config = json.loads(config_file.read_text())
@@ -116,10 +120,20 @@ def export(state: TrainState, tokenizer: Any, out_dir: Path) -> Path:
     return path
 
 
-def check_supervised_run(cfg: SupervisedConfig) -> None:
-    """Before anything loads: `model.path` (and `model.tokenizer_path`) are local model directories, sequences of
+def check_supervised_run(cfg: SupervisedConfig, head: str = "causal_lm") -> None:
+    """Before anything loads: `model.path` (and `model.tokenizer_path`) are local model directories (a
+    vision-language one as a causal LM `head` only, `model.freeze_vision_tower` on such a one only), sequences of
     `data.max_length` fit the model's positions, and the data files exist. Raises ConfigError naming the field."""
     model = model_config(cfg.model.path, "model.path")
+    try:
+        if is_vision_language_checkpoint(cfg.model.path):
+            check_policy_head(cfg.model.path, head)
+    except ValueError as exc:
+        raise ConfigError(f"model.path: {exc}") from exc
+    try:
+        trained_parameters(cfg.model.path, cfg.model.freeze_vision_tower)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}") from exc
     if cfg.model.tokenizer_path is not None and not Path(cfg.model.tokenizer_path).expanduser().is_dir():
         raise ConfigError(f"model.tokenizer_path: no such directory {cfg.model.tokenizer_path!r}")
     check_positions(model, cfg.data.max_length, f"data.max_length {cfg.data.max_length}", "model.path")
@@ -135,7 +149,7 @@ def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, flo
     cfg = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, path=resolve_model(cfg.model.path, "model.path"))
     )
-    check_supervised_run(cfg)
+    check_supervised_run(cfg, objective.head)
     is_main = jax.process_index() == 0
     # a SIGTERM while the model loads stops the run at once; one process only (several would have to agree)
     with SigtermGuard(cfg.trainer.preemption_grace_s, enabled=jax.process_count() == 1, starting=True):
@@ -150,22 +164,23 @@ def run_supervised(cfg: SupervisedConfig, objective: Objective) -> dict[str, flo
 def _run_in_dir(cfg: SupervisedConfig, objective: Objective, is_main: bool) -> dict[str, float]:
     trainer, data = cfg.trainer, cfg.data
     run_dir = Path(trainer.run_dir)
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-    train_set = objective.load_dataset(data.train_files, tokenizer, data)
-    val_set = objective.load_dataset(data.val_files, tokenizer, data) if data.val_files else None
+    vision = is_vision_language_checkpoint(cfg.model.path)  # its processor reads images beside the text
+    processor = load_processor(cfg.model.tokenizer_path or cfg.model.path) if vision else None
+    tokenizer = processor.tokenizer if vision else load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    train_set = objective.load_dataset(data.train_files, tokenizer, data, processor)
+    val_set = objective.load_dataset(data.val_files, tokenizer, data, processor) if data.val_files else None
     loader = BatchLoader(train_set, data.batch_size, seed=trainer.seed, shuffle=data.shuffle, drop_last=True)
     total_steps = len(loader) * trainer.epochs
     total_steps = min(total_steps, trainer.total_steps) if trainer.total_steps else total_steps
     layout = layout_or_default(cfg.model.layout, where="model.layout")
-    model = load_hf(
-        cfg.model.path,
-        dtype=cfg.model.dtype,
-        param_dtype=cfg.model.param_dtype,
-        layout=layout,
-        head=objective.head,
-        seed=trainer.seed,
-    )
-    state = TrainState(model, layout, make_optimizer(cfg.optim, total_steps), cfg.optim.grad_clip)
+    dtypes = {"dtype": cfg.model.dtype, "param_dtype": cfg.model.param_dtype}
+    if vision:
+        model = load_vision_lm(cfg.model.path, layout=layout, **dtypes)
+    else:
+        model = load_hf(cfg.model.path, layout=layout, head=objective.head, seed=trainer.seed, **dtypes)
+    trainable = trained_parameters(cfg.model.path, cfg.model.freeze_vision_tower)
+    optimizer = make_optimizer(cfg.optim, total_steps)
+    state = TrainState(model, layout, optimizer, cfg.optim.grad_clip, trainable=trainable)
     del model  # its arrays now belong to `state` (donated on update)
     manager = CheckpointManager(run_dir / CHECKPOINT_DIR, trainer.max_to_keep)
     logger = None
@@ -178,7 +193,7 @@ def _run_in_dir(cfg: SupervisedConfig, objective: Objective, is_main: bool) -> d
         if val_set is not None and not any(k.startswith("val/") for k in last):
             last.update(evaluate(state, objective, val_set, data.micro_batch_size))
         if trainer.export_hf:
-            export(state, tokenizer, run_dir / EXPORT_DIR)
+            export(state, tokenizer, run_dir / EXPORT_DIR, processor)
         if trainer.plot and is_main:
             from hfjax.records.plot import plot_finished_run
 

@@ -30,6 +30,7 @@ from hfjax.algos import (
 from hfjax.config.roles import ActorConfig, RolloutConfig
 from hfjax.controller import Dispatch, register
 from hfjax.models.lora import LoraParam, adapter_dropout, adapters_off, merge_lora
+from hfjax.models.model_io import save_model
 from hfjax.models.moe import collect_router_stats
 from hfjax.models.program import bind
 from hfjax.models.vision_lm import VisionLanguageLM
@@ -362,12 +363,12 @@ class ActorRolloutRefWorker(TrainedRole):
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, out_dir: str, adapters: bool = False) -> None:
         """Writes the current policy as a Hugging Face checkpoint (LoRA adapters merged into their weights), or with
-        `adapters` the LoRA adapters alone as a PEFT adapter directory for the base checkpoint."""
-        from hfjax.models import save_hf
+        `adapters` the LoRA adapters alone as a PEFT adapter directory for the base checkpoint. A vision-language
+        policy is written whole (`save_model`), a frozen vision tower included."""
         from hfjax.models.peft_io import save_peft
 
         model = self.policy.merge(self.params)
         if adapters:
             save_peft(model, self.cfg.lora, out_dir, self.cfg.model_path)
         else:
-            save_hf(merge_lora(model), out_dir, overwrite=True)
+            save_model(merge_lora(model), out_dir, overwrite=True)

@@ -19,13 +19,13 @@ from flax import nnx
 
 from hfjax.algos import mask_counts
 from hfjax.controller import Dispatch, Worker, register
-from hfjax.models import load_hf
 from hfjax.models.attention import configured_implementation
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
+from hfjax.models.model_io import load_model, trained_parameters
 from hfjax.models.moe import router_summary, set_expert_capacity
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
-from hfjax.models.vision_lm import check_policy_head, is_vision_language_checkpoint, language_model, load_vision_lm
+from hfjax.models.vision_lm import language_model
 from hfjax.optim.train_state import (
     TrainState,
     batch_sharding,
@@ -147,19 +147,6 @@ class LoadedModel:
         return jax.tree.map(lambda x: _in_row_order(x, order, rows), joined)
 
 
-def load_model(
-    path: str, *, dtype: str, param_dtype: str | None, layout: Layout, head: str | None, lora: LoraConfig | None
-) -> nnx.Module:
-    """`load_hf` of the checkpoint `path`, or `load_vision_lm` of a vision-language one, which serves as a policy (or
-    its reference) only, without LoRA for now; raises naming what cannot be, before loading anything."""
-    if not is_vision_language_checkpoint(path):
-        return load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head)
-    check_policy_head(path, head)
-    if lora is not None:
-        raise ValueError(f"{path}: a vision-language checkpoint; expected lora.rank 0 (no LoRA on it yet)")
-    return load_vision_lm(path, dtype=dtype, param_dtype=param_dtype, layout=layout)
-
-
 def load_trained(
     section: Any,
     layout: Layout,
@@ -171,7 +158,9 @@ def load_trained(
     parameter, or with `section.lora` its adapters and the head parameters named in `trained_head` (kept in float32),
     the base frozen and stored in the compute dtype (sharded by `frozen_layout` when given, else by `layout`)."""
     lora = section.lora if section.lora.enabled else None
-    trainable = nnx.Any(LoraParam, *(nnx.PathContains(name) for name in trained_head)) if lora else nnx.Param
+    freeze = getattr(section, "freeze_vision_tower", False)  # the actor's setting (a critic has no vision tower)
+    trained = nnx.Any(LoraParam, *(nnx.PathContains(name) for name in trained_head)) if lora else None
+    trainable = trained or trained_parameters(section.model_path, freeze)
     model = LoadedModel(
         section.model_path,
         layout,

@@ -71,3 +71,26 @@ def save_vision_policy(directory: Path, processor: Any) -> Path:
     tf.Gemma3ForConditionalGeneration(config).save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory
+
+
+def checkpoint_tensors(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of the Gemma 3 vision-language checkpoint `path` as transformers loads it, which must find every
+    tensor it expects and no other."""
+    import transformers as tf
+
+    model, info = tf.Gemma3ForConditionalGeneration.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+
+
+def only_the_tower_kept(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> bool:
+    """Whether a run with the vision tower frozen kept every tower tensor of `before` bitwise and moved every
+    projection kernel outside it (the language model's)."""
+    tower = [name for name in before if ".vision_tower." in name]
+    trained = [name for name in before if name.endswith("proj.weight") and ".vision_tower." not in name]
+    return (
+        before.keys() == after.keys()
+        and bool(tower and trained)
+        and all(np.array_equal(before[name], after[name]) for name in tower)
+        and not any(np.array_equal(before[name], after[name]) for name in trained)
+    )
