@@ -18,13 +18,28 @@ import torch
 import transformers as tf
 from flax import nnx
 from safetensors.numpy import load_file, save_file
+from support.gemma3_vision import (
+    ARCH,
+    IMAGE,
+    RESPONSE,
+    batch,
+    gradients,
+    hf_loss,
+    loss_weights,
+    per_row,
+    policy_rows,
+    positions,
+    relative,
+    save_tiny_gemma3,
+    torch_logits,
+    torch_name,
+)
 from support.rl_setup import rl_config
 
 from hfjax.config.rl import load_rl_config
 from hfjax.models import CheckpointError
 from hfjax.models.attention import attention_mask, causal_attention
 from hfjax.models.hf import checkpoint_index
-from hfjax.models.lora import LoraConfig
 from hfjax.models.model_io import load_model
 from hfjax.models.program import program_layout
 from hfjax.models.vision_lm import (
@@ -44,98 +59,11 @@ from hfjax.trainer.preflight import check_weights
 from hfjax.typed_config import ConfigError
 from hfjax.workers.actor import ActorRolloutRefWorker
 
-VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
-              patch_size=8, num_channels=3, layer_norm_eps=1e-6, vision_use_head=False)  # fmt: skip
-# a sliding layer whose window (6) is shorter than the rows, then a full one
-TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=300, sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"])  # fmt: skip
-IMAGE, BOI, EOI, PAD = 299, 297, 298, 0
-ARCH = "Gemma3ForConditionalGeneration"
-TOKENS_PER_IMAGE = 4
-
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> tuple[tf.Gemma3ForConditionalGeneration, Path]:
-    config = tf.Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=TOKENS_PER_IMAGE,
-                             image_token_index=IMAGE, boi_token_index=BOI, eoi_token_index=EOI)  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():  # norms start at zero (Gemma's 1 + w) and the projection small: make every tensor matter
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
     path = tmp_path_factory.mktemp("gemma3_vlm")
-    model.save_pretrained(path)
-    return model, path
-
-
-IMAGE_SPAN = [BOI, *[IMAGE] * TOKENS_PER_IMAGE, EOI]
-
-
-def batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(input_ids, attention_mask) [3, 24] and pixel values [3 images, 3, 32, 32]: row 0 left-padded with one image
-    mid-text, row 1 two images (one right after the other's end), row 2 left-padded text only."""
-    rng = np.random.default_rng(3)
-
-    def text(n: int) -> list[int]:
-        return list(rng.integers(3, 290, n))
-
-    rows = [
-        [PAD] * 3 + text(5) + IMAGE_SPAN + text(10),
-        text(2) + IMAGE_SPAN + text(3) + IMAGE_SPAN + text(7),
-        [PAD] * 7 + text(17),
-    ]
-    ids = np.asarray(rows, np.int64)
-    mask = (np.arange(ids.shape[1])[None, :] >= np.asarray([3, 0, 7])[:, None]).astype(np.int64)
-    pixels = rng.normal(size=(3, 3, 32, 32)).astype(np.float32)
-    return ids, mask, pixels
-
-
-def per_row(pixels: np.ndarray) -> np.ndarray:
-    """The batch's images as the model takes them, [rows, images per row, ...]: row 0 its one image and a zero
-    padding image, row 1 its two, row 2 two padding images."""
-    pad = np.zeros_like(pixels[0])
-    return np.stack([np.stack([pixels[0], pad]), pixels[1:3], np.stack([pad, pad])])
-
-
-def positions(mask: np.ndarray) -> np.ndarray:
-    return np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-
-
-def torch_logits(model, ids, mask, pixels) -> torch.Tensor:
-    images = {}
-    if pixels is not None:
-        images = {"pixel_values": torch.tensor(pixels), "token_type_ids": torch.tensor((ids == IMAGE).astype(np.int64))}
-    return model(
-        input_ids=torch.tensor(ids),
-        attention_mask=torch.tensor(mask),
-        position_ids=torch.tensor(positions(mask)),
-        **images,
-    ).logits
-
-
-def loss_weights(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Random weights on each real position's log prob of the next token (0 on padding and the last position)."""
-    weights = np.random.default_rng(4).normal(size=ids.shape).astype(np.float32)
-    weights[:, -1] = 0
-    return weights * mask
-
-
-def hf_loss(model, ids, mask, pixels) -> torch.Tensor:
-    logp = torch.log_softmax(torch_logits(model, ids, mask, pixels), -1)
-    picked = torch.gather(logp[:, :-1], 2, torch.tensor(ids[:, 1:, None])).squeeze(-1)
-    return (picked * torch.tensor(loss_weights(ids, mask)[:, :-1])).sum()
-
-
-def our_loss(model, ids, mask, pixels) -> jax.Array:
-    logits = model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)), pixels)
-    logp = jax.nn.log_softmax(logits, -1)
-    picked = jnp.take_along_axis(logp[:, :-1], jnp.asarray(ids[:, 1:, None]), 2)[..., 0]
-    return jnp.sum(picked * loss_weights(ids, mask)[:, :-1])
-
-
-def _relative(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    return save_tiny_gemma3(path), path
 
 
 def test_image_blocks_number_each_run_of_placeholders() -> None:
@@ -174,12 +102,12 @@ def test_logits_with_images_equal_transformers(checkpoint) -> None:
     got = model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)), jnp.asarray(per_row(pixels)))
     got = np.asarray(got)
     real = mask.astype(bool)
-    assert _relative(got[real], want[real]) < 1e-5
+    assert relative(got[real], want[real]) < 1e-5
     # the image blocks matter: the same logits with causal attention only differ
     causal = model.language_model.model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)))
-    assert _relative(np.asarray(model.language_model.logits(causal))[real][:, :300], want[real]) > 1e-2
+    assert relative(np.asarray(model.language_model.logits(causal))[real][:, :300], want[real]) > 1e-2
     got_text = np.asarray(model(jnp.asarray(ids[2:]), jnp.asarray(mask[2:]), jnp.asarray(positions(mask[2:]))))
-    assert _relative(got_text[real[2:]], text_only[real[2:]]) < 1e-5
+    assert relative(got_text[real[2:]], text_only[real[2:]]) < 1e-5
 
 
 def test_save_and_reload_is_bitwise_and_transformers_reads_it(checkpoint, tmp_path) -> None:
@@ -238,19 +166,13 @@ def test_a_checkpoint_that_does_not_match_is_refused_before_loading(checkpoint, 
         load_vision_lm(broken)
 
 
-def _gradients(model, ids, mask, pixels) -> dict[tuple, np.ndarray]:
-    graphdef, params = nnx.split(model)
-    grads = jax.jit(jax.grad(lambda p, x: our_loss(nnx.merge(graphdef, p), ids, mask, x)))(params, pixels)
-    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(grads)}
-
-
 def test_every_gradient_equals_pytorchs(checkpoint) -> None:
     hf_model, path = checkpoint
     ids, mask, pixels = batch()
     hf_model.zero_grad()
     hf_loss(hf_model, ids, mask, pixels).backward()
     torch_grads = {name: p.grad.numpy() for name, p in hf_model.named_parameters()}
-    ours = _gradients(load_vision_lm(path), ids, mask, jnp.asarray(per_row(pixels)))
+    ours = gradients(load_vision_lm(path), ids, mask, jnp.asarray(per_row(pixels)))
     plan = vision_lm_plan(
         VisionLanguageConfig.from_hf(hf_model.config.to_dict()), checkpoint_names(checkpoint_index(path))
     )
@@ -259,14 +181,7 @@ def test_every_gradient_equals_pytorchs(checkpoint) -> None:
         if mapping.hf_name.endswith("k_proj.bias"):  # the same score added to every key of a query: softmax ignores it
             assert np.linalg.norm(ours[mapping.path]) < 1e-5 and np.linalg.norm(theirs) < 1e-5, mapping.hf_name
         else:
-            assert _relative(ours[mapping.path], theirs) < 1e-4, mapping.hf_name
-
-
-def torch_name(saved: str) -> str:
-    """A saved tensor's name in the PyTorch module (transformers 5 keeps the language model under `model.`)."""
-    if saved.startswith("language_model.model."):
-        return saved.replace("language_model.model.", "model.language_model.", 1)
-    return f"model.{saved}"
+            assert relative(ours[mapping.path], theirs) < 1e-4, mapping.hf_name
 
 
 def test_fsdp_and_tensor_parallelism_equal_one_device(checkpoint) -> None:
@@ -277,7 +192,7 @@ def test_fsdp_and_tensor_parallelism_equal_one_device(checkpoint) -> None:
     model = load_vision_lm(path)
     want_logits = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(positions(mask)),
                                    jnp.asarray(pixels)))  # fmt: skip
-    want_grads = _gradients(model, ids, mask, jnp.asarray(pixels))
+    want_grads = gradients(model, ids, mask, jnp.asarray(pixels))
     layout = Layout.from_config({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"})
     graphdef, state = nnx.split(load_vision_lm(path, layout=layout))
     rows = layout.sharding(("batch", None), ids.shape)
@@ -298,19 +213,7 @@ def test_fsdp_and_tensor_parallelism_equal_one_device(checkpoint) -> None:
     np.testing.assert_allclose(np.asarray(logits)[real], want_logits[real], rtol=1e-5, atol=1e-5)
     for path_, value in nnx.to_flat_state(grads):
         want = want_grads[path_]
-        assert _relative(np.asarray(value.get_value()), want) < 1e-5 or np.linalg.norm(want) < 1e-6, path_
-
-
-RESPONSE = 6  # the batch's last columns, read as each row's response
-
-
-def policy_rows() -> dict[str, np.ndarray]:
-    """The batch as an RL step's rows: the last `RESPONSE` columns each row's response (row 0's ending 2 tokens
-    early, right-padded), the images per row."""
-    ids, mask, pixels = batch()
-    ids[0, -2:], mask[0, -2:] = PAD, 0
-    rows = {"input_ids": ids, "attention_mask": mask, "position_ids": positions(mask), "images": per_row(pixels)}
-    return rows | {"responses": ids[:, -RESPONSE:], "response_mask": mask[:, -RESPONSE:]}
+        assert relative(np.asarray(value.get_value()), want) < 1e-5 or np.linalg.norm(want) < 1e-6, path_
 
 
 def test_the_actor_and_reference_read_each_rows_images_as_transformers_does(checkpoint, tmp_path) -> None:
@@ -348,11 +251,11 @@ def test_the_actor_and_reference_read_each_rows_images_as_transformers_does(chec
 
 
 def test_a_vision_checkpoint_as_anything_but_the_policy_is_refused_before_loading(checkpoint) -> None:
-    """As a critic's or reward model's checkpoint, or with LoRA, one line naming the setting; as the policy its
-    tensors pass the preflight."""
+    """As a critic's or reward model's checkpoint, one line naming the setting, from the preflight and the loader
+    alike; as the policy its tensors pass the preflight."""
     _, path = checkpoint
     check_weights(str(path), "actor.model_path", "causal_lm")
     with pytest.raises(ConfigError, match=r"critic\.model_path: .* expected it as the policy, not as a token_cls"):
         check_weights(str(path), "critic.model_path", "token_cls")
-    with pytest.raises(ValueError, match=r"expected lora\.rank 0"):
-        load_model(str(path), dtype="float32", param_dtype=None, layout=None, head="causal_lm", lora=LoraConfig(rank=4))
+    with pytest.raises(ValueError, match=r"expected it as the policy, not as a seq_cls model"):
+        load_model(str(path), dtype="float32", param_dtype=None, layout=None, head="seq_cls")

@@ -1,10 +1,10 @@
 """RL on images end to end (`hfjax train`'s trainer, in process): a tiny random Gemma 3 vision-language policy saved
 with its processor, prompt files in verl's multimodal schema (rows with one image, two, none), GRPO with a
-rollout correction on and the vision tower frozen. The engine's log probs of its samples, which it computed with each
-prompt's images at prefill, equal the trainer's recomputed ones, which read the images each sample carried, to
-float32 rounding; a sampled response token that is the image placeholder id stays text in both (the random policy
-samples it). `hfjax export` writes a checkpoint transformers reads whole, with the processor, in which only the
-frozen tower is the original's."""
+rollout correction on and the vision tower frozen, or LoRA on the language model. The engine's log probs of its
+samples, which it computed with each prompt's images at prefill, equal the trainer's recomputed ones, which read the
+images each sample carried, to float32 rounding; a sampled response token that is the image placeholder id stays
+text in both (the random policy samples it). `hfjax export` writes a checkpoint transformers reads whole, with the
+processor, in which only the frozen tower is the original's (LoRA merged into the language model's projections)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def _prompt_rows(count: int) -> list[dict]:
     return rows
 
 
-def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path) -> None:
+# LoRA end to end in the slow suite: the default one holds its actor's passes (test_vision_lora.py)
+@pytest.mark.parametrize("adapters", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["frozen_tower", "lora"])
+def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path, adapters) -> None:
     from transformers import AutoProcessor
 
     policy = save_vision_policy(tmp_path / "policy", build_gemma3_processor())
@@ -46,7 +48,9 @@ def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path) -> 
     files = {"policy": str(policy), "train": str(train), "test": str(train)}
     config = rl_config(files, tmp_path / "run", "grpo", trainer={"total_steps": 2}, data={"max_prompt_length": 32,
                        "val_files": []}, reward={"function": write_varied_reward(tmp_path)})  # fmt: skip
-    config["actor"] |= {"rollout_correction": {"rollout_is": "token"}, "freeze_vision_tower": True}
+    config["actor"] |= {"rollout_correction": {"rollout_is": "token"}, "freeze_vision_tower": not adapters}
+    if adapters:  # LoRA on the language model (the tower frozen with the rest of the base)
+        config["actor"] |= {"lora": {"rank": 4}, "optim": {"lr": 1e-2}}
     history = run_rl(load_rl_config(config))
     assert len(history) == 2
     for metrics in history:
@@ -58,6 +62,8 @@ def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path) -> 
     exported = AutoProcessor.from_pretrained(tmp_path / "hf")
     assert exported.image_seq_length == build_gemma3_processor().image_seq_length
 
+    if adapters:
+        return
     text = save_hf_model(tmp_path / "text", "llama")[1]
     text_actor = load_rl_config(config | {"actor": config["actor"] | {"model_path": str(text)}})
     with pytest.raises(ConfigError, match=r"actor\.freeze_vision_tower: .* a text model without a vision tower"):

@@ -10,7 +10,6 @@ from typing import Any
 from flax import nnx
 
 from hfjax.models.hf import load_hf, save_hf
-from hfjax.models.lora import LoraConfig
 from hfjax.models.vision_lm import (
     VisionLanguageLM,
     check_policy_head,
@@ -22,15 +21,14 @@ from hfjax.parallel.layout import Layout
 
 
 def load_model(
-    path: str, *, dtype: str, param_dtype: str | None, layout: Layout | None, head: str | None, lora: LoraConfig | None
+    path: str, *, dtype: str, param_dtype: str | None, layout: Layout | None, head: str | None
 ) -> nnx.Module:
     """`load_hf` of the checkpoint `path`, or `load_vision_lm` of a vision-language one, which serves as a policy (or
-    its reference) only, without LoRA for now; raises naming what cannot be, before loading anything."""
+    its reference) only; raises naming what cannot be, before loading anything. LoRA adapters (`add_lora`) attach to
+    either alike: on a vision-language model, to its language model's projections only."""
     if not is_vision_language_checkpoint(path):
         return load_hf(path, dtype=dtype, param_dtype=param_dtype, layout=layout, head=head)
     check_policy_head(path, head)
-    if lora is not None:
-        raise ValueError(f"{path}: a vision-language checkpoint; expected lora.rank 0 (no LoRA on it yet)")
     return load_vision_lm(path, dtype=dtype, param_dtype=param_dtype, layout=layout)
 
 

@@ -93,7 +93,7 @@ class LoadedModel:
     ):
         self.layout = layout
         loaded = frozen_layout or layout
-        model = load_model(path, dtype=dtype, param_dtype=param_dtype, layout=loaded, head=head, lora=lora)
+        model = load_model(path, dtype=dtype, param_dtype=param_dtype, layout=loaded, head=head)
         set_remat(language_model(model), remat)
         set_expert_capacity(model, expert_capacity_factor)
         for name in float32_params:  # e.g. a trained head beside a frozen base stored in the compute dtype
