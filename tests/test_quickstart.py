@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers as tf
 from support.rl_setup import QUICKSTART_SMOKE as SMOKE
+from support.rl_setup import same_accuracy
 from support.settings import REPO, run_command, user_env
 
 from hfjax.cli.quickstart import ACCURACY_KEY, QuickstartConfig, run_quickstart
@@ -69,13 +70,6 @@ def test_quickstart_on_ray_forks_nothing_after_jax_started(tmp_path, one_device_
     assert json.loads((tmp_path / "result.json").read_text())["algorithm"] == "grpo"
 
 
-def _same_accuracy(a: float, b: float, problems: int) -> bool:
-    """Whether two held-out accuracies agree up to what the test set can tell apart (two standard errors of the
-    difference of two accuracies over its problems)."""
-    mean = (a + b) / 2
-    return abs(a - b) <= 2 * math.sqrt(2 * mean * (1 - mean) / problems)
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 def test_quickstart_learns_on_two_hosts_in_bfloat16_with_lora_and_through_hfjax_serve(request, tmp_path, monkeypatch):
@@ -114,7 +108,7 @@ def test_quickstart_learns_on_two_hosts_in_bfloat16_with_lora_and_through_hfjax_
     accuracy = run_rl(load_rl_config(tmp_path / "rl" / "config.yaml", variant))[-1][ACCURACY_KEY]
     print(f"accuracy at step {CLAIM_STEPS}: 1 x 2 devices float32 {reference:.4f}, 2 x 1 bfloat16 {accuracy:.4f}")
     num_test = load_config(QuickstartConfig, "configs/quickstart.yaml").task["num_test"]
-    assert _same_accuracy(accuracy, reference, num_test), (accuracy, reference)
+    assert same_accuracy(accuracy, reference, num_test), (accuracy, reference)
     lora = [f"trainer.total_steps={CLAIM_STEPS}", f"trainer.run_dir={tmp_path / 'rl-lora'}", *LORA]
     lora_accuracy = run_rl(load_rl_config(tmp_path / "rl" / "config.yaml", lora))[-1][ACCURACY_KEY]
     print(f"accuracy at step {CLAIM_STEPS} with LoRA: {lora_accuracy:.4f} (after SFT {result['sft_accuracy']:.4f})")

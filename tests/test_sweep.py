@@ -24,7 +24,7 @@ from hfjax.automap.run_search import run_candidates
 from hfjax.automap.sweep import MEASURED_KEYS, auto_candidates, measured, read_candidates, stage_of
 from hfjax.automap.trainer_runs import run_config
 from hfjax.cli.main import main
-from hfjax.cli.quickstart import BaseModelSection, build_base_model
+from hfjax.cli.quickstart_models import BaseModelSection, build_base_model
 from hfjax.config.rl import load_rl_config
 from hfjax.data.synthetic import AdditionTask, build_addition_tokenizer, write_addition_task
 from hfjax.predict.cluster import GIB

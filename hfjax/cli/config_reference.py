@@ -145,7 +145,7 @@ NOTES: dict[str, str] = {
     "TrainerSection.export_hf": "write the trained model as a Hugging Face checkpoint at the end",
     "TrainerSection.progress": "show a progress bar",
     "QuickstartConfig.run_dir": "where the task, tokenizer, base model and both stages' runs go",
-    "QuickstartConfig.task": "the addition task (`AdditionTask` fields, below)",
+    "QuickstartConfig.task": "the task's settings (`AdditionTask`, `MultiplicationTask` or `ShapesTask` fields, below)",
     "QuickstartConfig.model": "the random base model",
     "QuickstartConfig.sft": "the SFT stage: an `hfjax sft` config; model, data and run directory are filled in",
     "QuickstartConfig.rl": "the RL stage: an `hfjax train` config; model, prompts and run directory are filled in",
@@ -155,6 +155,11 @@ NOTES: dict[str, str] = {
     "BaseModelSection.num_heads": "attention heads",
     "BaseModelSection.num_kv_heads": "key/value heads (GQA)",
     "BaseModelSection.seed": "seed of the random weights",
+    "VisionTowerSection.hidden_size": "tower width",
+    "VisionTowerSection.intermediate_size": "tower MLP width",
+    "VisionTowerSection.num_layers": "tower layers",
+    "VisionTowerSection.num_heads": "tower attention heads",
+    "VisionTowerSection.patch_size": "pixels a side of a patch",
     "AdditionTask.min_digits": "fewest digits of an operand",
     "AdditionTask.max_digits": "most digits of an operand",
     "AdditionTask.num_train": "RL training prompts",
@@ -181,6 +186,7 @@ def pages() -> list[Page]:
     from hfjax.cli.quickstart import QuickstartConfig
     from hfjax.config.rl import RLConfig
     from hfjax.config.supervised import RMConfig, SFTConfig
+    from hfjax.data.shapes_task import ShapesTask
     from hfjax.data.synthetic import AdditionTask
     from hfjax.data.tool_task import MultiplicationTask
 
@@ -193,6 +199,11 @@ def pages() -> list[Page]:
             "Agent quickstart task (`task_type: calculator`)",
             "hfjax quickstart agent_quickstart.yaml [key=value ...]",
             MultiplicationTask,
+        ),
+        Page(
+            "Vision quickstart task (`task_type: shapes`)",
+            "hfjax quickstart vision_quickstart.yaml [key=value ...]",
+            ShapesTask,
         ),
     ]
 

@@ -3,10 +3,11 @@ random Llama built locally, supervised fine-tuning to a partial accuracy, then R
 `rl.algorithm.name=ppo`) through the Ray controller with the HybridEngine, and a table of held-out greedy accuracy
 before and after RL. Nothing is downloaded. `task_type: calculator` runs the agent quickstart instead: two-digit
 multiplication with a calculator tool, SFT on demonstrations of the tool-call format, then multi-turn RL
-(`rollout.agent` with `hfjax/envs/examples/calculator.py:CalculatorEnv`).
+(`rollout.agent` with `hfjax/envs/examples/calculator.py:CalculatorEnv`). `task_type: shapes` runs the vision
+quickstart: counting shapes in small generated images with a random Gemma 3 vision-language model.
 
 `hfjax quickstart [CONFIG] [key=value ...]` (default config: configs/quickstart.yaml; the agent one:
-configs/agent_quickstart.yaml).
+configs/agent_quickstart.yaml; the vision one: configs/vision_quickstart.yaml).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+from hfjax.cli.quickstart_models import BaseModelSection, build_base_model, build_vision_base_model
 from hfjax.config.rl import RLConfig, load_rl_config
-from hfjax.data import synthetic, tool_task
+from hfjax.data import shapes_task, synthetic, tool_task
 from hfjax.typed_config import ConfigError, load_config
 
 
@@ -32,10 +34,11 @@ class TaskKind:
 
     spec: type
     write: Callable[[Any, Path], dict[str, Path]]
-    tokenizer: Callable[[], Any]
+    tokenizer: Callable[[Any], Any]  # the task's settings -> its tokenizer (a processor for an image task)
     data_source: str
     agent_env: Callable[[], str] | None = None  # the environment's `path.py:Name`, for multi-turn RL
     tool_parser: str = ""  # the tool-call format of the task's demonstrations and tokenizer (multi-turn RL)
+    vision: bool = False  # prompts with images: the base model is a vision-language Gemma 3
 
     @property
     def accuracy_key(self) -> str:
@@ -50,30 +53,28 @@ def _calculator_env() -> str:
 
 TASKS = {
     "addition": TaskKind(
-        synthetic.AdditionTask, synthetic.write_addition_task, synthetic.build_addition_tokenizer, synthetic.DATA_SOURCE
+        synthetic.AdditionTask,
+        synthetic.write_addition_task,
+        lambda task: synthetic.build_addition_tokenizer(),
+        synthetic.DATA_SOURCE,
     ),
     "calculator": TaskKind(
         tool_task.MultiplicationTask,
         tool_task.write_multiplication_task,
-        tool_task.build_tool_tokenizer,
+        lambda task: tool_task.build_tool_tokenizer(),
         tool_task.DATA_SOURCE,
         agent_env=_calculator_env,
         tool_parser="hermes",  # `tool_task` writes Hermes <tool_call> blocks, whatever the base model's family
     ),
+    "shapes": TaskKind(
+        shapes_task.ShapesTask,
+        shapes_task.write_shapes_task,
+        shapes_task.build_shapes_processor,
+        shapes_task.DATA_SOURCE,
+        vision=True,
+    ),
 }
 ACCURACY_KEY = TASKS["addition"].accuracy_key
-
-
-@dataclasses.dataclass
-class BaseModelSection:
-    """Shape of the random Llama the pipeline starts from."""
-
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    seed: int = 0
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ class QuickstartConfig:
     of them are checked when this loads, before anything runs (the paths the pipeline fills in as placeholders)."""
 
     run_dir: str = "runs/quickstart"
-    task_type: Literal["addition", "calculator"] = "addition"  # calculator: the multi-turn agent quickstart
+    task_type: Literal["addition", "calculator", "shapes"] = "addition"  # calculator: agents; shapes: images
     task: dict[str, Any] = dataclasses.field(default_factory=dict)
     model: BaseModelSection = dataclasses.field(default_factory=BaseModelSection)
     sft: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -129,33 +130,6 @@ def rl_config(cfg: QuickstartConfig, model: Path, files: Mapping[str, Path], par
     return load_rl_config(_merge(rl, paths))
 
 
-def build_base_model(out_dir: Path, spec: BaseModelSection, tokenizer: Any) -> Path:
-    """A random Llama of `spec` with the tokenizer's special ids, saved as a Hugging Face checkpoint."""
-    from flax import nnx
-
-    from hfjax.models import CausalLM, config_from_hf, save_hf
-
-    raw = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": len(tokenizer),
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "max_position_embeddings": 128,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    cfg, _ = config_from_hf(raw, "quickstart base model")
-    model = CausalLM(cfg, rngs=nnx.Rngs(spec.seed))
-    return save_hf(model, out_dir, tokenizer=tokenizer, overwrite=True)
-
-
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
@@ -196,14 +170,16 @@ def prepare(cfg: QuickstartConfig) -> dict[str, Path]:
     kind = TASKS[cfg.task_type]
     files = kind.write(kind.spec(**cfg.task), run_dir / "data")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:
-        base = process.submit(_build_task_base_model, run_dir / "base", cfg.model, cfg.task_type).result()
+        base = process.submit(_build_task_base_model, run_dir / "base", cfg).result()
     check_supervised_run(sft_config(cfg, base, files))
     check_rl_run(rl_config(cfg, base, files))  # the SFT model has the base model's shape: the RL run fits it too
     return files
 
 
-def _build_task_base_model(out_dir: Path, spec: BaseModelSection, task_type: str) -> Path:
-    return build_base_model(out_dir, spec, TASKS[task_type].tokenizer())
+def _build_task_base_model(out_dir: Path, cfg: QuickstartConfig) -> Path:
+    kind = TASKS[cfg.task_type]
+    build = build_vision_base_model if kind.vision else build_base_model
+    return build(out_dir, cfg.model, kind.tokenizer(kind.spec(**cfg.task)))
 
 
 def rl_ray_session(cfg: QuickstartConfig) -> contextlib.AbstractContextManager[None]:

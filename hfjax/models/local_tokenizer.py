@@ -1,5 +1,6 @@
 """Builds a byte-level BPE tokenizer from a text corpus locally (no hub), wrapped as a transformers fast tokenizer
-with `<pad>`, `<s>`, `</s>` (ids 0, 1, 2) and a plain chat template. For quickstarts, tests and synthetic tasks."""
+with `<pad>`, `<s>`, `</s>` (ids 0, 1, 2) and a plain chat template, and a Gemma 3 processor (images and text) over
+one. For quickstarts, tests and synthetic tasks."""
 
 from __future__ import annotations
 
@@ -26,3 +27,38 @@ def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int, chat_template: s
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = chat_template
     return fast
+
+
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+GEMMA3_CHAT_TEMPLATE = (  # SIMPLE_CHAT_TEMPLATE with a message's image parts as Gemma 3's start-of-image token
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + GEMMA3_IMAGE_TOKENS["boi_token"] + "{% else %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}assistant:"
+)
+
+
+def build_gemma3_processor(corpus: Iterable[str], vocab_size: int, image_size: int, tokens_per_image: int) -> Any:
+    """A transformers `Gemma3Processor` over `build_bpe_tokenizer(corpus, vocab_size)` with Gemma 3's image tokens
+    added: images resized to `image_size` pixels a side, `tokens_per_image` soft tokens each."""
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    bpe = build_bpe_tokenizer(corpus, vocab_size)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe.backend_tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens=GEMMA3_IMAGE_TOKENS,
+    )
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    return Gemma3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_length=tokens_per_image,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+    )

@@ -1,6 +1,6 @@
 """Rule-reward dispatch by `data_source`, as verl's default `compute_score`: a registry from data source names to
-scoring functions, with GSM8K and the synthetic addition task built in, and `make_reward_function` choosing between
-it and a user function."""
+scoring functions, with GSM8K and the synthetic addition and shapes tasks built in, and `make_reward_function`
+choosing between it and a user function."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ SCORERS: dict[str, Scorer] = {
     "openai/gsm8k": lambda solution, truth, extra: gsm8k_score(solution, truth),
     "gsm8k": lambda solution, truth, extra: gsm8k_score(solution, truth),
     "hfjax/addition": lambda solution, truth, extra: exact_match_score(solution, truth),
+    "hfjax/shapes": lambda solution, truth, extra: exact_match_score(solution, truth),
 }
 
 

@@ -3,6 +3,7 @@ a config dict for `hfjax.config.rl.load_rl_config` (override what a test needs).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,10 @@ def rl_config(inputs: dict[str, str], run_dir: Path, algorithm: str = "grpo", **
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values}
     return config
+
+
+def same_accuracy(a: float, b: float, problems: int) -> bool:
+    """Whether two held-out accuracies agree up to what the test set can tell apart (two standard errors of the
+    difference of two accuracies over its problems)."""
+    mean = (a + b) / 2
+    return abs(a - b) <= 2 * math.sqrt(2 * mean * (1 - mean) / problems)

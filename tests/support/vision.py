@@ -4,28 +4,29 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
-from hfjax.models.local_tokenizer import build_bpe_tokenizer
+from hfjax.data.shapes_task import png  # re-exported: the tests encode images as the quickstart does
+from hfjax.models.local_tokenizer import GEMMA3_IMAGE_TOKENS
+from hfjax.models.local_tokenizer import build_gemma3_processor as build_local_gemma3_processor
 
-BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + BOI + "{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}\n{% endfor %}assistant:"
-)
+__all__ = [
+    "BOI",
+    "EOI",
+    "SOFT",
+    "build_gemma3_processor",
+    "checkpoint_tensors",
+    "only_the_tower_kept",
+    "pixels",
+    "png",
+    "save_vision_policy",
+]
+
+BOI, EOI, SOFT = (GEMMA3_IMAGE_TOKENS[name] for name in ("boi_token", "eoi_token", "image_token"))
 TOKENS_PER_IMAGE = 4
-
-
-def png(pixels: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
 
 
 def pixels(seed: int, shape=(20, 30, 3)) -> np.ndarray:
@@ -34,21 +35,7 @@ def pixels(seed: int, shape=(20, 30, 3)) -> np.ndarray:
 
 def build_gemma3_processor() -> Any:
     """A `Gemma3Processor` for 32 x 32 images, `TOKENS_PER_IMAGE` soft tokens each, over a 300-entry BPE tokenizer."""
-    from transformers import Gemma3ImageProcessor, Gemma3Processor, PreTrainedTokenizerFast
-
-    bpe = build_bpe_tokenizer(["user: how many shapes", "assistant: 3"], 300)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe.backend_tokenizer,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT},
-    )
-    tokenizer.chat_template = TEMPLATE
-    images = Gemma3ImageProcessor(size={"height": 32, "width": 32})
-    return Gemma3Processor(
-        image_processor=images, tokenizer=tokenizer, image_seq_length=TOKENS_PER_IMAGE, chat_template=TEMPLATE
-    )
+    return build_local_gemma3_processor(["user: how many shapes", "assistant: 3"], 300, 32, TOKENS_PER_IMAGE)
 
 
 def save_vision_policy(directory: Path, processor: Any) -> Path:
