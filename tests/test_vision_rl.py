@@ -68,3 +68,33 @@ def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path, ada
     text_actor = load_rl_config(config | {"actor": config["actor"] | {"model_path": str(text)}})
     with pytest.raises(ConfigError, match=r"actor\.freeze_vision_tower: .* a text model without a vision tower"):
         check_rl_run(text_actor)
+
+
+def test_the_memory_check_counts_the_vision_tower(tmp_path):
+    """The cost model's actor memory (what the preflight's memory check adds up) for a vision-language policy on one
+    device, against transformers' parameter count of the same checkpoint (with the embedding's padding rows): float32 master weights of every parameter,
+    the vision tower and projector included, and Adam's state and the gradients of the same; with the tower frozen,
+    optimizer state and gradients of all but the tower's and the projector's parameters."""
+    import transformers as tf
+
+    from hfjax.models.config import VOCAB_MULTIPLE
+    from hfjax.trainer.preflight import predict_memory
+
+    policy = save_vision_policy(tmp_path / "policy", build_gemma3_processor())
+    model = tf.Gemma3ForConditionalGeneration.from_pretrained(policy)
+    text = model.config.text_config  # hfjax stores the (tied) embedding with its rows padded to VOCAB_MULTIPLE
+    total = model.num_parameters() + (-text.vocab_size % VOCAB_MULTIPLE) * text.hidden_size
+    tower = sum(p.numel() for name, p in model.named_parameters() if ".vision_tower." in name or "projector" in name)
+    assert 0 < tower < total
+    files = {"policy": str(policy), "train": "train.parquet", "test": "train.parquet"}
+    config = rl_config(files, tmp_path / "run", trainer={"devices_per_host": 1})
+
+    def actor_memory(freeze: bool) -> dict[str, float]:
+        actor = config["actor"] | {"freeze_vision_tower": freeze, "micro_batch_size": 1, "ppo_mini_batch_size": 4}
+        return predict_memory(load_rl_config(config | {"actor": actor}), 1e15).roles["actor"].memory
+
+    trained, frozen = actor_memory(False), actor_memory(True)
+    assert trained["params"] == frozen["params"] == 4 * total
+    assert trained["optimizer"] == 8 * total and frozen["optimizer"] == 8 * (total - tower)
+    assert trained["grads"] in (4 * total, 8 * total)  # one micro-batch's, or beside the accumulator
+    assert frozen["grads"] == trained["grads"] * (total - tower) / total

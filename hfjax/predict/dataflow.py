@@ -23,7 +23,8 @@ from hfjax.models.hf import abstract_model
 from hfjax.models.hub import is_hub_id
 from hfjax.models.hub import resolve_model as hub_model
 from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
-from hfjax.models.vision_lm import language_model_config
+from hfjax.models.vision import ImageEncoder, VisionConfig
+from hfjax.models.vision_lm import is_vision_language_checkpoint, language_model_config, vision_lm_config
 from hfjax.parallel.layout import Layout, is_param_leaf
 from hfjax.typed_config import ConfigError
 
@@ -180,14 +181,15 @@ class ModelShape:
     head: str
     params: int
     param_kinds: tuple[tuple[tuple[int, ...], tuple[str | None, ...], int], ...]
+    vision_params: int = 0  # a vision-language policy's vision tower and projector (in `params` and `param_kinds`)
 
     @property
     def matmul_params(self) -> int:
-        """Parameters used in matmuls per token: all but the input embedding (a lookup), unless it is the tied
-        LM head."""
+        """Parameters used in matmuls per text token: all but the input embedding (a lookup), unless it is the tied
+        LM head, and but the vision tower (which runs per image patch)."""
         cfg = self.config
         tied_head = self.head == "causal_lm" and cfg.tie_word_embeddings
-        return self.params - (0 if tied_head else cfg.padded_vocab_size * cfg.hidden_size)
+        return self.params - self.vision_params - (0 if tied_head else cfg.padded_vocab_size * cfg.hidden_size)
 
     def matmul_params_at(self, capacity_factor: float | None) -> float:
         """`matmul_params` as a mixture of experts' dispatch computes them per token: every expert's weights over
@@ -231,19 +233,30 @@ def _shard_elements(shape: ModelShape, axes: tuple, rules: tuple) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def model_shape(config: ModelConfig, head: str) -> ModelShape:
-    """The `ModelShape` of a config with a head kind (`causal_lm`, `seq_cls`, `token_cls`). A value head has one
-    label whatever the checkpoint's config says (as `load_hf` builds a critic from a causal LM)."""
+def model_shape(config: ModelConfig, head: str, vision: VisionConfig | None = None) -> ModelShape:
+    """The `ModelShape` of a config with a head kind (`causal_lm`, `seq_cls`, `token_cls`), and with `vision` a
+    vision-language policy's (its tower and projector beside `config`'s language model). A value head has one label
+    whatever the checkpoint's config says (as `load_hf` builds a critic from a causal LM)."""
     if head == "token_cls":
         config = dataclasses.replace(config, num_labels=1)
     model = abstract_model(config, head, "bfloat16")
     kinds: dict[tuple, int] = {}
-    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=is_param_leaf):
+    leaves = functools.partial(jax.tree.leaves, is_leaf=is_param_leaf)
+    tower = [] if vision is None else leaves(nnx.state(ImageEncoder(vision, rngs=None), nnx.Param))
+    for leaf in [*leaves(nnx.state(model, nnx.Param)), *tower]:
         logical = leaf.get_metadata().get("logical_axes") or (None,) * len(leaf.shape)
         key = (tuple(int(s) for s in leaf.shape), tuple(logical))
         kinds[key] = kinds.get(key, 0) + 1
     params = sum(int(np.prod(s)) * n for (s, _), n in kinds.items())
-    return ModelShape(config, head, params, tuple((s, a, n) for (s, a), n in sorted(kinds.items(), key=str)))
+    kinds_sorted = tuple((s, a, n) for (s, a), n in sorted(kinds.items(), key=str))
+    return ModelShape(config, head, params, kinds_sorted, sum(int(np.prod(leaf.shape)) for leaf in tower))
+
+
+def vision_side(spec: ModelConfig | str | Mapping[str, Any]) -> VisionConfig | None:
+    """The vision tower's config of a vision-language checkpoint directory `spec`; None for anything else."""
+    if isinstance(spec, str) and Path(spec).is_dir() and is_vision_language_checkpoint(spec):
+        return vision_lm_config(spec).vision
+    return None
 
 
 def role_shapes(flow: Dataflow, models: Mapping[str, ModelConfig | str | Mapping[str, Any]]) -> dict[str, ModelShape]:
@@ -254,4 +267,7 @@ def role_shapes(flow: Dataflow, models: Mapping[str, ModelConfig | str | Mapping
     missing = [r for r in flow.required if r not in models]
     if missing:
         raise ValueError(f"models: {flow.name!r} needs a model for roles {missing}")
-    return {role: model_shape(resolve_model(spec, f"models.{role}"), ROLE_HEADS[role]) for role, spec in models.items()}
+    return {
+        role: model_shape(resolve_model(spec, f"models.{role}"), ROLE_HEADS[role], vision_side(spec))
+        for role, spec in models.items()
+    }

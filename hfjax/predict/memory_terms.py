@@ -81,6 +81,7 @@ class CostOptions:
     # transition only: the training and log-prob passes are still priced with the training layout's gathers)
     lora_base_in_gen: bool = True
     critic_lora: LoraConfig | None = None  # the critic's (`critic.lora`), counted as the actor's
+    freeze_vision_tower: bool = False  # a vision-language actor's tower kept as loaded (`actor.freeze_vision_tower`)
     # a mixture of experts' capacity factor in the training and log-prob passes that route themselves
     # (`actor.expert_capacity_factor`; None: no token dropped, every expert's buffer spans the row); generation never
     # drops a token

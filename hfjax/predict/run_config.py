@@ -49,9 +49,10 @@ def run_workload(cfg: RLConfig, batch_ranks: int = 1) -> Workload:
 
 def run_cost_options(cfg: RLConfig) -> CostOptions:
     """The cost model's precision and rematerialisation for `cfg`: the actor's compute and master-weight dtypes, its
-    `remat` setting, its LoRA adapters (and the critic's) and where its base lives, its experts' capacity factor,
-    whether its optimizer state leaves the device while it generates, how attention under a sequence axis runs
-    (`split_attention_path`) and what its platform's compiler keeps of the MLP (`MLP_TENSORS_KEPT`)."""
+    `remat` setting, its LoRA adapters (and the critic's) and where its base lives, a frozen vision tower, its
+    experts' capacity factor, whether its optimizer state leaves the device while it generates, how attention under
+    a sequence axis runs (`split_attention_path`) and what its platform's compiler keeps of the MLP
+    (`MLP_TENSORS_KEPT`)."""
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     lora = cfg.actor.lora.enabled  # the base is stored in the compute dtype
     return CostOptions(
@@ -61,6 +62,7 @@ def run_cost_options(cfg: RLConfig) -> CostOptions:
         actor_lora=cfg.actor.lora if lora else None,
         lora_base_in_gen=cfg.keeps_lora_base_in_gen,
         critic_lora=cfg.critic.lora if cfg.uses_critic and cfg.critic.lora.enabled else None,
+        freeze_vision_tower=cfg.actor.freeze_vision_tower,
         expert_capacity_factor=cfg.actor.expert_capacity_factor,
         router_replay=cfg.actor.router_replay,
         offload_optimizer=cfg.rollout.offload_optimizer,
