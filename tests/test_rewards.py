@@ -13,6 +13,7 @@ from hfjax.data.synthetic import DATA_SOURCE as ADDITION_SOURCE
 from hfjax.rewards import (
     SCORERS,
     RewardError,
+    boxed_answer_score,
     compute_score,
     exact_match_score,
     extract_answer,
@@ -111,3 +112,19 @@ def test_user_function_errors(tmp_path):
     (tmp_path / "broken.py").write_text("def score(:\n")
     with pytest.raises(RewardError, match=re.escape(f"importing {tmp_path / 'broken.py'} failed: SyntaxError")):
         load_reward_function(f"{tmp_path / 'broken.py'}:score")
+
+
+@pytest.mark.parametrize(
+    "text, truth, score",
+    [
+        ("so the angle is \\boxed{60}", "60", 1.0),
+        ("\\boxed{12} first, then \\boxed{ 7.0 }", "7", 1.0),  # the last box, compared as numbers
+        ("\\boxed{\\frac{2}{3}}", "\\frac{2}{3}", 1.0),  # nested braces kept whole
+        ("\\boxed{\\frac{2}{3}}", "\\frac{3}{2}", 0.0),
+        ("\\boxed{5", "5", 0.0),  # never closed
+        ("the answer is 5", "5", 0.0),  # no box
+    ],
+)
+def test_boxed_answer_score(text, truth, score):
+    assert boxed_answer_score(text, truth) == score
+    assert compute_score("hiyouga/geometry3k", text, truth) == score

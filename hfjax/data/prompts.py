@@ -34,6 +34,8 @@ from hfjax.data.tokenize import (
     render_prompt,
 )
 
+MAX_IMAGES = 4  # images a prompt row may carry (more: a one-line DataError naming the row)
+
 
 @dataclass(frozen=True)
 class PromptExample:
@@ -124,7 +126,7 @@ class PromptDataset:
         truncation: str = "error",
         pad_to: str = "max_length",
         processor: Any = None,
-        max_images: int = 4,
+        max_images: int = MAX_IMAGES,
     ):
         check_options(max_prompt_length, truncation, pad_to)
         self.max_prompt_length, self.truncation, self.pad_to = max_prompt_length, truncation, pad_to

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from hfjax.data.prompts import batch_images
+from hfjax.data.prompts import MAX_IMAGES, batch_images
 from hfjax.data.records import DataError, RowRef, parse_messages, parse_response, read_rows, require
 from hfjax.data.tokenize import (
     Batch,
@@ -49,7 +49,7 @@ class SFTDataset:
         padding_side: str = "right",
         pad_to: str = "max_length",
         processor: Any = None,
-        max_images: int = 4,
+        max_images: int = MAX_IMAGES,
     ):
         check_options(max_length, truncation, pad_to)
         self.max_length, self.padding_side, self.pad_to = max_length, padding_side, pad_to

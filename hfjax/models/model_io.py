@@ -19,6 +19,8 @@ from hfjax.models.vision_lm import (
 )
 from hfjax.parallel.layout import Layout
 
+ALL_BUT_THE_TOWER = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision_tower")))  # a frozen tower's trained params
+
 
 def load_model(
     path: str, *, dtype: str, param_dtype: str | None, layout: Layout | None, head: str | None
@@ -48,4 +50,4 @@ def trained_parameters(path: str | os.PathLike, freeze_vision_tower: bool) -> nn
         return nnx.Param
     if not is_vision_language_checkpoint(path):
         raise ValueError(f"freeze_vision_tower: {path} is a text model without a vision tower; expected false")
-    return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("vision_tower")))
+    return ALL_BUT_THE_TOWER

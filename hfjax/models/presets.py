@@ -3,7 +3,10 @@ and benchmarks without a checkpoint on disk. Weights are never implied: these ar
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hfjax.models.config import ModelConfig, RopeConfig, config_from_hf
+from hfjax.models.vision_lm import VisionLanguageConfig, is_vision_language_checkpoint, vision_lm_config
 
 LLAMA3_ROPE = RopeConfig(
     theta=500000.0,
@@ -147,6 +150,56 @@ NAMED_CONFIGS: dict[str, ModelConfig] = {
     )[0],
 }
 
+# Vision-language models (Gemma 3 4B: a 27-layer SigLIP tower on 896 x 896 images, 4,096 patches pooled to 256 soft
+# tokens, and a 34-layer language model); their language models are named shapes above too
+NAMED_VISION_CONFIGS: dict[str, VisionLanguageConfig] = {
+    "gemma-3-4b": VisionLanguageConfig.from_hf(
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "mm_tokens_per_image": 256,
+            "image_token_index": 262144,
+            "boi_token_index": 255999,
+            "eoi_token_index": 256000,
+            "text_config": {
+                "model_type": "gemma3_text",
+                "vocab_size": 262208,
+                "hidden_size": 2560,
+                "intermediate_size": 10240,
+                "num_hidden_layers": 34,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": 256,
+                "sliding_window": 1024,
+                "sliding_window_pattern": 6,
+                "rope_theta": 1000000,
+                "rope_local_base_freq": 10000,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                "rms_norm_eps": 1e-6,
+                "max_position_embeddings": 131072,
+                "attn_logit_softcapping": None,
+                "final_logit_softcapping": None,
+                "pad_token_id": 0,
+                "eos_token_id": [1, 106],
+            },
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "hidden_size": 1152,
+                "intermediate_size": 4304,
+                "num_hidden_layers": 27,
+                "num_attention_heads": 16,
+                "image_size": 896,
+                "patch_size": 14,
+                "vision_use_head": False,
+            },
+        },
+        "gemma-3-4b",
+    ),
+}
+NAMED_CONFIGS |= {name: vision.text for name, vision in NAMED_VISION_CONFIGS.items()}
+
 
 def named_config(name: str) -> ModelConfig:
     """The `ModelConfig` of a named shape; raises naming the known ones."""
@@ -165,4 +218,17 @@ HUB_SHAPES = {
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
     "google/gemma-3-1b-it": "gemma-3-1b",
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "google/gemma-3-4b-it": "gemma-3-4b",
 }
+
+
+def vision_language_shape(path: str) -> VisionLanguageConfig | None:
+    """The `VisionLanguageConfig` of a vision-language model named by `path` (a named shape, a Hub id of one, or a
+    local checkpoint directory; no weights read); None for a text model or anything else."""
+    name = HUB_SHAPES.get(path, path)
+    if name in NAMED_VISION_CONFIGS:
+        return NAMED_VISION_CONFIGS[name]
+    directory = Path(path).expanduser()
+    if directory.is_dir() and is_vision_language_checkpoint(directory):
+        return vision_lm_config(directory)
+    return None

@@ -298,7 +298,7 @@ class CostModel(MemoryTerms):
         lora = lora if lora is not None and lora.enabled else None
         trained_shard = shard * lora_parameter_count(shape.config, lora) / shape.params if lora else shard
         if not lora and role == "actor" and opt.freeze_vision_tower:  # the tower: no gradients, no optimizer state
-            trained_shard = shard * (shape.params - shape.vision_params) / shape.params
+            trained_shard = shard * (shape.params - shape.tower_params) / shape.params
         seconds = dict.fromkeys(STAGES, 0.0)
         detail: dict[str, float] = {}
         if lora:  # the actor: the base and float32 adapters; the reference: the actor's base, nothing of its own

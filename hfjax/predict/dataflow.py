@@ -22,9 +22,9 @@ from hfjax.models.config import ModelConfig, config_from_hf
 from hfjax.models.hf import abstract_model
 from hfjax.models.hub import is_hub_id
 from hfjax.models.hub import resolve_model as hub_model
-from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
+from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS, vision_language_shape
 from hfjax.models.vision import ImageEncoder, VisionConfig
-from hfjax.models.vision_lm import is_vision_language_checkpoint, language_model_config, vision_lm_config
+from hfjax.models.vision_lm import language_model_config
 from hfjax.parallel.layout import Layout, is_param_leaf
 from hfjax.typed_config import ConfigError
 
@@ -182,6 +182,7 @@ class ModelShape:
     params: int
     param_kinds: tuple[tuple[tuple[int, ...], tuple[str | None, ...], int], ...]
     vision_params: int = 0  # a vision-language policy's vision tower and projector (in `params` and `param_kinds`)
+    tower_params: int = 0  # of which the tower's (what `freeze_vision_tower` keeps as loaded)
 
     @property
     def matmul_params(self) -> int:
@@ -242,21 +243,26 @@ def model_shape(config: ModelConfig, head: str, vision: VisionConfig | None = No
     model = abstract_model(config, head, "bfloat16")
     kinds: dict[tuple, int] = {}
     leaves = functools.partial(jax.tree.leaves, is_leaf=is_param_leaf)
-    tower = [] if vision is None else leaves(nnx.state(ImageEncoder(vision, rngs=None), nnx.Param))
+    encoder = None if vision is None else ImageEncoder(vision, rngs=None)
+    tower = [] if encoder is None else leaves(nnx.state(encoder, nnx.Param))
     for leaf in [*leaves(nnx.state(model, nnx.Param)), *tower]:
         logical = leaf.get_metadata().get("logical_axes") or (None,) * len(leaf.shape)
         key = (tuple(int(s) for s in leaf.shape), tuple(logical))
         kinds[key] = kinds.get(key, 0) + 1
     params = sum(int(np.prod(s)) * n for (s, _), n in kinds.items())
     kinds_sorted = tuple((s, a, n) for (s, a), n in sorted(kinds.items(), key=str))
-    return ModelShape(config, head, params, kinds_sorted, sum(int(np.prod(leaf.shape)) for leaf in tower))
+    tower_only = [] if encoder is None else leaves(nnx.state(encoder.vision_tower, nnx.Param))
+    return ModelShape(config, head, params, kinds_sorted, _count(tower), _count(tower_only))
+
+
+def _count(leaves: list[Any]) -> int:
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves)
 
 
 def vision_side(spec: ModelConfig | str | Mapping[str, Any]) -> VisionConfig | None:
-    """The vision tower's config of a vision-language checkpoint directory `spec`; None for anything else."""
-    if isinstance(spec, str) and Path(spec).is_dir() and is_vision_language_checkpoint(spec):
-        return vision_lm_config(spec).vision
-    return None
+    """The vision tower's config of a vision-language model `spec` (`vision_language_shape`); None otherwise."""
+    shape = vision_language_shape(spec) if isinstance(spec, str) else None
+    return None if shape is None else shape.vision
 
 
 def role_shapes(flow: Dataflow, models: Mapping[str, ModelConfig | str | Mapping[str, Any]]) -> dict[str, ModelShape]:

@@ -1,6 +1,6 @@
 """Rule-reward dispatch by `data_source`, as verl's default `compute_score`: a registry from data source names to
-scoring functions, with GSM8K and the synthetic addition and shapes tasks built in, and `make_reward_function`
-choosing between it and a user function."""
+scoring functions, with GSM8K, geometry3k and the synthetic addition and shapes tasks built in, and
+`make_reward_function` choosing between it and a user function."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hfjax.rewards.errors import RewardError
-from hfjax.rewards.rules import exact_match_score, gsm8k_score
+from hfjax.rewards.rules import boxed_answer_score, exact_match_score, gsm8k_score
 from hfjax.rewards.user_function import ScoreFn, as_score, load_reward_function
 
 Scorer = Callable[[str, Any, dict], float]  # (solution_str, ground_truth, extra_info) -> score
@@ -18,6 +18,7 @@ SCORERS: dict[str, Scorer] = {
     "gsm8k": lambda solution, truth, extra: gsm8k_score(solution, truth),
     "hfjax/addition": lambda solution, truth, extra: exact_match_score(solution, truth),
     "hfjax/shapes": lambda solution, truth, extra: exact_match_score(solution, truth),
+    "hiyouga/geometry3k": lambda solution, truth, extra: boxed_answer_score(solution, truth),
 }
 
 

@@ -1,6 +1,6 @@
 """Rule rewards on response text: GSM8K-style answers after `####` (strict and flexible extraction, as verl's gsm8k
-scorer) and exact match (the synthetic addition task). Pure functions of strings returning floats; imports only the
-standard library."""
+scorer), exact match (the synthetic tasks) and the last `\\boxed{}` answer (geometry3k). Pure functions of strings
+returning floats; imports only the standard library."""
 
 from __future__ import annotations
 
@@ -50,3 +50,30 @@ def gsm8k_score(
 def exact_match_score(solution_str: str, ground_truth: str) -> float:
     """1.0 when the response, stripped of surrounding whitespace, equals the ground truth exactly, else 0.0."""
     return 1.0 if solution_str.strip() == str(ground_truth).strip() else 0.0
+
+
+def last_boxed(solution_str: str) -> str | None:
+    """The content of the response's last `\\boxed{...}` (nested braces kept whole), or None when it has none or
+    the last one is not closed."""
+    start = solution_str.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(solution_str)):
+        if solution_str[i] == "{":
+            depth += 1
+        elif solution_str[i] == "}":
+            if depth == 0:
+                return solution_str[begin:i]
+            depth -= 1
+    return None
+
+
+def boxed_answer_score(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the last `\\boxed{...}` answer equals the ground truth (whitespace removed; numbers compared as
+    decimals: "3.0" == "3"), else 0.0 (geometry3k's answers)."""
+    answer = last_boxed(solution_str)
+    if answer is None:
+        return 0.0
+    compact, truth = "".join(answer.split()), "".join(str(ground_truth).split())
+    return 1.0 if same_number(compact, truth) else 0.0

@@ -18,7 +18,7 @@ from hfjax.parallel.layout import Layout
 from hfjax.rollout.interface import power_of_two_at_least
 from hfjax.workers.model_role import LORA_DROPOUT_SEED
 from hfjax.workers.packing import PACKED_LABELS, PACKED_POSITIONS, RESPONSE_INDEX
-from hfjax.workers.sequences import ROUTED_EXPERTS, SEQUENCE_KEYS
+from hfjax.workers.sequences import IMAGES, ROUTED_EXPERTS, SEQUENCE_KEYS
 
 
 def sequence_batch(layout: Layout, rows: int, prompt: int, response: int, extra: Sequence[str]) -> dict[str, Any]:
@@ -58,11 +58,17 @@ def packed_batch(layout: Layout, row_tokens: int, response: int, extra: Sequence
 
 
 def micro_batch(
-    cfg: RLConfig, section: Any, layout: Layout, extra: Sequence[str], routes: ModelConfig | None = None
+    cfg: RLConfig,
+    section: Any,
+    layout: Layout,
+    extra: Sequence[str],
+    routes: ModelConfig | None = None,
+    images: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """The largest micro-batch of a trained role's `section` (actor or critic config): packed when it sets
     `packed_row_tokens`, else `micro_batch_size` rows of the longest prompt and response; with the rollout's
-    `ROUTED_EXPERTS` of the mixture-of-experts model `routes` beside `input_ids` where given (routing replay)."""
+    `ROUTED_EXPERTS` of the mixture-of-experts model `routes` beside `input_ids` where given (routing replay), and
+    with a vision-language policy's `IMAGES` of a row's pixel-value shape `images` where given."""
     response = cfg.rollout.response_length
     if section.packed_row_tokens:
         batch = packed_batch(layout, section.packed_row_tokens, response, extra)
@@ -72,6 +78,9 @@ def micro_batch(
         shape = (*batch["input_ids"].shape, sum(routes.moe_layers), routes.experts_per_token)
         dtype = route_dtype(routes.num_experts)
         batch[ROUTED_EXPERTS] = jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(layout, shape))
+    if images is not None:
+        shape = (batch["input_ids"].shape[0], *images)
+        batch[IMAGES] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=batch_sharding(layout, shape))
     return batch
 
 

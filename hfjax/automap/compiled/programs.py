@@ -31,11 +31,14 @@ from flax import nnx
 
 from hfjax.automap.compiled.batches import micro_batch, sequence_batch, with_seed_column
 from hfjax.config.rl import RLConfig
+from hfjax.data.prompts import MAX_IMAGES
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
+from hfjax.models.model_io import ALL_BUT_THE_TOWER
 from hfjax.models.moe import set_expert_capacity
 from hfjax.models.transformer import set_remat
+from hfjax.models.vision_lm import VisionLanguageConfig, VisionLanguageLM, language_model
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import abstract_optimizer_state, apply_program, frozen, grad_program, split_trained
 from hfjax.parallel.layout import Layout
@@ -151,10 +154,15 @@ class AbstractModel:
         lora: LoraConfig | None = None,
         expert_capacity_factor: float | None = None,
         base_layout: Layout | None = None,
+        vision: VisionLanguageConfig | None = None,
+        freeze_vision_tower: bool = False,
     ) -> AbstractModel:
-        """`base_layout`: where a LoRA model's frozen base lives, when not in `layout` (`rollout.lora_base_layout`)."""
+        """`base_layout`: where a LoRA model's frozen base lives, when not in `layout` (`rollout.lora_base_layout`);
+        `vision`: a vision-language policy's config (`config` its language model's), its tower kept as loaded with
+        `freeze_vision_tower`."""
         with_lora = lora is not None and lora.enabled
-        model = set_remat(abstract_model(config, head, dtype, dtype if with_lora else param_dtype), remat)
+        model = abstract_policy(config, head, dtype, dtype if with_lora else param_dtype, vision)
+        set_remat(language_model(model), remat)
         set_expert_capacity(model, expert_capacity_factor)
         if with_lora:
             add_lora(model, lora)
@@ -164,7 +172,8 @@ class AbstractModel:
             abstract = nnx.merge_state(_sharded(adapters, layout), _sharded(base, base_layout))
         else:
             abstract = _sharded(params, layout)
-        return cls(graphdef, abstract, rest, layout, LoraParam if with_lora else nnx.Param)
+        trainable = LoraParam if with_lora else ALL_BUT_THE_TOWER if freeze_vision_tower else nnx.Param
+        return cls(graphdef, abstract, rest, layout, trainable)
 
     def trained_and_rest(self) -> tuple[Any, Any]:
         """(the trained parameters, the rest of the model's state), as the gradient program takes them."""
@@ -186,6 +195,16 @@ class AbstractModel:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype or x.dtype), sharding=s), self.params, shardings
         )
+
+
+def abstract_policy(
+    config: ModelConfig, head: str, dtype: str, param_dtype: str | None, vision: VisionLanguageConfig | None
+) -> nnx.Module:
+    """`abstract_model`, or with `vision` the abstract `VisionLanguageLM` whose language model is `config`'s."""
+    if vision is None:
+        return abstract_model(config, head, dtype, param_dtype)
+    cfg = dataclasses.replace(vision, text=config)
+    return VisionLanguageLM(cfg, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype or dtype), rngs=None)
 
 
 def _sharded(params: Any, layout: Layout) -> Any:
@@ -246,13 +265,15 @@ def _rows_program(
     return ProgramTrace.of(group, name, trace, resident)
 
 
-def actor_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout, gen_layout: Layout) -> int:
+def actor_resident(
+    cfg: RLConfig, shape: ModelConfig, layout: Layout, gen_layout: Layout, vision: VisionLanguageConfig | None = None
+) -> int:
     """What the policy keeps on each device between its programs: master weights (with LoRA: the base, in its
     `base_layout`, and the adapters), optimizer state, reference (with LoRA: none, the base serves)."""
     actor = cfg.actor
     policy = AbstractModel.build(
         shape, "causal_lm", layout, actor.dtype, actor.param_dtype, lora=actor.lora,
-        base_layout=base_layout(cfg, gen_layout),
+        base_layout=base_layout(cfg, gen_layout), vision=vision, freeze_vision_tower=actor.freeze_vision_tower,
     )  # fmt: skip
     opt_state = abstract_optimizer_state(make_optimizer(actor.optim, None), policy.trained_and_rest()[0], layout)
     ref = _reference(cfg, policy)
@@ -275,10 +296,16 @@ def critic_resident(cfg: RLConfig, shape: ModelConfig, layout: Layout) -> int:
 
 
 def actor_programs(
-    cfg: RLConfig, shape: ModelConfig, layout: Layout, gen_layout: Layout, others: int = 0
+    cfg: RLConfig,
+    shape: ModelConfig,
+    layout: Layout,
+    gen_layout: Layout,
+    others: int = 0,
+    vision: VisionLanguageConfig | None = None,
 ) -> Iterator[ProgramTrace]:
     """The policy group's programs: the actor's update, its log-prob pass, the reference's, and generation;
-    `others`: bytes per device that colocated roles keep meanwhile."""
+    `others`: bytes per device that colocated roles keep meanwhile; `vision`: a vision-language policy's config
+    (every pass reads the rows' images, `images_per_row` each)."""
     actor, rollout = cfg.actor, cfg.rollout
     response = rollout.response_length
     lora = actor.lora.enabled
@@ -292,6 +319,8 @@ def actor_programs(
         actor.lora,
         expert_capacity_factor=actor.expert_capacity_factor,
         base_layout=base_layout(cfg, gen_layout),
+        vision=vision,
+        freeze_vision_tower=actor.freeze_vision_tower,
     )
     optimizer = make_optimizer(actor.optim, None)
     opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.trained_and_rest()[0], layout))
@@ -299,10 +328,11 @@ def actor_programs(
     ref_bytes = (bytes_per_device(ref) if ref is not None else 0) + others
     extra = ["advantages", "old_log_probs", "response_mask"] + (["ref_log_prob"] if actor.use_kl_loss else [])
     routes = shape if actor.router_replay else None
-    batch = with_seed_column(micro_batch(cfg, actor, layout, extra, routes), actor, layout)
+    images = None if vision is None else image_shape(cfg, vision)
+    batch = with_seed_column(micro_batch(cfg, actor, layout, extra, routes, images), actor, layout)
     loss_fn = functools.partial(actor_loss, actor, rollout.temperature, response)
     yield from _train_programs("actor", policy, optimizer, actor.optim.grad_clip, loss_fn, batch, ref_bytes)
-    rows = micro_batch(cfg, actor, layout, (), routes)
+    rows = micro_batch(cfg, actor, layout, (), routes, images)
     logprob = functools.partial(logprob_rows, rollout.temperature)
     yield _rows_program("actor", "log probs", policy, policy.params, logprob, rows, opt_bytes + ref_bytes)
     if cfg.uses_ref:  # the reference copy, or a LoRA policy's base (the adapters off)
@@ -317,20 +347,33 @@ def actor_programs(
     # `rollout.offload_optimizer` parks the optimizer state, and a master that generation casts, in host memory
     master = bytes_per_device(policy.params) if cast and not rollout.offload_optimizer else 0
     optimizer_resident = 0 if rollout.offload_optimizer else opt_bytes
-    yield from engine_programs(cfg, shape, gen_layout, gen_params, master + optimizer_resident + ref_bytes)
+    yield from engine_programs(cfg, shape, gen_layout, gen_params, master + optimizer_resident + ref_bytes, vision)
+
+
+def image_shape(cfg: RLConfig, vision: VisionLanguageConfig) -> tuple[int, ...]:
+    """A row's pixel values (images, channels, height, width) at the most images its prompt can hold: as many as
+    `data.max_prompt_length` has room for (each takes its soft tokens), at most the dataset's `MAX_IMAGES`."""
+    tower = vision.vision
+    per_row = max(1, min(MAX_IMAGES, cfg.data.max_prompt_length // tower.tokens_per_image))
+    return (per_row, tower.num_channels, tower.image_size, tower.image_size)
 
 
 def engine_programs(
-    cfg: RLConfig, shape: ModelConfig, layout: Layout, params: Any, resident: int
+    cfg: RLConfig,
+    shape: ModelConfig,
+    layout: Layout,
+    params: Any,
+    resident: int,
+    vision: VisionLanguageConfig | None = None,
 ) -> Iterator[ProgramTrace]:
     """The engine's fused prefill-and-insert at its longest bucket with every slot's row (the most the generator
-    prefills in one call) and its decode step over every cache block, with the decode state as an argument (the
-    engine built by the first trace: an error building it is each one's)."""
+    prefills in one call; with `vision`, the rows' images too) and its decode step over every cache block, with the
+    decode state as an argument (the engine built by the first trace: an error building it is each one's)."""
     rollout = cfg.rollout
 
     @functools.cache
     def engine_and_state() -> tuple[JaxEngine, Any]:
-        model = add_lora(abstract_model(shape, "causal_lm", cfg.actor.dtype), cfg.actor.lora)
+        model = add_lora(abstract_policy(shape, "causal_lm", cfg.actor.dtype, None, vision), cfg.actor.lora)
         engine = JaxEngine(
             model, layout, max_concurrent_decodes=rollout.slots, max_prefill_length=cfg.data.max_prompt_length,
             max_new_tokens=rollout.response_length, prompt_cache_tokens=rollout.prompt_cache_tokens,
@@ -351,9 +394,10 @@ def engine_programs(
     def prefill() -> Any:
         engine, state = engine_and_state()
         placement = engine.abstract_placement(rows, length, rows)
+        images = None if vision is None else ints(rows, *image_shape(cfg, vision), dtype=jnp.float32)
         return engine._prefill_insert.trace(
             params, state, ints(rows, length), ints(rows), *sampling_args, ints(rows), ints(rows), ints(rows),
-            placement, kind=kind,
+            placement, images, kind=kind,
         )  # fmt: skip
 
     def decode() -> Any:

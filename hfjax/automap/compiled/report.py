@@ -33,8 +33,8 @@ from hfjax.automap.compiled.programs import (
 from hfjax.automap.compiled.targets import Target, target_devices
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf import read_config
-from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS
+from hfjax.models.presets import HUB_SHAPES, NAMED_CONFIGS, vision_language_shape
+from hfjax.models.vision_lm import language_model_config
 from hfjax.parallel.layout import Layout, LayoutError
 from hfjax.predict.cluster import GIB, ClusterSpec
 from hfjax.predict.cost import InfeasibleError
@@ -54,7 +54,7 @@ def model_shape(path: str, field: str) -> ModelConfig:
     if path in NAMED_CONFIGS or path in HUB_SHAPES:
         return NAMED_CONFIGS[HUB_SHAPES.get(path, path)]
     if (Path(path).expanduser() / "config.json").is_file():
-        return read_config(Path(path).expanduser())[0]
+        return language_model_config(Path(path).expanduser())
     named = [name for name in NAMED_CONFIGS if Path(path).name.startswith(name)]
     if named and not Path(path).expanduser().exists():
         return NAMED_CONFIGS[max(named, key=len)]
@@ -98,13 +98,14 @@ def run_roles(cfg: RLConfig, devices: list) -> list[_Role]:
     roles = []
     index, mine = group_of("actor")
     shape = model_shape(cfg.actor.model_path, "actor.model_path")
+    vision = vision_language_shape(cfg.actor.model_path)  # a vision-language policy's tower beside `shape`
     train = _layout(cfg.actor.train_layout, mine, False, "actor.train_layout")
     gen = _layout(cfg.rollout.gen_layout, mine, True, "rollout.gen_layout")
     roles.append(
         _Role(
             index,
-            actor_resident(cfg, shape, train, gen),
-            functools.partial(actor_programs, cfg, shape, train, gen),
+            actor_resident(cfg, shape, train, gen, vision),
+            functools.partial(actor_programs, cfg, shape, train, gen, vision=vision),
             name="actor",
         )
     )
