@@ -50,6 +50,7 @@ TARGETS = {  # each shipped config and the hardware its header names
     "long/qwen2.5-1.5b-grpo-32k-tpu-v5e-8": "v5e:2x4",
     "long/llama-3.1-8b-grpo-lora-16k-tpu-v5e-8": "v5e:2x4",
     "long/llama-3.1-8b-grpo-32k-tpu-v5p-8": "v5p:2x2x1",
+    "vision/gemma-3-4b-grpo-lora-tpu-v5e-8": "v5e:2x4",
 }
 TINY = (  # one config at small shapes: the same programs, compiled in seconds
     "qwen2.5-0.5b-grpo-tpu-v5e-8",

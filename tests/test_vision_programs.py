@@ -1,7 +1,7 @@
 """The compile check (`hfjax compile`'s programs) of a vision-language policy, on this machine's 8 CPU devices: every
-program of the run is built with the vision tower and the rows' images, and compiles; with the tower frozen, the
-update's gradients leave out exactly the tower's parameters; the shipped vision config names a model whose shape
-needs no download."""
+program of the run is built with the vision tower and the rows' images (`data.max_images` a row), and compiles; with
+the tower frozen, the update's gradients leave out exactly the tower's parameters; the shipped vision config names a
+model whose shape needs no download."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from hfjax.automap.compiled.programs import AbstractModel, measure
 from hfjax.automap.compiled.report import model_shape, run_roles
 from hfjax.cli.packaged import config_path
 from hfjax.config.rl import load_rl_config
-from hfjax.data.prompts import MAX_IMAGES
 from hfjax.models.presets import vision_language_shape
 
 PROGRAMS = ["actor loss+grad", "actor optimizer step", "actor log probs", "actor ref log probs",
@@ -58,13 +57,14 @@ def test_every_program_of_a_vision_policy_compiles_with_its_images(tmp_path):
     gradients = {}
     for freeze in (False, True):
         cfg = _config(tmp_path / str(freeze), freeze)
+        cfg.data.max_images = 1 if freeze else 4  # each pass reads rows of this many images (32 tokens hold 8)
         (actor,) = run_roles(cfg, jax.devices())
         traces = list(actor.programs(0))
         assert [f"{t.group} {t.program}" for t in traces] == PROGRAMS
         for trace in traces:
             if trace.program in ("loss+grad", "log probs", "prefill 8 x 32"):  # each reads the rows' images
                 shapes = [a.shape for a in jax.tree.leaves(trace.traced.jaxpr.in_avals)]
-                assert (8, min(MAX_IMAGES, 32 // 4), 3, 32, 32) in shapes, (trace.program, shapes)
+                assert (8, cfg.data.max_images, 3, 32, 32) in shapes, (trace.program, shapes)
             if freeze:  # every program compiles (the trained-tower run's update below)
                 assert measure(trace).temporaries > 0
         gradients[freeze] = _output_bytes_per_device(traces[0].traced)
@@ -74,7 +74,7 @@ def test_every_program_of_a_vision_policy_compiles_with_its_images(tmp_path):
 
 
 def test_the_shipped_vision_config_names_a_known_shape():
-    cfg = load_rl_config(str(config_path("vision/gemma-3-4b-grpo-tpu-v5e-8.yaml")))
+    cfg = load_rl_config(str(config_path("vision/gemma-3-4b-grpo-lora-tpu-v5e-8.yaml")))
     vision = vision_language_shape(cfg.actor.model_path)
     assert vision is not None and vision.vision.image_size == 896 and vision.vision.tokens_per_image == 256
     assert model_shape(cfg.actor.model_path, "actor.model_path") == vision.text

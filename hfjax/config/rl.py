@@ -51,11 +51,15 @@ class DataConfig:
     val_batch_size: int = 64
     shuffle: bool = True
     seed: int = 0
+    # a vision-language policy's images per prompt row at most (a row with more: a one-line error naming it); the
+    # compile check sizes every pass for rows of this many images (or as many as max_prompt_length holds, if fewer)
+    max_images: int = 4
 
     def __post_init__(self) -> None:
         check_fields(
             self,
             max_prompt_length=AT_LEAST_1,
+            max_images=AT_LEAST_1,
             train_batch_size=AT_LEAST_1,
             val_batch_size=AT_LEAST_1,
             seed=NON_NEGATIVE,

@@ -34,7 +34,7 @@ from hfjax.data.tokenize import (
     render_prompt,
 )
 
-MAX_IMAGES = 4  # images a prompt row may carry (more: a one-line DataError naming the row)
+MAX_IMAGES = 4  # the datasets' default max_images: images a prompt row may carry (more: a one-line DataError)
 
 
 @dataclass(frozen=True)

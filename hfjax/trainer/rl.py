@@ -83,7 +83,7 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(cfg.tokenizer_path)
         options = {"max_prompt_length": data.max_prompt_length, "truncation": data.truncation}
         if is_vision_language_checkpoint(cfg.actor.model_path):  # prompt rows may carry images
-            options["processor"] = load_processor(cfg.tokenizer_path)
+            options |= {"processor": load_processor(cfg.tokenizer_path), "max_images": data.max_images}
         self.train_data = PromptDataset(data.train_files, self.tokenizer, **options)
         if len(self.train_data) < data.train_batch_size:
             raise DataError(

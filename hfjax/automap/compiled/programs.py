@@ -31,7 +31,6 @@ from flax import nnx
 
 from hfjax.automap.compiled.batches import micro_batch, sequence_batch, with_seed_column
 from hfjax.config.rl import RLConfig
-from hfjax.data.prompts import MAX_IMAGES
 from hfjax.models.config import ModelConfig
 from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
@@ -351,10 +350,10 @@ def actor_programs(
 
 
 def image_shape(cfg: RLConfig, vision: VisionLanguageConfig) -> tuple[int, ...]:
-    """A row's pixel values (images, channels, height, width) at the most images its prompt can hold: as many as
-    `data.max_prompt_length` has room for (each takes its soft tokens), at most the dataset's `MAX_IMAGES`."""
+    """A row's pixel values (images, channels, height, width) at the most images it can carry: `data.max_images`,
+    or as many as `data.max_prompt_length` has room for (each takes its soft tokens) if fewer."""
     tower = vision.vision
-    per_row = max(1, min(MAX_IMAGES, cfg.data.max_prompt_length // tower.tokens_per_image))
+    per_row = max(1, min(cfg.data.max_images, cfg.data.max_prompt_length // tower.tokens_per_image))
     return (per_row, tower.num_channels, tower.image_size, tower.image_size)
 
 
