@@ -108,3 +108,37 @@ def test_soft_tokens_under_fsdp_and_tensor_parallelism_equal_one_devices(checkpo
     batch = jax.device_put(pixels, layout.sharding(("batch", None, None, None), pixels.shape))
     sharded = np.asarray(jax.jit(encode)(state, batch))
     np.testing.assert_allclose(sharded, one, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_device", [1, 3])
+def test_encoding_a_few_images_at_a_time_gives_the_same_soft_tokens_and_gradients(checkpoint, per_device):
+    """`images_per_step` under fsdp 4 x tensor 2 (the images split 4 ways): 16 images encoded a step of 4 x
+    `per_device` after another (4 steps; 2 with the second padded) give the soft tokens and every gradient of all
+    of them at once."""
+    from hfjax.models.program import program_layout
+    from hfjax.models.vision import set_images_per_step
+
+    _, path = checkpoint
+    layout = Layout.from_config({"mesh": {"fsdp": 4, "tensor": 2}, "rules": "fsdp_tp"})
+    pixels = images(16)
+    weights = np.random.default_rng(3).normal(size=(16, 4, TEXT["hidden_size"])).astype(np.float32)
+    encoder = loaded(path, layout)
+    graphdef, state = nnx.split(encoder)
+
+    def loss(state, pixels):
+        with program_layout(layout):
+            tokens = nnx.merge(graphdef, state)(pixels)
+        return jnp.sum(tokens * weights), tokens
+
+    def run() -> tuple:
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(state, jnp.asarray(pixels))
+
+    (_, at_once), grads_at_once = run()
+    set_images_per_step(encoder, per_device)
+    graphdef, state = nnx.split(encoder)
+    (_, stepped), grads_stepped = run()
+    assert np.linalg.norm(stepped - at_once) / np.linalg.norm(at_once) < 1e-6
+    total = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads_at_once)))
+    for a, b in zip(jax.tree.leaves(grads_stepped), jax.tree.leaves(grads_at_once), strict=True):
+        # the key biases' gradients are rounding noise (softmax ignores them): held to the whole gradient's scale
+        assert np.linalg.norm(a - b) <= 1e-5 * max(np.linalg.norm(b), 1e-2 * total)

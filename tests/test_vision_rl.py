@@ -49,6 +49,8 @@ def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path, ada
     config = rl_config(files, tmp_path / "run", "grpo", trainer={"total_steps": 2}, data={"max_prompt_length": 32,
                        "val_files": []}, reward={"function": write_varied_reward(tmp_path)})  # fmt: skip
     config["actor"] |= {"rollout_correction": {"rollout_is": "token"}, "freeze_vision_tower": not adapters}
+    if not adapters:  # and each device encodes its images one at a time, in the prefill and every pass
+        config["actor"] |= {"images_per_step": 1}
     if adapters:  # LoRA on the language model (the tower frozen with the rest of the base)
         config["actor"] |= {"lora": {"rank": 4}, "optim": {"lr": 1e-2}}
     history = run_rl(load_rl_config(config))
@@ -68,6 +70,9 @@ def test_grpo_on_images_samples_and_trains_with_the_same_log_probs(tmp_path, ada
     text_actor = load_rl_config(config | {"actor": config["actor"] | {"model_path": str(text)}})
     with pytest.raises(ConfigError, match=r"actor\.freeze_vision_tower: .* a text model without a vision tower"):
         check_rl_run(text_actor)
+    stepped = config["actor"] | {"model_path": str(text), "freeze_vision_tower": False, "images_per_step": 2}
+    with pytest.raises(ConfigError, match=r"actor\.images_per_step: 2 on a text model; expected 0"):
+        check_rl_run(load_rl_config(config | {"actor": stepped}))
 
 
 def test_the_memory_check_counts_the_vision_tower(tmp_path):

@@ -249,6 +249,9 @@ class ActorConfig:
     # Vision-language policies: true keeps the vision tower as the checkpoint has it (no gradients, no optimizer
     # state, not in the actor's checkpoints); the projector into the language model and the language model train.
     freeze_vision_tower: bool = False
+    # Vision-language policies: each device encodes at most this many images at once (one step after another), in
+    # every pass and in generation's prefill, which bounds the tower's activations (0: all its images at once)
+    images_per_step: int = 0
 
     def __post_init__(self) -> None:
         check_batch_sizes(self)
@@ -267,6 +270,7 @@ class ActorConfig:
             kl_loss_coef=NON_NEGATIVE,
             expert_capacity_factor=POSITIVE_OR_NULL,
             router_aux_loss_coef=NON_NEGATIVE,
+            images_per_step=NON_NEGATIVE,
         )
         warn_low_precision_master("actor", self.param_dtype)
 

@@ -1,21 +1,26 @@
-"""Loading and saving the checkpoints hfjax trains, text or vision-language alike: which loader, saver and trained
-parameters a checkpoint takes is read from its `config.json` (`is_vision_language_checkpoint`)."""
+"""Loading, saving and building (abstractly) the models hfjax trains, text or vision-language alike: which loader,
+saver and trained parameters a checkpoint takes is read from its `config.json` (`is_vision_language_checkpoint`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.models.hf import load_hf, save_hf
+from hfjax.models.config import ModelConfig
+from hfjax.models.hf import abstract_model, load_hf, save_hf
 from hfjax.models.vision_lm import (
+    VisionLanguageConfig,
     VisionLanguageLM,
     check_policy_head,
     is_vision_language_checkpoint,
     load_vision_lm,
     save_vision_lm,
+    set_model_images_per_step,
 )
 from hfjax.parallel.layout import Layout
 
@@ -51,3 +56,20 @@ def trained_parameters(path: str | os.PathLike, freeze_vision_tower: bool) -> nn
     if not is_vision_language_checkpoint(path):
         raise ValueError(f"freeze_vision_tower: {path} is a text model without a vision tower; expected false")
     return ALL_BUT_THE_TOWER
+
+
+def abstract_policy(
+    config: ModelConfig,
+    head: str,
+    dtype: str,
+    param_dtype: str | None,
+    vision: VisionLanguageConfig | None,
+    images_per_step: int = 0,
+) -> nnx.Module:
+    """`abstract_model`, or with `vision` the abstract `VisionLanguageLM` whose language model is `config`'s (encoding
+    `images_per_step` images at once)."""
+    if vision is None:
+        return abstract_model(config, head, dtype, param_dtype)
+    cfg = dataclasses.replace(vision, text=config)
+    model = VisionLanguageLM(cfg, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype or dtype), rngs=None)
+    return set_model_images_per_step(model, images_per_step)

@@ -29,7 +29,7 @@ from hfjax.models.dense import dense
 from hfjax.models.hf import ParamMapping
 from hfjax.models.layers import rms_normalize_offset
 from hfjax.models.primitives import logical_param, normal_init
-from hfjax.models.program import constrain
+from hfjax.models.program import constrain, split_parts
 
 PATCHES = ("batch", "patches", "embed")  # logical axes of the tower's hidden states (images split over rows)
 
@@ -219,14 +219,39 @@ class ImageProjector(nnx.Module):
 
 class ImageEncoder(nnx.Module):
     """Images [n, channels, height, width] -> soft tokens [n, tokens_per_image, text embed]: `VisionTower` then
-    `ImageProjector` (Gemma 3's `get_image_features`)."""
+    `ImageProjector` (Gemma 3's `get_image_features`). With `images_per_step` (`set_images_per_step`), each device
+    puts at most that many of its images through the tower at once, one step after another (`jax.lax.map`), which
+    bounds the tower's activations (its attention's scores grow with the images encoded together); the soft tokens
+    are the same."""
 
     def __init__(self, cfg: VisionConfig, *, dtype: Any = jnp.float32, param_dtype: Any = None, rngs: nnx.Rngs | None):
         self.vision_tower = VisionTower(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.projector = ImageProjector(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.images_per_step = 0  # 0: every image at once (static: it keys the compiled programs)
+
+    def _encode(self, images: jax.Array) -> jax.Array:
+        return self.projector(self.vision_tower(images))
 
     def __call__(self, images: jax.Array) -> jax.Array:
-        return self.projector(self.vision_tower(images))
+        n = images.shape[0]
+        step = self.images_per_step * split_parts("batch", n)  # images at once over the devices the rows split over
+        if not step or n <= step:
+            return self._encode(images)
+        steps = -(-n // step)
+        padded = jnp.pad(images, ((0, steps * step - n),) + ((0, 0),) * (images.ndim - 1))
+        # image i = (j, k) with i = j * steps + k: step k takes images k, k + steps, ..., so each step's images spread
+        # over the devices as the whole batch is, `images_per_step` on each
+        grouped = padded.reshape(step, steps, *images.shape[1:]).swapaxes(0, 1)
+        tokens = jax.lax.map(self._encode, grouped)  # [steps, step, tokens, embed]
+        return tokens.swapaxes(0, 1).reshape(steps * step, *tokens.shape[2:])[:n]
+
+
+def set_images_per_step(encoder: ImageEncoder, images: int) -> None:
+    """Encodes at most `images` images at once on each device (0: all at once); changes no value, only memory and
+    scheduling."""
+    if images < 0:
+        raise ValueError(f"images_per_step: expected 0 (all at once) or a positive count, got {images}")
+    encoder.images_per_step = images
 
 
 # Where a checkpoint keeps the vision tower: the Hub's Gemma 3 checkpoints under `vision_tower.vision_model.`,

@@ -40,7 +40,7 @@ from hfjax.models.hf import (
 )
 from hfjax.models.safetensors_io import CheckpointError
 from hfjax.models.transformer import CausalLM
-from hfjax.models.vision import ImageEncoder, VisionConfig, tower_prefix, vision_plan
+from hfjax.models.vision import ImageEncoder, VisionConfig, set_images_per_step, tower_prefix, vision_plan
 from hfjax.parallel.layout import Layout
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
@@ -171,6 +171,16 @@ class VisionLanguageLM(nnx.Module):
     ) -> jax.Array:
         lm = self.language_model
         return lm.logits(self.hidden(input_ids, attention_mask, positions, images))[..., : lm.config.vocab_size]
+
+
+def set_model_images_per_step(model: nnx.Module, images: int) -> nnx.Module:
+    """`set_images_per_step` of a `VisionLanguageLM`'s encoder; raises ValueError naming the setting on a text model
+    (unless `images` is 0). Returns `model`."""
+    if isinstance(model, VisionLanguageLM):
+        set_images_per_step(model.vision, images)
+    elif images:
+        raise ValueError(f"images_per_step: {images} on a text model without a vision tower; expected 0")
+    return model
 
 
 def language_model(model: CausalLM | VisionLanguageLM) -> CausalLM:

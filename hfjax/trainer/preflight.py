@@ -182,6 +182,8 @@ def check_rl_run(cfg: RLConfig) -> None:
             raise ConfigError(str(exc)) from exc
     try:
         trained_parameters(cfg.actor.model_path, cfg.actor.freeze_vision_tower)
+        if cfg.actor.images_per_step and not is_vision_language_checkpoint(cfg.actor.model_path):
+            raise ValueError(f"images_per_step: {cfg.actor.images_per_step} on a text model; expected 0")
     except ValueError as exc:
         raise ConfigError(f"actor.{exc}") from exc
     for key, path, head in checkpoints:  # the model each role builds against the checkpoint's tensors

@@ -25,7 +25,7 @@ from hfjax.models.model_io import load_model, trained_parameters
 from hfjax.models.moe import router_summary, set_expert_capacity
 from hfjax.models.program import program_layout
 from hfjax.models.transformer import set_remat
-from hfjax.models.vision_lm import language_model
+from hfjax.models.vision_lm import language_model, set_model_images_per_step
 from hfjax.optim.train_state import (
     TrainState,
     batch_sharding,
@@ -90,11 +90,13 @@ class LoadedModel:
         expert_capacity_factor: float | None = None,
         trainable: nnx.filterlib.Filter = nnx.Param,
         frozen_layout: Layout | None = None,
+        images_per_step: int = 0,
     ):
         self.layout = layout
         loaded = frozen_layout or layout
         model = load_model(path, dtype=dtype, param_dtype=param_dtype, layout=loaded, head=head)
         set_remat(language_model(model), remat)
+        set_model_images_per_step(model, images_per_step)
         set_expert_capacity(model, expert_capacity_factor)
         for name in float32_params:  # e.g. a trained head beside a frozen base stored in the compute dtype
             param = getattr(model, name)
@@ -173,6 +175,7 @@ def load_trained(
         expert_capacity_factor=section.expert_capacity_factor,
         trainable=trainable,
         frozen_layout=frozen_layout,
+        images_per_step=getattr(section, "images_per_step", 0),  # the actor's setting
     )
     return model, trainable
 

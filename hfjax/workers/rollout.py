@@ -76,6 +76,7 @@ class RolloutWorker(Worker):
             param_dtype=dtype,
             head="causal_lm",
             lora=self.actor_cfg.lora if self.lora else None,
+            images_per_step=self.actor_cfg.images_per_step,
         )
         self.pad_id = self.policy.config.pad_token_id or 0
         self.engine = JaxEngine(

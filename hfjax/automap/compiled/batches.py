@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
 from hfjax.models.moe import route_dtype
+from hfjax.models.vision_lm import VisionLanguageConfig
 from hfjax.optim.train_state import batch_sharding
 from hfjax.parallel.layout import Layout
 from hfjax.rollout.interface import power_of_two_at_least
@@ -91,3 +92,11 @@ def with_seed_column(batch: dict[str, Any], section: Any, layout: Layout) -> dic
         return batch
     rows = (batch["responses"].shape[0],)
     return {**batch, LORA_DROPOUT_SEED: jax.ShapeDtypeStruct(rows, jnp.int32, sharding=batch_sharding(layout, rows))}
+
+
+def image_shape(cfg: RLConfig, vision: VisionLanguageConfig) -> tuple[int, ...]:
+    """A row's pixel values (images, channels, height, width) at the most images it can carry: `data.max_images`,
+    or as many as `data.max_prompt_length` has room for (each takes its soft tokens) if fewer."""
+    tower = vision.vision
+    per_row = max(1, min(cfg.data.max_images, cfg.data.max_prompt_length // tower.tokens_per_image))
+    return (per_row, tower.num_channels, tower.image_size, tower.image_size)

@@ -29,15 +29,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hfjax.automap.compiled.batches import micro_batch, sequence_batch, with_seed_column
+from hfjax.automap.compiled.batches import image_shape, micro_batch, sequence_batch, with_seed_column
 from hfjax.config.rl import RLConfig
 from hfjax.models.config import ModelConfig
-from hfjax.models.hf import abstract_model
 from hfjax.models.lora import LoraConfig, LoraParam, add_lora
-from hfjax.models.model_io import ALL_BUT_THE_TOWER
+from hfjax.models.model_io import ALL_BUT_THE_TOWER, abstract_policy
 from hfjax.models.moe import set_expert_capacity
 from hfjax.models.transformer import set_remat
-from hfjax.models.vision_lm import VisionLanguageConfig, VisionLanguageLM, language_model
+from hfjax.models.vision_lm import (
+    VisionLanguageConfig,
+    language_model,
+)
 from hfjax.optim.optimizer import make_optimizer
 from hfjax.optim.train_state import abstract_optimizer_state, apply_program, frozen, grad_program, split_trained
 from hfjax.parallel.layout import Layout
@@ -155,12 +157,13 @@ class AbstractModel:
         base_layout: Layout | None = None,
         vision: VisionLanguageConfig | None = None,
         freeze_vision_tower: bool = False,
+        images_per_step: int = 0,
     ) -> AbstractModel:
         """`base_layout`: where a LoRA model's frozen base lives, when not in `layout` (`rollout.lora_base_layout`);
         `vision`: a vision-language policy's config (`config` its language model's), its tower kept as loaded with
         `freeze_vision_tower`."""
         with_lora = lora is not None and lora.enabled
-        model = abstract_policy(config, head, dtype, dtype if with_lora else param_dtype, vision)
+        model = abstract_policy(config, head, dtype, dtype if with_lora else param_dtype, vision, images_per_step)
         set_remat(language_model(model), remat)
         set_expert_capacity(model, expert_capacity_factor)
         if with_lora:
@@ -194,16 +197,6 @@ class AbstractModel:
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype or x.dtype), sharding=s), self.params, shardings
         )
-
-
-def abstract_policy(
-    config: ModelConfig, head: str, dtype: str, param_dtype: str | None, vision: VisionLanguageConfig | None
-) -> nnx.Module:
-    """`abstract_model`, or with `vision` the abstract `VisionLanguageLM` whose language model is `config`'s."""
-    if vision is None:
-        return abstract_model(config, head, dtype, param_dtype)
-    cfg = dataclasses.replace(vision, text=config)
-    return VisionLanguageLM(cfg, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype or dtype), rngs=None)
 
 
 def _sharded(params: Any, layout: Layout) -> Any:
@@ -320,6 +313,7 @@ def actor_programs(
         base_layout=base_layout(cfg, gen_layout),
         vision=vision,
         freeze_vision_tower=actor.freeze_vision_tower,
+        images_per_step=actor.images_per_step,
     )
     optimizer = make_optimizer(actor.optim, None)
     opt_bytes = bytes_per_device(abstract_optimizer_state(optimizer, policy.trained_and_rest()[0], layout))
@@ -349,14 +343,6 @@ def actor_programs(
     yield from engine_programs(cfg, shape, gen_layout, gen_params, master + optimizer_resident + ref_bytes, vision)
 
 
-def image_shape(cfg: RLConfig, vision: VisionLanguageConfig) -> tuple[int, ...]:
-    """A row's pixel values (images, channels, height, width) at the most images it can carry: `data.max_images`,
-    or as many as `data.max_prompt_length` has room for (each takes its soft tokens) if fewer."""
-    tower = vision.vision
-    per_row = max(1, min(cfg.data.max_images, cfg.data.max_prompt_length // tower.tokens_per_image))
-    return (per_row, tower.num_channels, tower.image_size, tower.image_size)
-
-
 def engine_programs(
     cfg: RLConfig,
     shape: ModelConfig,
@@ -372,7 +358,8 @@ def engine_programs(
 
     @functools.cache
     def engine_and_state() -> tuple[JaxEngine, Any]:
-        model = add_lora(abstract_policy(shape, "causal_lm", cfg.actor.dtype, None, vision), cfg.actor.lora)
+        policy = abstract_policy(shape, "causal_lm", cfg.actor.dtype, None, vision, cfg.actor.images_per_step)
+        model = add_lora(policy, cfg.actor.lora)
         engine = JaxEngine(
             model, layout, max_concurrent_decodes=rollout.slots, max_prefill_length=cfg.data.max_prompt_length,
             max_new_tokens=rollout.response_length, prompt_cache_tokens=rollout.prompt_cache_tokens,
